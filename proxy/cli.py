@@ -1,0 +1,112 @@
+"""The ``ctxproxy`` command: ``serve`` runs the proxy; ``sessions`` and ``show`` read the journal directly.
+
+The reading commands open the journal file themselves (SQLite in WAL mode lets them read while a server writes),
+so they work whether or not a server is running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from config import Settings, SettingsError, load_settings
+from proxy import __version__
+from proxy.tables import render_table
+from store import Journal
+
+__all__ = ["main"]
+
+_SESSION_COLUMNS = [("id", "session"), ("parent_id", "parent"), ("requests", "requests"), ("messages", "messages"),
+                    ("last_prompt_tokens", "last prompt tok"), ("model", "model"), ("updated_at", "updated")]
+_JOURNAL_COLUMNS = [("request_id", "req"), ("received_at", "received"), ("model", "model"), ("stream", "stream"),
+                    ("messages", "msgs"), ("new_messages", "new"), ("body_bytes", "bytes"), ("outcome", "outcome"),
+                    ("status", "status"), ("prompt_tokens", "prompt tok"), ("completion_tokens", "compl tok"),
+                    ("ttfb_ms", "ttfb ms"), ("total_ms", "total ms")]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        settings = load_settings(args.config, os.environ, _flags(args))
+    except SettingsError as exc:
+        print(f"ctxproxy: {exc}", file=sys.stderr)
+        return 2
+    return int(args.run(settings, args))
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ctxproxy", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--version", action="version", version=f"ctxproxy {__version__}")
+    commands = parser.add_subparsers(required=True, metavar="COMMAND")
+    serve = _command(commands, "serve", "run the proxy", _serve)
+    serve.add_argument("--upstream", help="OpenAI-compatible base URL (default http://127.0.0.1:8080/v1)")
+    serve.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port to bind (default 4141)")
+    _command(commands, "sessions", "list the journal's sessions", _sessions)
+    show = _command(commands, "show", "show one session and its journal", _show)
+    show.add_argument("session_id")
+    show.add_argument("--limit", type=int, default=200, help="journal entries to print (default 200)")
+    return parser
+
+
+def _command(commands: Any, name: str, help: str, run: Any) -> argparse.ArgumentParser:
+    cmd: argparse.ArgumentParser = commands.add_parser(name, help=help, description=help)
+    cmd.add_argument("--config", help="TOML settings file (env CTXPROXY_CONFIG)")
+    cmd.add_argument("--data-dir", dest="data_dir", help="journal directory (env CTXPROXY_DATA_DIR)")
+    if name != "serve":
+        cmd.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    cmd.set_defaults(run=run)
+    return cmd
+
+
+def _flags(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: getattr(args, k, None) for k in ("upstream", "host", "port", "data_dir")}
+
+
+def _serve(settings: Settings, args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from proxy.app import create_app
+
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level,
+                proxy_headers=False, server_header=False)
+    return 0
+
+
+def _open_journal(settings: Settings) -> Journal | None:
+    path = settings.data_path / "journal.db"
+    if not path.exists():
+        print(f"No journal at {path} yet: start `ctxproxy serve` and send it a request.", file=sys.stderr)
+        return None
+    return Journal(path, settings.journal_sync)
+
+
+def _sessions(settings: Settings, args: argparse.Namespace) -> int:
+    journal = _open_journal(settings)
+    if journal is None:
+        return 1
+    rows = journal.sessions()
+    print(json.dumps(rows, indent=2) if args.json else render_table(rows, _SESSION_COLUMNS))
+    return 0
+
+
+def _show(settings: Settings, args: argparse.Namespace) -> int:
+    journal = _open_journal(settings)
+    if journal is None:
+        return 1
+    session = journal.session(args.session_id)
+    if session is None:
+        print(f"No session {args.session_id!r}; `ctxproxy sessions` lists them.", file=sys.stderr)
+        return 1
+    entries = journal.session_journal(args.session_id, 0, args.limit)
+    if args.json:
+        print(json.dumps({"session": session, "journal": entries}, indent=2))
+        return 0
+    print("\n".join(f"{k:>20}: {'-' if v is None else v}" for k, v in session.items()))
+    print()
+    print(render_table(entries, _JOURNAL_COLUMNS))
+    return 0

@@ -1,0 +1,84 @@
+"""The HTTP edge: read a request body within the size limit and validate the fields the proxy relies on.
+
+Only the keys ctxproxy reads are checked (``proxy.wire``); everything else passes upstream untouched. Each error
+names the offending field in ``param`` (``messages[3].role``) so a client can fix its request.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import orjson
+from starlette.requests import Request
+
+from proxy.errors import BadRequest, PayloadTooLarge
+from proxy.wire import ChatBody
+
+__all__ = ["parse_chat_body", "read_body"]
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The whole body, refusing (413) as soon as it is known to exceed ``limit`` bytes."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise _too_large(int(declared), limit)
+    chunks, total = [], 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > limit:
+            raise _too_large(total, limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(size: int, limit: int) -> PayloadTooLarge:
+    return PayloadTooLarge(f"Request body of {size} bytes or more exceeds the limit of {limit} bytes. "
+                           "Raise max_body_bytes (CTXPROXY_MAX_BODY_BYTES) if such requests are expected.")
+
+
+def parse_chat_body(raw: bytes) -> ChatBody:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"Request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise BadRequest("Request body must be a JSON object with a `messages` array.", code="invalid_json")
+    _expect(body, "model", str, "a string")
+    _expect(body, "stream", bool, "true or false")
+    _expect(body, "tools", list, "an array of tool definitions")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("`messages` must be a non-empty array of chat messages.", param="messages")
+    for i, message in enumerate(messages):
+        _check_message(i, message)
+    return cast(ChatBody, body)
+
+
+def _expect(obj: dict[str, Any], key: str, kind: type, what: str, where: str = "") -> None:
+    if key in obj and obj[key] is not None and not isinstance(obj[key], kind):
+        raise BadRequest(f"`{where}{key}` must be {what}, got {type(obj[key]).__name__}.", param=f"{where}{key}")
+
+
+def _check_message(i: int, message: Any) -> None:
+    where = f"messages[{i}]."
+    if not isinstance(message, dict):
+        raise BadRequest(f"`messages[{i}]` must be an object with a `role`.", param=f"messages[{i}]")
+    if not isinstance(message.get("role"), str):
+        raise BadRequest(f"`{where}role` must be a string such as \"user\".", param=f"{where}role")
+    content = message.get("content")
+    if content is not None and not isinstance(content, str | list):
+        raise BadRequest(f"`{where}content` must be a string, an array of parts or null.", param=f"{where}content")
+    if message["role"] == "tool" and not isinstance(message.get("tool_call_id"), str):
+        raise BadRequest(f"`{where}tool_call_id` must name the call this tool message answers.",
+                         param=f"{where}tool_call_id")
+    _expect(message, "tool_calls", list, "an array of tool calls", where)
+    for j, call in enumerate(message.get("tool_calls") or []):
+        _check_tool_call(f"{where}tool_calls[{j}]", call)
+
+
+def _check_tool_call(where: str, call: Any) -> None:
+    if not isinstance(call, dict) or not isinstance(call.get("id"), str):
+        raise BadRequest(f"`{where}.id` must be a string.", param=f"{where}.id")
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise BadRequest(f"`{where}.function.name` must be a string.", param=f"{where}.function.name")

@@ -1,0 +1,94 @@
+"""One error shape for every failure: the OpenAI envelope ``{"error": {"message", "type", "param", "code"}}``.
+
+Our exceptions carry their HTTP status, type and code; one renderer turns any of them (and anything unexpected)
+into the envelope, so a client never sees a bare 500 or a traceback. Upstream errors are not ours: they are
+relayed with the upstream's own status and body (see ``proxy.chat``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+
+__all__ = [
+    "BadRequest",
+    "CtxError",
+    "NotFound",
+    "PayloadTooLarge",
+    "Unauthorized",
+    "UpstreamTimeout",
+    "UpstreamUnreachable",
+    "error_response",
+    "render_unexpected",
+]
+
+log = logging.getLogger("ctxproxy")
+
+
+class CtxError(Exception):
+    status = 500
+    type = "server_error"
+    code: str | None = "internal_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+
+
+class BadRequest(CtxError):
+    status, type, code = 400, "invalid_request_error", "invalid_request"
+
+
+class Unauthorized(CtxError):
+    status, type, code = 401, "authentication_error", "invalid_admin_token"
+
+
+class NotFound(CtxError):
+    status, type, code = 404, "not_found_error", "not_found"
+
+
+class PayloadTooLarge(CtxError):
+    status, type, code = 413, "invalid_request_error", "request_too_large"
+
+
+class UpstreamUnreachable(CtxError):
+    status, type, code = 502, "upstream_error", "upstream_unreachable"
+
+
+class UpstreamTimeout(CtxError):
+    status, type, code = 504, "upstream_error", "upstream_timeout"
+
+
+def envelope(message: str, type_: str, param: str | None, code: str | None) -> bytes:
+    return orjson.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}})
+
+
+def error_response(exc: CtxError, headers: dict[str, str] | None = None) -> Response:
+    body = envelope(exc.message, exc.type, exc.param, exc.code)
+    return Response(body, status_code=exc.status, media_type="application/json", headers=headers)
+
+
+async def render_ctx_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, CtxError)
+    return error_response(exc)
+
+
+async def render_http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own 404/405 and friends, in our envelope."""
+    status = int(getattr(exc, "status_code", 500))
+    detail = str(getattr(exc, "detail", "")) or "error"
+    kind = "not_found_error" if status == 404 else "invalid_request_error"
+    return Response(envelope(detail, kind, None, str(status)), status_code=status, media_type="application/json")
+
+
+async def render_unexpected(request: Request, exc: Exception) -> Response:
+    log.exception("unexpected error on %s %s", request.method, request.url.path)
+    body = envelope("ctxproxy hit an internal error; the details are in its log. The request was not completed.",
+                    "server_error", None, "internal_error")
+    return Response(body, status_code=500, media_type="application/json")

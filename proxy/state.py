@@ -1,0 +1,63 @@
+"""What the app holds for its lifetime: settings, the one upstream client, the journals, the session locks.
+
+Built by the lifespan (``proxy.app``) and reached by handlers as ``request.app.state.ctx``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import httpx
+
+from config import Settings
+from store import JournalWriter
+
+__all__ = ["AppState", "SessionLocks"]
+
+
+class SessionLocks:
+    """One lock per session, so a session's requests are handled one at a time; different sessions run freely.
+
+    A lock lives only while some request holds or waits for it: the table never grows with old sessions.
+    """
+
+    def __init__(self) -> None:
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._users: defaultdict[str, int] = defaultdict(int)
+
+    async def acquire(self, session_id: str) -> None:
+        lock = self._locks.setdefault(session_id, asyncio.Lock())
+        self._users[session_id] += 1
+        try:
+            await lock.acquire()
+        except BaseException:
+            self._forget(session_id)
+            raise
+
+    def release(self, session_id: str) -> None:
+        self._locks[session_id].release()
+        self._forget(session_id)
+
+    def _forget(self, session_id: str) -> None:
+        self._users[session_id] -= 1
+        if self._users[session_id] == 0:
+            del self._users[session_id]
+            del self._locks[session_id]
+
+    def __len__(self) -> int:
+        return len(self._locks)
+
+
+@dataclass
+class AppState:
+    settings: Settings
+    client: httpx.AsyncClient
+    journal: JournalWriter
+    incognito_journal: JournalWriter
+    locks: SessionLocks = field(default_factory=SessionLocks)
+    own_headers: frozenset[str] = frozenset()
+
+    def journal_for(self, incognito: bool) -> JournalWriter:
+        return self.incognito_journal if incognito or self.settings.incognito else self.journal

@@ -1,0 +1,66 @@
+"""Talking to the upstream: URLs, which headers cross the proxy, and transport failures as our errors.
+
+Headers we do not own pass both ways untouched (the client's ``Authorization`` included). Dropped: hop-by-hop
+headers (RFC 9110 §7.6.1), ``Host`` and ``Content-Length`` (recomputed), and our own (the session header and
+``X-Ctx-*``). On the chat route ``Accept-Encoding`` is dropped too, so the answer arrives as plain bytes the proxy
+can read for ``usage`` while relaying it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import httpx
+
+from proxy.errors import UpstreamTimeout, UpstreamUnreachable
+
+__all__ = ["HOP_BY_HOP", "client_headers", "redact", "response_headers", "send", "upstream_url"]
+
+HOP_BY_HOP = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection", "te", "trailer",
+    "transfer-encoding", "upgrade", "host", "content-length",
+})
+_SENSITIVE_PARTS = ("auth", "key", "token", "secret", "cookie", "password")
+
+
+def upstream_url(base: str, client_path: str, query: str = "") -> str:
+    """``/v1/chat/completions`` on the proxy → ``<base>/chat/completions`` (the base carries its own ``/v1``)."""
+    suffix = client_path[3:] if client_path.startswith("/v1") else client_path
+    return base + suffix + (f"?{query}" if query else "")
+
+
+def client_headers(headers: Iterable[tuple[bytes, bytes]], own: frozenset[str],
+                   drop: frozenset[str] = frozenset()) -> list[tuple[bytes, bytes]]:
+    """The client's raw headers minus hop-by-hop, ours (``own``, lower case) and ``drop``; order kept."""
+    out = []
+    for name, value in headers:
+        lower = name.decode("latin-1").lower()
+        if lower in HOP_BY_HOP or lower in own or lower in drop or lower.startswith("x-ctx-"):
+            continue
+        out.append((name, value))
+    return out
+
+
+def response_headers(upstream: httpx.Response, drop: frozenset[str] = frozenset()) -> dict[str, str]:
+    return {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP and k.lower() not in drop}
+
+
+def redact(headers: Iterable[tuple[bytes, bytes]]) -> dict[str, str | None]:
+    """Headers as journaled: credentials (auth, keys, tokens, cookies) by name only, their values never stored."""
+    out: dict[str, str | None] = {}
+    for name, value in headers:
+        lower = name.decode("latin-1").lower()
+        out[lower] = None if any(p in lower for p in _SENSITIVE_PARTS) else value.decode("latin-1")
+    return out
+
+
+async def send(client: httpx.AsyncClient, request: httpx.Request) -> httpx.Response:
+    """Send with the body streamed back; transport failures become 502/504 with a reason and a next step."""
+    try:
+        return await client.send(request, stream=True)
+    except httpx.TimeoutException as exc:
+        raise UpstreamTimeout(f"The upstream at {request.url} did not answer in time ({type(exc).__name__}). "
+                              "Raise upstream_timeout if the model is slow to start.") from None
+    except httpx.TransportError as exc:
+        raise UpstreamUnreachable(f"Cannot reach the upstream at {request.url}: {exc or type(exc).__name__}. "
+                                  "Check that the model server is running and --upstream is right.") from None

@@ -1,0 +1,327 @@
+"""The append-only journal: every request, what went upstream and what came back, per session.
+
+``Journal`` is synchronous and owns one SQLite connection (WAL). It exposes verbs, not SQL: ``record_request``
+(which also resolves the session), ``record_response``, and the reads the operator surface needs. All writes of a
+process go through one ``Journal`` driven by one thread (see ``store.writer``), so there is exactly one writer.
+
+Sessions. A request either names its session (the session header) or is matched by fingerprint (first system +
+first user message). A fingerprinted request continues the session whose head (its last message list) is a
+prefix of the request's messages; if none is, it opens a child of the same-fingerprint session it shares the
+most messages with: a second run with the same opening, or an agent that edited its own history, never silently
+shares a session. A prefix is checked by a digest over the message hashes, so no earlier list is loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sqlite3
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sqlite_utils import Database
+
+from store.migrations import migrations
+
+__all__ = ["IncomingRequest", "Journal", "RecordedRequest", "ResponseRecord", "prefix_digest"]
+
+
+def prefix_digest(hashes: Sequence[str]) -> str:
+    """The identity of a message list: sha256 over its message hashes, joined."""
+    return hashlib.sha256("".join(hashes).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class IncomingRequest:
+    """A validated client request, already reduced to hashes and canonical bodies by the caller."""
+
+    received_at: str
+    path: str
+    model: str | None
+    stream: bool
+    session_name: str | None
+    fingerprint: str
+    hashes: Sequence[str]
+    bodies: Sequence[bytes]
+    params_hash: str
+    params_body: bytes
+    headers: Mapping[str, str | None]
+    body_bytes: int
+
+
+@dataclass(frozen=True)
+class RecordedRequest:
+    request_id: int
+    session_id: str
+    parent_id: str | None
+    forked: bool
+    new_messages: int
+
+
+@dataclass(frozen=True)
+class ResponseRecord:
+    request_id: int
+    attempt: int
+    outcome: str
+    status: int
+    body: str | None
+    usage: Mapping[str, Any] | None
+    ttfb_ms: float | None
+    total_ms: float | None
+    finished_at: str
+
+
+@dataclass(frozen=True)
+class _Head:
+    id: str
+    list_id: int | None
+    length: int
+    digest: str
+    updated_at: str
+
+
+@dataclass(frozen=True)
+class _Placement:
+    """Where a request lands: its session, and the list its messages are delta-encoded against."""
+
+    session: _Head
+    base_list_id: int | None
+    common: int
+    created: bool
+    parent_id: str | None
+
+
+class Journal:
+    """One SQLite database. ``path=None`` keeps everything in memory (incognito: nothing touches the disk)."""
+
+    def __init__(self, path: Path | None, sync: str = "normal") -> None:
+        if path is None:
+            conn = sqlite3.connect(":memory:", check_same_thread=False)
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            conn = sqlite3.connect(str(path), check_same_thread=False, timeout=10)
+            conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute(f"PRAGMA synchronous={'FULL' if sync == 'full' else 'NORMAL'}")
+        conn.execute("PRAGMA foreign_keys=ON")
+        self.db = Database(conn, execute_plugins=False)
+        migrations.apply(self.db)
+
+    def close(self) -> None:
+        self.db.conn.close()
+
+    # --- writes -------------------------------------------------------------------------------------------------
+    def record_request(self, req: IncomingRequest) -> RecordedRequest:
+        """Resolve the session and journal the request and its verbatim forward, in one transaction."""
+        with self.db.atomic():
+            place = self._place(req)
+            list_id = self._insert_list(req, place)
+            self._insert_blob(req.params_hash, "params", req.params_body)
+            request_id = self._insert_request(req, place.session.id, list_id)
+            self.db.execute(
+                "INSERT INTO forwards (request_id, attempt, list_id, params_hash, verbatim) VALUES (?, 0, ?, ?, 1)",
+                [request_id, list_id, req.params_hash],
+            )
+            self._advance_head(place.session.id, list_id, req)
+        forked = place.created and place.parent_id is not None
+        return RecordedRequest(request_id, place.session.id, place.parent_id, forked, len(req.hashes) - place.common)
+
+    def record_response(self, rec: ResponseRecord) -> None:
+        usage = rec.usage or {}
+        with self.db.atomic():
+            self.db.execute(
+                "INSERT INTO responses (request_id, attempt, outcome, status, body, prompt_tokens, completion_tokens,"
+                " usage, ttfb_ms, total_ms, finished_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [rec.request_id, rec.attempt, rec.outcome, rec.status, rec.body,
+                 _int_or_none(usage.get("prompt_tokens")), _int_or_none(usage.get("completion_tokens")),
+                 json.dumps(rec.usage) if rec.usage else None,
+                 rec.ttfb_ms, rec.total_ms, rec.finished_at],
+            )
+
+    # --- session placement --------------------------------------------------------------------------------------
+    def _place(self, req: IncomingRequest) -> _Placement:
+        if req.session_name is not None:
+            head = self._head(req.session_name)
+            if head is None:
+                return self._open(req, req.session_name, parent=None, shared=0, fingerprint=None)
+            return _Placement(head, head.list_id, self._common_with(head, req.hashes), False, None)
+        candidates = self._heads_by_fingerprint(req.fingerprint)
+        extended = [h for h in candidates
+                    if h.length <= len(req.hashes) and prefix_digest(req.hashes[: h.length]) == h.digest]
+        if extended:
+            head = max(extended, key=lambda h: (h.length, h.updated_at))
+            return _Placement(head, head.list_id, head.length, False, None)
+        parent, shared = self._closest(candidates, req.hashes)
+        return self._open(req, self._new_id(req.fingerprint, len(candidates)), parent, shared, req.fingerprint)
+
+    def _open(self, req: IncomingRequest, session_id: str, parent: _Head | None, shared: int,
+              fingerprint: str | None) -> _Placement:
+        self.db.execute(
+            "INSERT INTO sessions (id, fingerprint, named, parent_id, shared_len, created_at, updated_at,"
+            " head_list_id, head_len, head_digest, requests, model) VALUES (?, ?, ?, ?, ?, ?, ?, NULL, 0, ?, 0, ?)",
+            [session_id, fingerprint, int(fingerprint is None), parent.id if parent else None, shared,
+             req.received_at, req.received_at, prefix_digest([]), req.model],
+        )
+        head = _Head(session_id, None, 0, prefix_digest([]), req.received_at)
+        base = parent.list_id if parent and shared else None
+        return _Placement(head, base, shared if base else 0, True, parent.id if parent else None)
+
+    def _new_id(self, fingerprint: str, siblings: int) -> str:
+        stem = f"s-{fingerprint[:12]}"
+        n = siblings + 1
+        candidate = stem if n == 1 else f"{stem}-{n}"
+        while self._head(candidate) is not None:
+            n += 1
+            candidate = f"{stem}-{n}"
+        return candidate
+
+    def _closest(self, candidates: Sequence[_Head], hashes: Sequence[str]) -> tuple[_Head | None, int]:
+        """The same-fingerprint session sharing the longest message prefix with ``hashes`` (a fork's parent)."""
+        best: tuple[_Head | None, int] = (None, 0)
+        for head in candidates:
+            common = self._common_with(head, hashes)
+            if common > best[1] or best[0] is None:
+                best = (head, common)
+        return best
+
+    def _common_with(self, head: _Head, hashes: Sequence[str]) -> int:
+        if head.length <= len(hashes) and prefix_digest(hashes[: head.length]) == head.digest:
+            return head.length
+        stored = self.message_hashes(head.list_id) if head.list_id is not None else []
+        common = 0
+        for a, b in zip(stored, hashes, strict=False):
+            if a != b:
+                break
+            common += 1
+        return common
+
+    def _advance_head(self, session_id: str, list_id: int, req: IncomingRequest) -> None:
+        self.db.execute(
+            "UPDATE sessions SET head_list_id = ?, head_len = ?, head_digest = ?, updated_at = ?,"
+            " requests = requests + 1, model = COALESCE(?, model) WHERE id = ?",
+            [list_id, len(req.hashes), prefix_digest(req.hashes), req.received_at, req.model, session_id],
+        )
+
+    # --- inserts ------------------------------------------------------------------------------------------------
+    def _insert_blob(self, digest: str, kind: str, body: bytes) -> None:
+        # INSERT OR IGNORE: content-addressed, so a body seen before (any session) is already there.
+        self.db.execute("INSERT OR IGNORE INTO blobs (hash, kind, body, chars) VALUES (?, ?, ?, ?)",
+                        [digest, kind, body.decode(), len(body)])
+
+    def _insert_list(self, req: IncomingRequest, place: _Placement) -> int:
+        added = req.hashes[place.common:]
+        self.db.conn.executemany(
+            "INSERT OR IGNORE INTO blobs (hash, kind, body, chars) VALUES (?, 'message', ?, ?)",
+            [(h, b.decode(), len(b)) for h, b in zip(added, req.bodies[place.common:], strict=True)],
+        )
+        cursor = self.db.execute(
+            "INSERT INTO message_lists (base_id, base_len, added, length) VALUES (?, ?, ?, ?)",
+            [place.base_list_id if place.common else None, place.common, json.dumps(list(added)), len(req.hashes)],
+        )
+        return int(cursor.lastrowid or 0)
+
+    def _insert_request(self, req: IncomingRequest, session_id: str, list_id: int) -> int:
+        cursor = self.db.execute(
+            "INSERT INTO requests (session_id, received_at, path, model, stream, list_id, params_hash, headers,"
+            " body_bytes) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            [session_id, req.received_at, req.path, req.model, int(req.stream), list_id, req.params_hash,
+             json.dumps(dict(req.headers)), req.body_bytes],
+        )
+        return int(cursor.lastrowid or 0)
+
+    # --- reads --------------------------------------------------------------------------------------------------
+    def _head(self, session_id: str) -> _Head | None:
+        row = self.db.execute(
+            "SELECT id, head_list_id, head_len, head_digest, updated_at FROM sessions WHERE id = ?", [session_id]
+        ).fetchone()
+        return _Head(*row) if row else None
+
+    def _heads_by_fingerprint(self, fingerprint: str) -> list[_Head]:
+        rows = self.db.execute(
+            "SELECT id, head_list_id, head_len, head_digest, updated_at FROM sessions WHERE fingerprint = ?"
+            " ORDER BY created_at, id", [fingerprint]
+        ).fetchall()
+        return [_Head(*row) for row in rows]
+
+    def message_hashes(self, list_id: int) -> list[str]:
+        """Rebuild a delta-encoded list by walking its bases (newest first), then concatenating."""
+        pieces: list[tuple[int, list[str]]] = []
+        current: int | None = list_id
+        while current is not None:
+            base_id, base_len, added = self.db.execute(
+                "SELECT base_id, base_len, added FROM message_lists WHERE id = ?", [current]).fetchone()
+            pieces.append((base_len, json.loads(added)))
+            current = base_id
+        hashes: list[str] = []
+        for base_len, added in reversed(pieces):
+            hashes = hashes[:base_len] + added
+        return hashes
+
+    def blobs(self, hashes: Sequence[str]) -> list[Any]:
+        """The decoded JSON bodies of ``hashes``, in order."""
+        found: dict[str, Any] = {}
+        unique = list(dict.fromkeys(hashes))
+        for start in range(0, len(unique), 500):
+            chunk = unique[start:start + 500]
+            marks = ",".join("?" * len(chunk))
+            for digest, body in self.db.execute(f"SELECT hash, body FROM blobs WHERE hash IN ({marks})", chunk):
+                found[digest] = json.loads(body)
+        return [found[h] for h in hashes]
+
+    def sessions(self) -> list[dict[str, Any]]:
+        return self._rows(_SESSION_SUMMARY + " GROUP BY s.id ORDER BY s.updated_at DESC", [])
+
+    def session(self, session_id: str) -> dict[str, Any] | None:
+        rows = self._rows(_SESSION_SUMMARY + " WHERE s.id = ? GROUP BY s.id", [session_id])
+        return rows[0] if rows else None
+
+    def session_journal(self, session_id: str, after: int = 0, limit: int = 100) -> list[dict[str, Any]]:
+        return self._rows(_JOURNAL_ROWS, [session_id, after, limit])
+
+    def request(self, request_id: int) -> dict[str, Any] | None:
+        """One journaled request in full: its messages (rebuilt), parameters, forward and answer."""
+        rows = self._rows("SELECT r.*, b.body AS params FROM requests r JOIN blobs b ON b.hash = r.params_hash"
+                          " WHERE r.id = ?", [request_id])
+        if not rows:
+            return None
+        row = rows[0]
+        row["params"] = json.loads(row["params"])
+        row["headers"] = json.loads(row["headers"])
+        row["messages"] = self.blobs(self.message_hashes(row["list_id"]))
+        row["responses"] = self._rows("SELECT * FROM responses WHERE request_id = ? ORDER BY attempt", [request_id])
+        return row
+
+    def _rows(self, sql: str, params: Sequence[Any]) -> list[dict[str, Any]]:
+        cursor = self.db.execute(sql, list(params))
+        names = [d[0] for d in cursor.description]
+        return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+
+
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+_SESSION_SUMMARY = """
+SELECT s.id, s.parent_id, s.shared_len, s.named, s.created_at, s.updated_at, s.requests, s.head_len AS messages,
+       s.model,
+       (SELECT p.prompt_tokens FROM requests r2 JOIN responses p ON p.request_id = r2.id
+         WHERE r2.session_id = s.id AND p.prompt_tokens IS NOT NULL ORDER BY r2.id DESC LIMIT 1) AS last_prompt_tokens,
+       COALESCE(SUM(resp.prompt_tokens), 0) AS prompt_tokens,
+       COALESCE(SUM(resp.completion_tokens), 0) AS completion_tokens
+  FROM sessions s
+  LEFT JOIN requests r ON r.session_id = s.id
+  LEFT JOIN responses resp ON resp.request_id = r.id
+"""
+
+_JOURNAL_ROWS = """
+SELECT r.id AS request_id, r.received_at, r.model, r.stream, r.body_bytes, l.length AS messages,
+       json_array_length(l.added) AS new_messages, p.outcome, p.status, p.prompt_tokens, p.completion_tokens,
+       p.ttfb_ms, p.total_ms
+  FROM requests r
+  JOIN message_lists l ON l.id = r.list_id
+  LEFT JOIN responses p ON p.request_id = r.id AND p.attempt = 0
+ WHERE r.session_id = ? AND r.id > ?
+ ORDER BY r.id
+ LIMIT ?
+"""

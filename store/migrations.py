@@ -1,0 +1,104 @@
+"""The journal's schema, as sqlite-utils migrations applied when a ``Journal`` is opened.
+
+The journal is append-only: every table but ``sessions`` only ever receives inserts. Message bodies and request
+parameters are content-addressed (stored once, whatever the number of requests that carry them) and each
+request's message list is delta-encoded against the session's previous list, so a session of R rounds costs
+O(total bytes), not O(R²).
+"""
+
+from __future__ import annotations
+
+from sqlite_utils import Database
+from sqlite_utils.migrations import Migrations
+
+__all__ = ["migrations"]
+
+migrations = Migrations("ctxproxy")
+
+
+@migrations()
+def m001_journal(db: Database) -> None:
+    db.executescript(
+        """
+        -- Content-addressed bodies: one chat message, or the request parameters other than `messages`
+        -- (model, tools, sampling fields...). hash = sha256 of the canonical JSON in `body`.
+        CREATE TABLE blobs (
+            hash TEXT PRIMARY KEY,
+            kind TEXT NOT NULL,          -- 'message' | 'params'
+            body TEXT NOT NULL,          -- canonical JSON (sorted keys, no spaces)
+            chars INTEGER NOT NULL       -- len(body), for reports
+        );
+
+        -- A message list, delta-encoded: the first `base_len` hashes of list `base_id`, then `added`.
+        -- A list that extends the session's previous one therefore stores only the new hashes.
+        CREATE TABLE message_lists (
+            id INTEGER PRIMARY KEY,
+            base_id INTEGER REFERENCES message_lists(id),
+            base_len INTEGER NOT NULL,
+            added TEXT NOT NULL,         -- JSON array of blob hashes
+            length INTEGER NOT NULL      -- base_len + len(added)
+        );
+
+        -- The only mutable rows in the schema: each session's identity and its head (last history seen),
+        -- which the next request is checked against to tell a continuation from a fork.
+        CREATE TABLE sessions (
+            id TEXT PRIMARY KEY,
+            fingerprint TEXT,            -- sha256 prefix of the first system + first user message; NULL if named
+            named INTEGER NOT NULL,      -- 1 when the client named it (session header)
+            parent_id TEXT REFERENCES sessions(id),
+            shared_len INTEGER NOT NULL, -- messages shared with the parent when forked
+            created_at TEXT NOT NULL,
+            updated_at TEXT NOT NULL,
+            head_list_id INTEGER REFERENCES message_lists(id),
+            head_len INTEGER NOT NULL,
+            head_digest TEXT NOT NULL,   -- sha256 over the head's message hashes, joined
+            requests INTEGER NOT NULL,
+            model TEXT
+        );
+        CREATE INDEX sessions_by_fingerprint ON sessions(fingerprint);
+
+        -- One row per client request, written before anything is forwarded.
+        CREATE TABLE requests (
+            id INTEGER PRIMARY KEY,
+            session_id TEXT NOT NULL REFERENCES sessions(id),
+            received_at TEXT NOT NULL,
+            path TEXT NOT NULL,
+            model TEXT,
+            stream INTEGER NOT NULL,
+            list_id INTEGER NOT NULL REFERENCES message_lists(id),
+            params_hash TEXT NOT NULL REFERENCES blobs(hash),
+            headers TEXT NOT NULL,       -- JSON object; credential headers kept by name only, value never stored
+            body_bytes INTEGER NOT NULL
+        );
+        CREATE INDEX requests_by_session ON requests(session_id, id);
+
+        -- What went upstream for a request: one row per attempt. verbatim = 1 when the client's bytes were
+        -- forwarded unchanged.
+        CREATE TABLE forwards (
+            id INTEGER PRIMARY KEY,
+            request_id INTEGER NOT NULL REFERENCES requests(id),
+            attempt INTEGER NOT NULL,
+            list_id INTEGER NOT NULL REFERENCES message_lists(id),
+            params_hash TEXT NOT NULL REFERENCES blobs(hash),
+            verbatim INTEGER NOT NULL,
+            UNIQUE (request_id, attempt)
+        );
+
+        -- The upstream's answer to one attempt (or why there was none), with usage and timings.
+        CREATE TABLE responses (
+            id INTEGER PRIMARY KEY,
+            request_id INTEGER NOT NULL REFERENCES requests(id),
+            attempt INTEGER NOT NULL,
+            outcome TEXT NOT NULL,       -- ok | upstream_error | unreachable | timeout | client_disconnected
+            status INTEGER NOT NULL,     -- HTTP status the client got
+            body TEXT,                   -- the answer JSON, or the SSE text of a streamed answer
+            prompt_tokens INTEGER,
+            completion_tokens INTEGER,
+            usage TEXT,                  -- the upstream's `usage` object, JSON
+            ttfb_ms REAL,                -- forward to first upstream byte
+            total_ms REAL,               -- forward to last byte
+            finished_at TEXT NOT NULL,
+            UNIQUE (request_id, attempt)
+        );
+        """
+    )

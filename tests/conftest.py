@@ -1,0 +1,55 @@
+"""Shared fixtures: a clean environment for every test, settings on a temporary data dir, the app in process."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from config import Settings, load_settings
+from proxy.app import create_app
+from tests.fakes import FakeUpstream
+
+
+@pytest.fixture(autouse=True)
+def clean_environ(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No test sees the developer's CTXPROXY_* or OPENAI_* variables."""
+    for key in list(os.environ):
+        if key.startswith(("CTXPROXY_", "OPENAI_")):
+            monkeypatch.delenv(key)
+
+
+@pytest.fixture
+def settings(tmp_path: Path) -> Settings:
+    return load_settings(env={"CTXPROXY_DATA_DIR": str(tmp_path / "data"),
+                              "CTXPROXY_UPSTREAM": "http://upstream.test/v1"})
+
+
+@pytest.fixture
+def fake() -> FakeUpstream:
+    return FakeUpstream()
+
+
+@pytest.fixture
+def client(settings: Settings, fake: FakeUpstream) -> Iterator[TestClient]:
+    """The real app in process; its upstream is the fake, reached through httpx's ASGI transport."""
+    app = create_app(settings, upstream_transport=httpx.ASGITransport(app=fake))
+    with TestClient(app, raise_server_exceptions=False) as test_client:
+        yield test_client
+
+
+def app_client(settings: Settings, transport: httpx.AsyncBaseTransport) -> TestClient:
+    """The app in process over any upstream transport; use as a context manager so the lifespan runs."""
+    return TestClient(create_app(settings, upstream_transport=transport), raise_server_exceptions=False)
+
+
+def chat(*contents: str, **fields: object) -> dict[str, object]:
+    """A chat body: a system message, then alternating user/assistant contents."""
+    messages = [{"role": "system", "content": "You are terse."}]
+    for i, text in enumerate(contents):
+        messages.append({"role": "user" if i % 2 == 0 else "assistant", "content": text})
+    return {"model": "fake-model", "messages": messages, **fields}

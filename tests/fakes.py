@@ -1,0 +1,166 @@
+"""A scripted fake OpenAI-compatible upstream, and a way to serve any ASGI app on loopback in a thread.
+
+``FakeUpstream`` is an ASGI app. In-process tests put it behind ``httpx.ASGITransport`` as the proxy's upstream;
+end-to-end tests serve it with real uvicorn on 127.0.0.1. It records every request it receives (raw bytes and
+headers) and answers from a queue of scripted replies (``enqueue``), or, when the queue is empty, with a
+deterministic echo of the last user message, streamed or not as asked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+from starlette.types import Receive, Scope, Send
+
+
+@dataclass
+class Received:
+    method: str
+    path: str
+    query: str
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+@dataclass
+class Reply:
+    """One scripted answer: a JSON body, an SSE stream, or raw bytes; optional delay before headers."""
+
+    status: int = 200
+    body: Any = None
+    sse: list[Any] | None = None
+    raw: bytes | None = None
+    delay: float = 0.0
+    chunk_gate: threading.Event | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+def completion(text: str, prompt_tokens: int = 10, model: str = "fake-model") -> dict[str, Any]:
+    return {"id": "chatcmpl-fake", "object": "chat.completion", "created": 1700000000, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(text.split()),
+                      "total_tokens": prompt_tokens + len(text.split())}}
+
+
+def stream_chunks(text: str, model: str = "fake-model", usage: dict[str, int] | None = None) -> list[Any]:
+    base = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": 1700000000, "model": model}
+    chunks: list[Any] = [base | {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}]
+    for word in text.split(" "):
+        chunks.append(base | {"choices": [{"index": 0, "delta": {"content": word + " "}}]})
+    chunks.append(base | {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+    if usage:
+        chunks.append(base | {"choices": [], "usage": usage})
+    return chunks
+
+
+class FakeUpstream:
+    def __init__(self) -> None:
+        self.received: list[Received] = []
+        self.replies: deque[Reply] = deque()
+
+    def enqueue(self, reply: Reply) -> None:
+        self.replies.append(reply)
+
+    @property
+    def last(self) -> Received:
+        return self.received[-1]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await _lifespan(receive, send)
+            return
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        got = Received(scope["method"], scope["path"], scope["query_string"].decode(),
+                       {k.decode().lower(): v.decode() for k, v in scope["headers"]}, body)
+        self.received.append(got)
+        reply = self.replies.popleft() if self.replies else self._echo(got)
+        if reply.delay:
+            await asyncio.sleep(reply.delay)
+        await _send_reply(reply, send)
+
+    def _echo(self, got: Received) -> Reply:
+        if got.path.endswith("/models"):
+            return Reply(body={"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
+        if not got.path.endswith("/chat/completions"):
+            return Reply(body={"path": got.path, "method": got.method, "echo": got.body.decode(errors="replace")})
+        request = got.json()
+        users = [m.get("content") for m in request.get("messages", []) if m.get("role") == "user"]
+        text = f"echo: {users[-1] if users else ''}"
+        prompt = len(got.body) // 4
+        if request.get("stream"):
+            usage = None
+            if (request.get("stream_options") or {}).get("include_usage"):
+                usage = {"prompt_tokens": prompt, "completion_tokens": 3, "total_tokens": prompt + 3}
+            return Reply(sse=stream_chunks(text, request.get("model", "fake-model"), usage))
+        return Reply(body=completion(text, prompt, request.get("model", "fake-model")))
+
+
+async def _lifespan(receive: Receive, send: Send) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+async def _send_reply(reply: Reply, send: Send) -> None:
+    if reply.sse is not None:
+        headers = {"content-type": "text/event-stream"} | reply.headers
+        await send({"type": "http.response.start", "status": reply.status,
+                    "headers": [(k.encode(), v.encode()) for k, v in headers.items()]})
+        async for piece in _sse_pieces(reply):
+            await send({"type": "http.response.body", "body": piece, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return
+    payload = reply.raw if reply.raw is not None else json.dumps(reply.body).encode()
+    headers = {"content-type": "application/json"} | reply.headers
+    await send({"type": "http.response.start", "status": reply.status,
+                "headers": [(k.encode(), v.encode()) for k, v in headers.items()]})
+    await send({"type": "http.response.body", "body": payload, "more_body": False})
+
+
+async def _sse_pieces(reply: Reply) -> AsyncIterator[bytes]:
+    for i, event in enumerate(reply.sse or []):
+        if i == 1 and reply.chunk_gate is not None:
+            while not reply.chunk_gate.is_set():  # the test releases the rest once it has seen the first chunk
+                await asyncio.sleep(0.005)
+        yield event if isinstance(event, bytes) else b"data: " + json.dumps(event).encode() + b"\n\n"
+    yield b"data: [DONE]\n\n"
+
+
+@contextlib.contextmanager
+def serve_in_thread(app: Any, **config: Any) -> Iterator[str]:
+    """Serve ``app`` with real uvicorn on 127.0.0.1 (a free port); yields its base URL, stops it after."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", **config))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

@@ -1,0 +1,109 @@
+"""The chat route in process: a faithful forward, journaled, with sessions resolved and returned."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import orjson
+from fastapi.testclient import TestClient
+
+from config import Settings
+from store import Journal
+from tests.conftest import chat
+from tests.fakes import FakeUpstream, Reply, stream_chunks
+
+
+def journal_of(settings: Settings) -> Journal:
+    return Journal(settings.data_path / "journal.db")
+
+
+def test_the_body_goes_upstream_byte_for_byte(client: TestClient, fake: FakeUpstream) -> None:
+    raw = (b'{ "messages": [{"role":"user", "content": "hi \\u00e9"}],\n "model":"m", "reasoning_effort": "high",'
+           b' "chat_template_kwargs": {"enable_thinking": false}, "stream_options": null, "x_unknown": [1, 2.50]}')
+    response = client.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+    assert response.status_code == 200
+    assert fake.last.body == raw
+    assert fake.last.path == "/v1/chat/completions"
+
+
+def test_auth_and_unknown_headers_pass_our_own_do_not(client: TestClient, fake: FakeUpstream) -> None:
+    client.post("/v1/chat/completions", json=chat("hi"), headers={
+        "Authorization": "Bearer sk-abc", "OpenAI-Organization": "org-1", "X-Custom": "yes",
+        "X-Session-Id": "mine", "X-Ctx-Incognito": "0"})
+    sent = fake.last.headers
+    assert sent["authorization"] == "Bearer sk-abc"
+    assert sent["openai-organization"] == "org-1" and sent["x-custom"] == "yes"
+    assert "x-session-id" not in sent and "x-ctx-incognito" not in sent
+
+
+def test_the_answer_comes_back_as_the_upstream_sent_it(client: TestClient, fake: FakeUpstream) -> None:
+    raw = (b'{"id":"x","choices":[{"index":0,"message":{"role":"assistant","content":"ok"}}],  '
+           b'"usage":{"prompt_tokens":7}}')
+    fake.enqueue(Reply(raw=raw, headers={"x-upstream": "llama"}))
+    response = client.post("/v1/chat/completions", json=chat("hi"))
+    assert response.content == raw
+    assert response.headers["x-upstream"] == "llama"
+    assert response.headers["x-ctx-session"].startswith("s-")
+
+
+def test_each_request_is_journaled_with_its_session_and_answer(client: TestClient, settings: Settings) -> None:
+    first = client.post("/v1/chat/completions", json=chat("hi"))
+    second = client.post("/v1/chat/completions", json=chat("hi", "echo: hi", "more"))
+    session = first.headers["x-ctx-session"]
+    assert second.headers["x-ctx-session"] == session
+    entries = journal_of(settings).session_journal(session)
+    assert [(e["messages"], e["new_messages"], e["outcome"], e["status"]) for e in entries] == [
+        (2, 2, "ok", 200), (4, 2, "ok", 200)]
+    assert entries[1]["prompt_tokens"] == second.json()["usage"]["prompt_tokens"]
+
+
+def test_a_named_session_is_used_and_returned(client: TestClient) -> None:
+    response = client.post("/v1/chat/completions", json=chat("hi"), headers={"X-Session-Id": "run-42"})
+    assert response.headers["x-ctx-session"] == "run-42"
+    assert client.get("/ctx/sessions/run-42").json()["requests"] == 1
+
+
+def test_a_second_run_with_the_same_opening_is_a_child_session(client: TestClient) -> None:
+    a = client.post("/v1/chat/completions", json=chat("task", "step one", "go")).headers["x-ctx-session"]
+    b = client.post("/v1/chat/completions", json=chat("task", "a different step", "go")).headers["x-ctx-session"]
+    assert a != b
+    assert client.get(f"/ctx/sessions/{b}").json()["parent_id"] == a
+
+
+def test_a_streamed_answer_is_relayed_and_its_usage_journaled(client: TestClient, fake: FakeUpstream,
+                                                               settings: Settings) -> None:
+    usage = {"prompt_tokens": 21, "completion_tokens": 2, "total_tokens": 23}
+    fake.enqueue(Reply(sse=stream_chunks("hello there", usage=usage)))
+    response = client.post("/v1/chat/completions", json=chat("hi", stream=True))
+    assert response.headers["content-type"].startswith("text/event-stream")
+    events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    text = "".join(json.loads(e)["choices"][0]["delta"].get("content", "") for e in events[:-1]
+                   if json.loads(e)["choices"])
+    assert text == "hello there "
+    (entry,) = journal_of(settings).session_journal(response.headers["x-ctx-session"])
+    assert entry["prompt_tokens"] == 21 and entry["outcome"] == "ok"
+
+
+def test_incognito_requests_leave_nothing_on_disk(client: TestClient, settings: Settings) -> None:
+    response = client.post("/v1/chat/completions", json=chat("secret plans"), headers={"X-Ctx-Incognito": "1"})
+    assert response.status_code == 200
+    raw = b"".join(p.read_bytes() for p in Path(settings.data_path).iterdir())
+    assert b"secret plans" not in raw
+    assert client.get("/ctx/sessions").json()["sessions"] == []
+
+
+def test_other_v1_routes_pass_through(client: TestClient, fake: FakeUpstream) -> None:
+    assert client.get("/v1/models").json()["data"][0]["id"] == "fake-model"
+    response = client.post("/v1/embeddings?x=1", json={"input": "hi", "model": "e"},
+                           headers={"Authorization": "Bearer k"})
+    assert response.status_code == 200
+    assert fake.last.path == "/v1/embeddings" and fake.last.query == "x=1"
+    assert fake.last.headers["authorization"] == "Bearer k"
+    assert orjson.loads(fake.last.body) == {"input": "hi", "model": "e"}
+    assert client.post("/v1/responses", json={"input": "x"}).json()["path"] == "/v1/responses"
+
+
+def test_healthz(client: TestClient) -> None:
+    assert client.get("/healthz").json()["status"] == "ok"

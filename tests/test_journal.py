@@ -1,0 +1,161 @@
+"""The journal: content-addressed, delta-encoded, append-only, and the session chain that tells runs apart."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proxy.rewrite import canonical_json, content_hash, fingerprint
+from proxy.upstream import redact
+from store import IncomingRequest, Journal, ResponseRecord
+from store.migrations import migrations
+
+
+def incoming(messages: Sequence[dict[str, Any]], session: str | None = None, n: int = 0,
+             headers: dict[str, str | None] | None = None) -> IncomingRequest:
+    bodies = [canonical_json(m) for m in messages]
+    params = canonical_json({"model": "m"})
+    return IncomingRequest(f"2026-01-01T00:00:{n:02d}", "/v1/chat/completions", "m", False, session,
+                           fingerprint(messages), [content_hash(b) for b in bodies], bodies, content_hash(params),
+                           params, headers or {}, 100)
+
+
+def run(n_rounds: int, opening: str = "fix the bug", result: str = "output") -> list[list[dict[str, Any]]]:
+    """The requests an agent sends: each carries the whole history so far."""
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": "sys"}, {"role": "user", "content": opening}]
+    out = [list(msgs)]
+    for k in range(n_rounds):
+        msgs += [{"role": "assistant", "content": None,
+                  "tool_calls": [{"id": f"c{k}", "type": "function", "function": {"name": "sh", "arguments": "{}"}}]},
+                 {"role": "tool", "tool_call_id": f"c{k}", "content": f"{result} {k}"}]
+        out.append(list(msgs))
+    return out
+
+
+@pytest.fixture
+def journal(tmp_path: Path) -> Journal:
+    return Journal(tmp_path / "journal.db")
+
+
+def test_a_growing_run_is_one_session(journal: Journal) -> None:
+    ids = {journal.record_request(incoming(msgs, n=i)).session_id for i, msgs in enumerate(run(5))}
+    assert len(ids) == 1
+    (row,) = journal.sessions()
+    assert row["requests"] == 6 and row["messages"] == 12
+
+
+def test_messages_are_stored_once_and_lists_only_add_the_new(journal: Journal) -> None:
+    requests = run(30)
+    for i, msgs in enumerate(requests):
+        recorded = journal.record_request(incoming(msgs, n=i))
+        assert recorded.new_messages == 2
+    blobs = journal.db.execute("SELECT COUNT(*) FROM blobs WHERE kind = 'message'").fetchone()[0]
+    added = journal.db.execute("SELECT SUM(json_array_length(added)) FROM message_lists").fetchone()[0]
+    assert blobs == len(requests[-1]) == added  # O(total messages), not O(rounds²)
+
+
+def test_a_request_rebuilds_byte_for_byte(journal: Journal) -> None:
+    requests = run(4)
+    recorded = [journal.record_request(incoming(m, n=i)) for i, m in enumerate(requests)]
+    for rec, msgs in zip(recorded, requests, strict=True):
+        assert journal.request(rec.request_id)["messages"] == msgs  # type: ignore[index]
+
+
+def test_a_second_run_with_the_same_opening_becomes_a_child(journal: Journal) -> None:
+    first = [journal.record_request(incoming(m, n=i)) for i, m in enumerate(run(3))]
+    second = journal.record_request(incoming(run(3, result="other")[1], n=10))
+    assert second.session_id != first[0].session_id
+    assert second.forked and second.parent_id == first[0].session_id
+    child = journal.session(second.session_id)
+    assert child is not None and child["shared_len"] == 3  # system, user, the identical first call
+
+
+def test_an_agent_that_edits_its_history_forks(journal: Journal) -> None:
+    requests = run(3)
+    for i, m in enumerate(requests):
+        journal.record_request(incoming(m, n=i))
+    edited = [dict(m) for m in requests[-1]]
+    edited[3] = {"role": "tool", "tool_call_id": "c0", "content": "trimmed by the agent"}
+    rec = journal.record_request(incoming(edited, n=9))
+    assert rec.forked and rec.new_messages == len(edited) - 3
+    assert journal.request(rec.request_id)["messages"] == edited  # type: ignore[index]
+
+
+def test_a_retry_of_the_same_request_stays_in_the_session(journal: Journal) -> None:
+    msgs = run(2)[-1]
+    a = journal.record_request(incoming(msgs, n=1))
+    b = journal.record_request(incoming(msgs, n=2))
+    assert a.session_id == b.session_id and b.new_messages == 0
+
+
+def test_a_named_session_wins_over_the_fingerprint(journal: Journal) -> None:
+    a = journal.record_request(incoming(run(1)[-1], session="agent-7"))
+    b = journal.record_request(incoming(run(1, opening="other task")[-1], session="agent-7", n=1))
+    assert a.session_id == b.session_id == "agent-7"
+    assert not b.forked
+
+
+def test_credentials_are_never_stored(tmp_path: Path) -> None:
+    raw_headers = [(b"Authorization", b"Bearer sk-secret-1"), (b"x-api-key", b"k-secret-2"),
+                   (b"Cookie", b"sid=secret-3"), (b"User-Agent", b"OpenAI/Python")]
+    journal = Journal(tmp_path / "j.db")
+    rec = journal.record_request(incoming(run(0)[0], headers=redact(raw_headers)))
+    journal.close()
+    raw = b"".join(p.read_bytes() for p in tmp_path.iterdir())
+    assert b"secret" not in raw
+    row = Journal(tmp_path / "j.db").request(rec.request_id)
+    assert row is not None
+    assert row["headers"] == {"authorization": None, "x-api-key": None, "cookie": None, "user-agent": "OpenAI/Python"}
+
+
+def test_responses_keep_usage_and_timings(journal: Journal) -> None:
+    rec = journal.record_request(incoming(run(0)[0]))
+    journal.record_response(ResponseRecord(rec.request_id, 0, "ok", 200, "{}", {"prompt_tokens": 12,
+                                           "completion_tokens": 3}, 1.5, 9.0, "2026-01-01T00:00:01"))
+    (entry,) = journal.session_journal(rec.session_id)
+    assert (entry["prompt_tokens"], entry["completion_tokens"], entry["ttfb_ms"]) == (12, 3, 1.5)
+    assert journal.sessions()[0]["last_prompt_tokens"] == 12
+
+
+def test_migrating_twice_is_a_noop(tmp_path: Path) -> None:
+    Journal(tmp_path / "j.db").close()
+    journal = Journal(tmp_path / "j.db")
+    assert [m.name for m in migrations.applied(journal.db)] == ["m001_journal"]
+
+
+def test_in_memory_journal_writes_no_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    journal = Journal(None)
+    journal.record_request(incoming(run(1)[-1]))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_journal_file_is_in_wal_mode(journal: Journal) -> None:
+    assert journal.db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+# Each step of a history: extend it by some messages, or cut it back (an edit) and extend.
+steps = st.lists(st.tuples(st.integers(0, 6), st.integers(1, 4)), min_size=1, max_size=12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(steps)
+def test_any_sequence_of_extensions_and_edits_rebuilds_exactly(plan: list[tuple[int, int]]) -> None:
+    journal = Journal(None)
+    history: list[dict[str, Any]] = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    serial = 0
+    for cut, grow in plan:
+        history = history[: max(2, len(history) - cut)]
+        for _ in range(grow):
+            serial += 1
+            history.append({"role": "user" if serial % 2 else "assistant", "content": f"m{serial}"})
+        rec = journal.record_request(incoming(history, n=serial % 60))
+        row = journal.request(rec.request_id)
+        assert row is not None and row["messages"] == history
+        assert json.loads(json.dumps(row["messages"])) == history
