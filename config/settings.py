@@ -87,6 +87,7 @@ class Settings:
     journal_sync: str = _opt("normal", parse_choice("normal", "full"), "SQLite synchronous: normal survives a "
                              "crash of the proxy, full also a power loss (one fsync per request)")
     log_level: str = _opt("info", parse_choice("critical", "error", "warning", "info", "debug"), "log level")
+    access_log: bool = _opt(False, parse_bool, "uvicorn's per-request log line (the journal records every request)")
     # --- budget and tokens (DESIGN.md §3) ---------------------------------------------------------------------
     ctx_window: int = _opt(0, parse_window, 'the model\'s physical window; "auto" asks upstream, else 131072',
                            auto=0)
@@ -141,7 +142,7 @@ class Settings:
 SETTABLE = {f.name: f for f in dataclasses.fields(Settings) if not f.metadata.get("internal")}
 SERVER_KEYS = frozenset({
     "upstream", "host", "port", "data_dir", "admin_token", "session_header", "incognito", "max_body_bytes",
-    "upstream_connect_timeout", "upstream_timeout", "journal_sync", "log_level",
+    "upstream_connect_timeout", "upstream_timeout", "journal_sync", "log_level", "access_log",
 })
 """Keys that describe the process, not a model: a ``[models.*]`` profile may not set them."""
 

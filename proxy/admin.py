@@ -19,7 +19,7 @@ from store import Journal
 
 __all__ = ["router"]
 
-router = APIRouter(prefix="/ctx")
+router = APIRouter()  # mounted at /ctx by proxy.app
 
 
 def _state(request: Request) -> AppState:

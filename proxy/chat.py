@@ -24,7 +24,7 @@ from proxy.responses import FinallyResponse
 from proxy.rewrite import canonical_json, content_hash, fingerprint
 from proxy.sse import last_usage
 from proxy.state import AppState
-from proxy.upstream import client_headers, redact, response_headers, send, upstream_url
+from proxy.upstream import client_headers, redact, response_headers
 from proxy.wire import ChatBody
 from store import IncomingRequest, Journal, JournalWriter, RecordedRequest, ResponseRecord
 
@@ -32,6 +32,7 @@ __all__ = ["chat_completions", "incoming_request"]
 
 SESSION_RESPONSE_HEADER = "X-Ctx-Session"
 _CHAT_DROP = frozenset({"accept-encoding"})
+_IDENTITY = [(b"accept-encoding", b"identity")]  # the proxy reads the answer (usage), so it must arrive plain
 
 
 async def chat_completions(request: Request) -> Response:
@@ -40,7 +41,7 @@ async def chat_completions(request: Request) -> Response:
     body = parse_chat_body(raw)
     incognito = request.headers.get("x-ctx-incognito", "").lower() in ("1", "true", "yes")
     writer = state.journal_for(incognito)
-    incoming = incoming_request(request, raw, body, state.settings.session_header)
+    incoming = incoming_request(request, raw, body, state)
     recorded = await writer.call(Journal.record_request, incoming)
     await state.locks.acquire(recorded.session_id)
     exchange = Exchange(state, writer, recorded)
@@ -55,20 +56,22 @@ async def chat_completions(request: Request) -> Response:
     return await exchange.buffered(upstream)
 
 
-def incoming_request(request: Request, raw: bytes, body: ChatBody, session_header: str) -> IncomingRequest:
+def incoming_request(request: Request, raw: bytes, body: ChatBody, state: AppState) -> IncomingRequest:
     """The journal's view of a request: content hashes and canonical bodies, credentials redacted."""
     messages = body["messages"]
-    bodies = [canonical_json(m) for m in messages]
+    session_name = request.headers.get(state.settings.session_header) or None
+    opening = fingerprint(messages)
+    hashed = state.hasher.hash(session_name or opening, messages)
     params = canonical_json({k: v for k, v in body.items() if k != "messages"})
     return IncomingRequest(
         received_at=_now(),
         path=request.url.path,
         model=body.get("model"),
         stream=bool(body.get("stream")),
-        session_name=request.headers.get(session_header) or None,
-        fingerprint=fingerprint(messages),
-        hashes=[content_hash(b) for b in bodies],
-        bodies=bodies,
+        session_name=session_name,
+        fingerprint=opening,
+        hashes=hashed.hashes,
+        bodies=hashed.bodies,
         params_hash=content_hash(params),
         params_body=params,
         headers=redact(request.headers.raw),
@@ -91,10 +94,8 @@ class Exchange:
 
     async def open(self, request: Request, raw: bytes) -> httpx.Response:
         own = self.state.own_headers
-        outgoing = self.state.client.build_request(
-            "POST", upstream_url(self.state.settings.upstream, request.url.path, request.url.query),
-            headers=client_headers(request.headers.raw, own, _CHAT_DROP), content=raw)
-        upstream = await send(self.state.client, outgoing)
+        headers = client_headers(request.headers.raw, own, _CHAT_DROP) + _IDENTITY
+        upstream = await self.state.upstream.send("POST", request.url.path, request.url.query, headers, raw)
         self.ttfb_ms = self._elapsed()
         return upstream
 

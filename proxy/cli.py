@@ -73,7 +73,7 @@ def _serve(settings: Settings, args: argparse.Namespace) -> int:
     from proxy.app import create_app
 
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level,
-                proxy_headers=False, server_header=False)
+                proxy_headers=False, server_header=False, access_log=settings.access_log)
     return 0
 
 

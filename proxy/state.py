@@ -1,4 +1,4 @@
-"""What the app holds for its lifetime: settings, the one upstream client, the journals, the session locks.
+"""What the app holds for its lifetime: settings, the upstream, the journals, the session locks.
 
 Built by the lifespan (``proxy.app``) and reached by handlers as ``request.app.state.ctx``.
 """
@@ -9,9 +9,9 @@ import asyncio
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-import httpx
-
 from config import Settings
+from proxy.hashing import MessageHasher
+from proxy.upstream import Upstream
 from store import JournalWriter
 
 __all__ = ["AppState", "SessionLocks"]
@@ -53,10 +53,11 @@ class SessionLocks:
 @dataclass
 class AppState:
     settings: Settings
-    client: httpx.AsyncClient
+    upstream: Upstream
     journal: JournalWriter
     incognito_journal: JournalWriter
     locks: SessionLocks = field(default_factory=SessionLocks)
+    hasher: MessageHasher = field(default_factory=MessageHasher)
     own_headers: frozenset[str] = frozenset()
 
     def journal_for(self, incognito: bool) -> JournalWriter:

@@ -3,7 +3,7 @@
 Headers we do not own pass both ways untouched (the client's ``Authorization`` included). Dropped: hop-by-hop
 headers (RFC 9110 §7.6.1), ``Host`` and ``Content-Length`` (recomputed), and our own (the session header and
 ``X-Ctx-*``). On the chat route ``Accept-Encoding`` is dropped too, so the answer arrives as plain bytes the proxy
-can read for ``usage`` while relaying it.
+can read for ``usage`` while relaying it (``Accept-Encoding: identity`` is sent instead).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import httpx
 
 from proxy.errors import UpstreamTimeout, UpstreamUnreachable
 
-__all__ = ["HOP_BY_HOP", "client_headers", "redact", "response_headers", "send", "upstream_url"]
+__all__ = ["HOP_BY_HOP", "Upstream", "client_headers", "redact", "response_headers", "upstream_url"]
 
 HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection", "te", "trailer",
@@ -54,13 +54,30 @@ def redact(headers: Iterable[tuple[bytes, bytes]]) -> dict[str, str | None]:
     return out
 
 
-async def send(client: httpx.AsyncClient, request: httpx.Request) -> httpx.Response:
-    """Send with the body streamed back; transport failures become 502/504 with a reason and a next step."""
-    try:
-        return await client.send(request, stream=True)
-    except httpx.TimeoutException as exc:
-        raise UpstreamTimeout(f"The upstream at {request.url} did not answer in time ({type(exc).__name__}). "
-                              "Raise upstream_timeout if the model is slow to start.") from None
-    except httpx.TransportError as exc:
-        raise UpstreamUnreachable(f"Cannot reach the upstream at {request.url}: {exc or type(exc).__name__}. "
-                                  "Check that the model server is running and --upstream is right.") from None
+class Upstream:
+    """The upstream endpoint: its base URL and the one transport (connection pool) every request shares.
+
+    Requests go straight to the transport. httpx's client layer (cookies, auth, redirects, default headers) has
+    nothing to do for a proxy — it must not follow redirects, add headers or keep cookies — and costs ~0.25 ms.
+    """
+
+    def __init__(self, base: str, transport: httpx.AsyncBaseTransport, connect: float, read: float) -> None:
+        self.base, self.transport = base, transport
+        self._timeout = {"connect": connect, "read": read, "write": read, "pool": connect}
+
+    async def send(self, method: str, path: str, query: str, headers: list[tuple[bytes, bytes]],
+                   body: bytes) -> httpx.Response:
+        """Send; the answer's body streams. Transport failures become 502/504 with a reason and a next step."""
+        request = httpx.Request(method, upstream_url(self.base, path, query), headers=headers, content=body,
+                                extensions={"timeout": self._timeout})
+        try:
+            return await self.transport.handle_async_request(request)
+        except httpx.TimeoutException as exc:
+            raise UpstreamTimeout(f"The upstream at {request.url} did not answer in time ({type(exc).__name__}). "
+                                  "Raise upstream_timeout if the model is slow to start.") from None
+        except httpx.TransportError as exc:
+            raise UpstreamUnreachable(f"Cannot reach the upstream at {request.url}: {exc or type(exc).__name__}. "
+                                      "Check that the model server is running and --upstream is right.") from None
+
+    async def aclose(self) -> None:
+        await self.transport.aclose()

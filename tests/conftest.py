@@ -9,10 +9,17 @@ from pathlib import Path
 import httpx
 import pytest
 from fastapi.testclient import TestClient
+from hypothesis import HealthCheck
+from hypothesis import settings as hypothesis_settings
 
 from config import Settings, load_settings
 from proxy.app import create_app
 from tests.fakes import FakeUpstream
+
+# A noisy 2-core machine: no per-example deadline, and Hypothesis's one-time start-up (building its Unicode tables
+# on a fresh clone takes ~2 s) must not count as "input generation is slow".
+hypothesis_settings.register_profile("ctxproxy", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+hypothesis_settings.load_profile("ctxproxy")
 
 
 @pytest.fixture(autouse=True)

@@ -107,3 +107,4 @@ def test_other_v1_routes_pass_through(client: TestClient, fake: FakeUpstream) ->
 
 def test_healthz(client: TestClient) -> None:
     assert client.get("/healthz").json()["status"] == "ok"
+

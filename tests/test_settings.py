@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -161,5 +163,11 @@ def test_the_default_file_lists_every_key_at_its_default() -> None:
 
 def test_the_readme_documents_every_key() -> None:
     readme = (ROOT / "README.md").read_text()
-    missing = [key for key in SETTABLE if f"`{key}`" not in readme]
+    missing = [key for key in SETTABLE if f"| `{key}` |" not in readme]
     assert not missing, f"README lacks: {missing}"
+
+
+def test_the_generated_reference_is_current() -> None:
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "config_docs.py"), "--check"],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

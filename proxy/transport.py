@@ -1,0 +1,84 @@
+"""The upstream transport: httpx's API on top of aiohttp's connection pool.
+
+Why: on this 2-core machine httpx's own HTTP/1.1 stack (httpcore + h11, pure Python) costs about 1.1 ms per
+request; aiohttp's (C parser) about a third of that (bench/latency.py, docs/benchmarks.md). The proxy keeps
+httpx as its client API — requests, streaming, timeouts, and ``MockTransport``/``ASGITransport`` in tests — and
+only the bytes on the wire go through aiohttp.
+
+Faithfulness: aiohttp is told to add nothing (no default User-Agent, Accept or Accept-Encoding), keep no cookies
+(one pool serves every agent) and decompress nothing (bytes are relayed as they came, with their headers).
+Its exceptions become httpx's, so ``proxy.upstream.send`` maps them to 502/504 like any other transport's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import httpx
+
+__all__ = ["AiohttpTransport"]
+
+_NO_AUTO_HEADERS = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
+
+
+def _as_httpx_error(exc: Exception, request: httpx.Request) -> httpx.TransportError:
+    """The httpx exception for an aiohttp (or asyncio) failure; the most specific kind wins."""
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        return httpx.ConnectTimeout(str(exc) or "connect timeout", request=request)
+    if isinstance(exc, aiohttp.ServerTimeoutError | TimeoutError):
+        return httpx.ReadTimeout(str(exc) or "read timeout", request=request)
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return httpx.ConnectError(str(exc), request=request)
+    if isinstance(exc, aiohttp.ClientPayloadError):
+        return httpx.ReadError(str(exc), request=request)
+    return httpx.RemoteProtocolError(str(exc) or type(exc).__name__, request=request)
+
+
+class _Body(httpx.AsyncByteStream):
+    """The response body as it arrives, chunk by chunk, with aiohttp's errors translated."""
+
+    def __init__(self, response: aiohttp.ClientResponse, request: httpx.Request) -> None:
+        self._response, self._request = response, request
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self._response.content.iter_any():
+                yield chunk
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise _as_httpx_error(exc, self._request) from exc
+
+    async def aclose(self) -> None:
+        self._response.release()
+
+
+class AiohttpTransport(httpx.AsyncBaseTransport):
+    """An ``httpx.AsyncBaseTransport`` whose connections are aiohttp's. Create it inside the running loop."""
+
+    def __init__(self, max_connections: int = 0, keepalive_seconds: float = 60.0) -> None:
+        connector = aiohttp.TCPConnector(limit=max_connections, keepalive_timeout=keepalive_seconds)
+        self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
+                                              cookie_jar=aiohttp.DummyCookieJar(),
+                                              skip_auto_headers=_NO_AUTO_HEADERS)
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        timeout: dict[str, Any] = request.extensions.get("timeout", {})
+        try:
+            response = await self._session.request(
+                request.method, str(request.url), headers=request.headers.multi_items(), data=await _body_of(request),
+                allow_redirects=False, compress=None, auto_decompress=False,
+                timeout=aiohttp.ClientTimeout(sock_connect=timeout.get("connect"), sock_read=timeout.get("read"),
+                                              connect=timeout.get("pool")))
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise _as_httpx_error(exc, request) from exc
+        return httpx.Response(response.status, headers=response.raw_headers, stream=_Body(response, request),
+                              request=request, extensions={"reason_phrase": (response.reason or "").encode()})
+
+    async def aclose(self) -> None:
+        await self._session.close()
+
+
+async def _body_of(request: httpx.Request) -> bytes | None:
+    body = await request.aread()
+    return body or None

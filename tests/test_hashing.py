@@ -1,0 +1,37 @@
+"""Message hashing reuses the previous history's identities, and never gives a changed message an old one."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from proxy.hashing import MessageHasher
+from proxy.rewrite import canonical_json, content_hash
+
+message = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "tool"]),
+                                 "content": st.one_of(st.none(), st.text(max_size=20))})
+
+
+@given(st.lists(st.lists(message, max_size=8), min_size=1, max_size=6))
+def test_hashes_always_equal_a_fresh_computation(histories: list[list[dict[str, Any]]]) -> None:
+    hasher = MessageHasher(conversations=2)
+    for history in histories:
+        got = hasher.hash("k", history)
+        assert got.hashes == [content_hash(canonical_json(m)) for m in history]
+        assert got.bodies == [canonical_json(m) for m in history]
+
+
+def test_an_unchanged_prefix_is_not_serialised_again() -> None:
+    hasher = MessageHasher()
+    first = hasher.hash("k", [{"role": "user", "content": "a"}])
+    second = hasher.hash("k", [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])
+    assert second.bodies[0] is first.bodies[0]  # reused, not re-serialised
+
+
+def test_the_cache_is_bounded() -> None:
+    hasher = MessageHasher(conversations=3)
+    for i in range(10):
+        hasher.hash(str(i), [{"role": "user", "content": str(i)}])
+    assert len(hasher._last) == 3

@@ -1,0 +1,105 @@
+"""The real upstream transport (aiohttp under httpx) against real servers on loopback: failures map to 502/504,
+nothing is added to or kept from what crosses it."""
+
+from __future__ import annotations
+
+import gzip
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from config import load_settings
+from proxy.app import create_app
+from store import Journal
+from tests.fakes import FakeUpstream, Reply, serve_in_thread, stream_chunks
+
+pytestmark = pytest.mark.e2e
+BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def proxy_for(tmp_path: Path, upstream: str, **env: str) -> Iterator[str]:
+    settings = load_settings(env={"CTXPROXY_DATA_DIR": str(tmp_path), "CTXPROXY_UPSTREAM": upstream, **env})
+    with serve_in_thread(create_app(settings)) as url:
+        yield url
+
+
+@pytest.fixture
+def fake() -> Iterator[tuple[FakeUpstream, str]]:
+    upstream = FakeUpstream()
+    with serve_in_thread(upstream) as url:
+        yield upstream, url
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_unreachable_upstream_is_a_502(tmp_path: Path, stream: bool) -> None:
+    for proxy in proxy_for(tmp_path, f"http://127.0.0.1:{closed_port()}/v1"):
+        response = httpx.post(proxy + "/v1/chat/completions", json=BODY | {"stream": stream}, timeout=10)
+        assert response.status_code == 502
+        assert response.json()["error"]["code"] == "upstream_unreachable"
+
+
+def test_a_slow_upstream_is_a_504(tmp_path: Path, fake: tuple[FakeUpstream, str]) -> None:
+    upstream, url = fake
+    upstream.enqueue(Reply(body={"choices": []}, delay=2.0))
+    for proxy in proxy_for(tmp_path, url + "/v1", CTXPROXY_UPSTREAM_TIMEOUT="0.3"):
+        response = httpx.post(proxy + "/v1/chat/completions", json=BODY, timeout=10)
+        assert response.status_code == 504 and response.json()["error"]["code"] == "upstream_timeout"
+
+
+def test_a_stream_that_stalls_ends_with_an_error_event(tmp_path: Path, fake: tuple[FakeUpstream, str]) -> None:
+    upstream, url = fake
+    gate = threading.Event()
+    upstream.enqueue(Reply(sse=stream_chunks("stalls here"), chunk_gate=gate))
+    try:
+        for proxy in proxy_for(tmp_path, url + "/v1", CTXPROXY_UPSTREAM_TIMEOUT="0.3"):
+            response = httpx.post(proxy + "/v1/chat/completions", json=BODY | {"stream": True}, timeout=10)
+            assert response.status_code == 200
+            last = [line for line in response.text.splitlines() if line.startswith("data: ")][-1]
+            assert '"upstream_stream_error"' in last
+            outcome = Journal(tmp_path / "journal.db").db.execute("SELECT outcome FROM responses").fetchone()
+            assert outcome == ("timeout",)
+    finally:
+        gate.set()
+
+
+def test_the_proxy_adds_no_headers_of_its_own(tmp_path: Path, fake: tuple[FakeUpstream, str]) -> None:
+    upstream, url = fake
+    for proxy in proxy_for(tmp_path, url + "/v1"):
+        raw = b'{"messages":[{"role":"user","content":"hi"}]}'
+        with socket.create_connection(("127.0.0.1", int(proxy.rsplit(":", 1)[1]))) as conn:
+            conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: " + str(len(raw)).encode() + b"\r\nConnection: close\r\n\r\n" + raw)
+            assert conn.recv(65536).startswith(b"HTTP/1.1 200")
+    sent = upstream.last.headers
+    assert set(sent) <= {"host", "content-type", "content-length", "accept-encoding"}
+    assert sent["accept-encoding"] == "identity"  # the proxy reads the answer, so it asks for it plain
+
+
+def test_upstream_cookies_are_not_kept(tmp_path: Path, fake: tuple[FakeUpstream, str]) -> None:
+    upstream, url = fake
+    upstream.enqueue(Reply(body={"choices": []}, headers={"set-cookie": "upstream_session=abc; Path=/"}))
+    for proxy in proxy_for(tmp_path, url + "/v1"):
+        httpx.post(proxy + "/v1/chat/completions", json=BODY, timeout=10)
+        httpx.post(proxy + "/v1/chat/completions", json=BODY, timeout=10)
+    assert "cookie" not in upstream.last.headers
+
+
+def test_compressed_passthrough_answers_arrive_intact(tmp_path: Path, fake: tuple[FakeUpstream, str]) -> None:
+    upstream, url = fake
+    packed = gzip.compress(b'{"data": [0.1, 0.2]}')
+    upstream.enqueue(Reply(raw=packed, headers={"content-encoding": "gzip"}))
+    for proxy in proxy_for(tmp_path, url + "/v1"):
+        response = httpx.post(proxy + "/v1/embeddings", json={"input": "x"}, timeout=10,
+                              headers={"accept-encoding": "gzip"})
+        assert response.json() == {"data": [0.1, 0.2]}  # decoded by the client, not by the proxy
+        assert upstream.last.headers["accept-encoding"] == "gzip"
