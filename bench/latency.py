@@ -1,0 +1,342 @@
+"""How much latency ctxproxy adds over talking to the upstream directly.
+
+Why: a proxy on every agent request must cost next to nothing; the goal is ≤ 1 ms added for a small request and
+≤ 4 ms for the 630 KB history of the shared workload (``shared/bench/conversation-60.json``), on a 2-core
+machine. The peers in ``shared/bench/README.md`` were measured the same way (median, added over direct, a fake
+upstream on loopback), so these numbers sit beside theirs.
+
+How: ``bench/fake_upstream.py`` (pure ASGI, uvloop + httptools, fixed answer) runs as one process and the real
+``ctxproxy serve`` (journal in a temporary data dir) as another, both on 127.0.0.1. One keep-alive
+``httpx.Client`` per target POSTs ``/v1/chat/completions``; each iteration sends one direct and one proxied
+request, alternating which goes first, so drifts of the machine hit both sides alike. Per workload: warm-up, then
+``--requests`` timed pairs (``perf_counter_ns``, from send to the last body byte; for the streamed workload to
+the first body byte). Reported: median and p90 of each side, added = median(proxied) - median(direct), and the
+median of the per-pair differences. Nothing leaves 127.0.0.1; only the two processes started here are stopped.
+
+``--proxy floor-raw|floor-httpx|floor-fastapi|floor-aiohttp`` puts a bare hop (``bench/floor_proxy.py``) in
+ctxproxy's place: what any Python proxy with that stack costs, to tell ctxproxy's own cost from the hop's.
+``bench/profile_proxy.py`` shows where ctxproxy's time goes.
+
+Run: ``.venv/bin/python bench/latency.py --requests 200 --markdown`` (``--check``: exit 1 when a goal is missed)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import json
+import os
+import platform
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+CONVERSATION = ROOT.parent / "shared" / "bench" / "conversation-60.json"
+DEFAULT_JSON = BENCH / "results" / "latency.json"
+WARMUP = 10
+CHAT_PATH = "/v1/chat/completions"
+HEADERS = {"content-type": "application/json", "authorization": "Bearer sk-bench"}
+PROXIES = ("ctxproxy", "floor-raw", "floor-httpx", "floor-fastapi", "floor-aiohttp")
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    body: bytes
+    stream: bool
+    goal_ms: float | None
+    what: str
+
+
+@dataclass(frozen=True)
+class Targets:
+    direct: str
+    proxied: str
+    proxy_pid: int
+
+
+Timer = Callable[[httpx.Client, str, bytes], int]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    command = _command_line(argv)
+    chosen = workloads(args.no_stream or args.proxy != "ctxproxy")
+    with tempfile.TemporaryDirectory(prefix="ctxproxy-bench-") as tmp, \
+            servers(Path(tmp), args.proxy_env, args.proxy) as targets:
+        results = [_run_workload(targets, w, args.requests) for w in chosen]
+    report = _report(command, args.proxy, args.requests, results)
+    out: Path = args.json or (DEFAULT_JSON if args.proxy == "ctxproxy" else DEFAULT_JSON.with_stem(
+        f"latency-{args.proxy}"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"command: {command}")
+    print(_markdown(report) if args.markdown else _summary(report))
+    print(f"results: {_rel(out)}")
+    return 1 if args.check and any(r["meets_goal"] is False for r in results) else 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--requests", type=int, default=200, help="timed requests per side and workload (200)")
+    parser.add_argument("--json", type=Path, help=f"results file (default {_rel(DEFAULT_JSON)}; "
+                        "latency-<proxy>.json beside it for a floor proxy)")
+    parser.add_argument("--markdown", action="store_true", help="print the results as a Markdown table")
+    parser.add_argument("--check", action="store_true", help="exit 1 when a workload misses its goal")
+    parser.add_argument("--no-stream", action="store_true", help="skip the streamed time-to-first-byte workload")
+    parser.add_argument("--proxy", choices=PROXIES, default="ctxproxy",
+                        help="what sits in the middle: ctxproxy, or a bare hop of bench/floor_proxy.py to compare")
+    parser.add_argument("--proxy-env", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra environment for the proxy, e.g. CTXPROXY_LOG_LEVEL=warning (repeatable)")
+    return parser
+
+
+def _command_line(argv: list[str] | None) -> str:
+    script = _rel(Path(sys.argv[0]).absolute()) if argv is None else _rel(Path(__file__))
+    return shlex.join([_rel(Path(sys.executable)), script, *(sys.argv[1:] if argv is None else argv)])
+
+
+def _rel(path: Path) -> str:
+    """``path`` relative to the working directory when it lies below it (symlinks kept), else absolute."""
+    path = path.absolute()
+    return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
+
+
+# --- workloads ----------------------------------------------------------------------------------------------------
+def _dumps(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def workloads(no_stream: bool) -> list[Workload]:
+    small = {"model": "fake-model", "messages": [
+        {"role": "system", "content": "You are a careful coding agent. Answer briefly."},
+        {"role": "user", "content": "List the files under src/ and tell me which one defines the HTTP routes."}]}
+    if not CONVERSATION.exists():
+        sys.exit(f"{CONVERSATION} not found: the shared workload (shared/bench/) must sit beside the repository")
+    conversation = json.loads(CONVERSATION.read_text())
+    large = {"model": conversation["model"], "tools": conversation["tools"], "messages": conversation["messages"]}
+    out = [
+        Workload("small", _dumps(small), False, 1.0, "system + user message, whole answer"),
+        Workload("630 KB", _dumps(large), False, 4.0, f"conversation-60.json, {len(large['messages'])} messages"),
+    ]
+    if not no_stream:
+        out.append(Workload("small, stream TTFB", _dumps(small | {"stream": True}), True, None,
+                            "stream:true, time to the first body byte"))
+    return out
+
+
+# --- processes ----------------------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextlib.contextmanager
+def servers(tmp: Path, proxy_env: list[str], proxy: str = "ctxproxy") -> Iterator[Targets]:
+    """The fake upstream and the proxy in front of it, each its own process; both stopped (by PID) on exit."""
+    fake_port, proxy_port = free_port(), free_port()
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        procs.append(_spawn([sys.executable, str(BENCH / "fake_upstream.py"), "--port", str(fake_port)],
+                            tmp / "fake.log", os.environ.copy()))
+        _wait_ready(procs[-1], f"http://127.0.0.1:{fake_port}/v1/models", tmp / "fake.log")
+        procs.append(_spawn(_proxy_command(proxy, f"http://127.0.0.1:{fake_port}/v1", proxy_port, tmp),
+                            tmp / "proxy.log", _proxy_environ(proxy_env)))
+        _wait_ready(procs[-1], f"http://127.0.0.1:{proxy_port}/healthz", tmp / "proxy.log")
+        yield Targets(f"http://127.0.0.1:{fake_port}", f"http://127.0.0.1:{proxy_port}", procs[-1].pid)
+    finally:
+        for proc in reversed(procs):
+            _stop(proc)
+
+
+def _proxy_command(proxy: str, upstream: str, port: int, tmp: Path) -> list[str]:
+    if proxy != "ctxproxy":
+        return [sys.executable, str(BENCH / "floor_proxy.py"), "--mode", proxy.removeprefix("floor-"),
+                "--upstream", upstream, "--port", str(port)]
+    beside = Path(sys.executable).parent / "ctxproxy"
+    if not beside.exists():
+        sys.exit("ctxproxy is not installed beside this Python: run `make .venv/bin/ctxproxy`, use .venv/bin/python")
+    return [str(beside), "serve", "--upstream", upstream, "--host", "127.0.0.1", "--port", str(port),
+            "--data-dir", str(tmp / "data")]
+
+
+def _proxy_environ(extra: list[str]) -> dict[str, str]:
+    """This environment without CTXPROXY_* (a developer's settings must not skew the numbers), plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CTXPROXY_")}
+    for item in extra:
+        key, _, value = item.partition("=")
+        env[key] = value
+    return env
+
+
+def _spawn(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    with log.open("wb") as out:
+        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env)
+
+
+def _wait_ready(proc: subprocess.Popen[bytes], url: str, log: Path, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    with httpx.Client(timeout=1.0) as client:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{url} exited with {proc.returncode}:\n{log.read_text()[-2000:]}")
+            with contextlib.suppress(httpx.TransportError):
+                if client.get(url).status_code == 200:
+                    return
+            time.sleep(0.05)
+    raise RuntimeError(f"{url} not ready after {timeout:.0f} s:\n{log.read_text()[-2000:]}")
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+# --- measuring ----------------------------------------------------------------------------------------------------
+def time_whole(client: httpx.Client, url: str, body: bytes) -> int:
+    start = time.perf_counter_ns()
+    response = client.post(url, content=body, headers=HEADERS)
+    elapsed = time.perf_counter_ns() - start
+    _check(response, url)
+    return elapsed
+
+
+def time_first_byte(client: httpx.Client, url: str, body: bytes) -> int:
+    start = time.perf_counter_ns()
+    with client.stream("POST", url, content=body, headers=HEADERS) as response:
+        chunks = response.iter_raw()
+        first = next(chunks, b"")
+        elapsed = time.perf_counter_ns() - start
+        rest = first + b"".join(chunks)
+    _check(response, url)
+    if not first or not rest.endswith(b"data: [DONE]\n\n"):
+        raise RuntimeError(f"{url}: the stream did not end with [DONE]: {rest[-200:]!r}")
+    return elapsed
+
+
+def _check(response: httpx.Response, url: str) -> None:
+    if response.status_code != 200:
+        raise RuntimeError(f"{url} answered {response.status_code}: {response.text[:500]}")
+
+
+def _run_workload(targets: Targets, workload: Workload, requests: int) -> dict[str, Any]:
+    timer: Timer = time_first_byte if workload.stream else time_whole
+    direct: list[int] = []
+    proxied: list[int] = []
+    with httpx.Client(base_url=targets.direct, timeout=30.0) as d, \
+            httpx.Client(base_url=targets.proxied, timeout=30.0) as p:
+        for i in range(WARMUP + requests):
+            pair = _one_pair(timer, d, p, workload.body, proxied_first=i % 2 == 1)
+            if i >= WARMUP:
+                direct.append(pair[0])
+                proxied.append(pair[1])
+    return _summarize(workload, direct, proxied)
+
+
+def _one_pair(timer: Timer, direct: httpx.Client, proxied: httpx.Client, body: bytes,
+              proxied_first: bool) -> tuple[int, int]:
+    if proxied_first:
+        p = timer(proxied, CHAT_PATH, body)
+        return timer(direct, CHAT_PATH, body), p
+    d = timer(direct, CHAT_PATH, body)
+    return d, timer(proxied, CHAT_PATH, body)
+
+
+# --- reporting ----------------------------------------------------------------------------------------------------
+def _ms(ns: float) -> float:
+    return round(ns / 1e6, 3)
+
+
+def _stats(samples: list[int]) -> dict[str, float]:
+    p90 = statistics.quantiles(samples, n=10, method="inclusive")[8] if len(samples) > 1 else samples[0]
+    return {"median_ms": _ms(statistics.median(samples)), "p90_ms": _ms(p90),
+            "min_ms": _ms(min(samples)), "mean_ms": _ms(statistics.fmean(samples))}
+
+
+def _summarize(workload: Workload, direct: list[int], proxied: list[int]) -> dict[str, Any]:
+    d, p = _stats(direct), _stats(proxied)
+    added = round(p["median_ms"] - d["median_ms"], 3)
+    pairs = [b - a for a, b in zip(direct, proxied, strict=True)]
+    return {
+        "workload": workload.name, "what": workload.what, "body_bytes": len(workload.body),
+        "stream": workload.stream, "direct": d, "proxied": p, "added_ms": added,
+        "pair_diff_median_ms": _ms(statistics.median(pairs)),
+        "pair_diff_p90_ms": _ms(statistics.quantiles(pairs, n=10, method="inclusive")[8]),
+        "goal_ms": workload.goal_ms,
+        "meets_goal": None if workload.goal_ms is None else added <= workload.goal_ms,
+        "samples_ms": {"direct": [_ms(x) for x in direct], "proxied": [_ms(x) for x in proxied]},
+    }
+
+
+def _report(command: str, proxy: str, requests: int, results: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "benchmark": "latency added by a proxy over a direct request (fake upstream on loopback)",
+        "proxy": proxy,
+        "command": command,
+        "when": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
+                    "processor": _cpu_model()},
+        "requests_per_side": requests, "warmup_per_side": WARMUP,
+        "results": results,
+    }
+
+
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def _markdown(report: dict[str, Any]) -> str:
+    lines = [
+        f"{report['proxy']}: {report['requests_per_side']} timed requests per side after "
+        f"{report['warmup_per_side']} warm-up, "
+        f"{report['machine']['cpus']} CPUs, Python {report['machine']['python']}; ms.",
+        "",
+        "| workload | body | direct median / p90 | proxied median / p90 | added (median) | median pair diff | goal |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in report["results"]:
+        d, p = r["direct"], r["proxied"]
+        goal = "-" if r["goal_ms"] is None else f"≤ {r['goal_ms']:g} {'✅' if r['meets_goal'] else '❌'}"
+        lines.append(f"| {r['workload']} | {_size(r['body_bytes'])} | {d['median_ms']:.3f} / {d['p90_ms']:.3f} | "
+                     f"{p['median_ms']:.3f} / {p['p90_ms']:.3f} | **{r['added_ms']:.3f}** | "
+                     f"{r['pair_diff_median_ms']:.3f} | {goal} |")
+    return "\n".join(lines)
+
+
+def _summary(report: dict[str, Any]) -> str:
+    return "\n".join(
+        f"{r['workload']:>20}: direct {r['direct']['median_ms']:.3f} ms, proxied {r['proxied']['median_ms']:.3f} ms,"
+        f" added {r['added_ms']:.3f} ms (pairs {r['pair_diff_median_ms']:.3f})"
+        + ("" if r["goal_ms"] is None else f", goal ≤ {r['goal_ms']:g}: {'met' if r['meets_goal'] else 'MISSED'}")
+        for r in report["results"])
+
+
+def _size(n: int) -> str:
+    return f"{n} B" if n < 10_000 else f"{n / 1000:.0f} KB"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
