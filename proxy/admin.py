@@ -39,20 +39,22 @@ async def list_sessions(request: Request) -> JSONResponse:
     return JSONResponse({"sessions": rows})
 
 
-@router.get("/sessions/{session_id}")
-async def show_session(request: Request, session_id: str) -> JSONResponse:
-    state = _state(request)
-    row = await state.journal.call(Journal.session, session_id)
+async def _session(state: AppState, session_id: str) -> dict[str, Any]:
+    row: dict[str, Any] | None = await state.journal.call(Journal.session, session_id)
     if row is None:
         raise NotFound(f"No session {session_id!r} in the journal. `GET /ctx/sessions` lists them.")
-    return JSONResponse(row)
+    return row
+
+
+@router.get("/sessions/{session_id}")
+async def show_session(request: Request, session_id: str) -> JSONResponse:
+    return JSONResponse(await _session(_state(request), session_id))
 
 
 @router.get("/sessions/{session_id}/journal")
 async def session_journal(request: Request, session_id: str, after: int = 0, limit: int = 100) -> JSONResponse:
     state = _state(request)
-    if await state.journal.call(Journal.session, session_id) is None:
-        raise NotFound(f"No session {session_id!r} in the journal. `GET /ctx/sessions` lists them.")
+    await _session(state, session_id)
     rows = await state.journal.call(Journal.session_journal, session_id, after, min(max(limit, 1), 1000))
     return JSONResponse({"session_id": session_id, "entries": rows})
 

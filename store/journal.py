@@ -192,12 +192,8 @@ class Journal:
         if head.length <= len(hashes) and prefix_digest(hashes[: head.length]) == head.digest:
             return head.length
         stored = self.message_hashes(head.list_id) if head.list_id is not None else []
-        common = 0
-        for a, b in zip(stored, hashes, strict=False):
-            if a != b:
-                break
-            common += 1
-        return common
+        return next((i for i, (a, b) in enumerate(zip(stored, hashes, strict=False)) if a != b),
+                    min(len(stored), len(hashes)))
 
     def _advance_head(self, session_id: str, list_id: int, req: IncomingRequest) -> None:
         self.conn.execute(
