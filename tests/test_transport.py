@@ -61,7 +61,7 @@ def test_a_stream_that_stalls_ends_with_an_error_event(tmp_path: Path, fake: tup
     gate = threading.Event()
     upstream.enqueue(Reply(sse=stream_chunks("stalls here"), chunk_gate=gate))
     try:
-        for proxy in proxy_for(tmp_path, url + "/v1", CTXPROXY_UPSTREAM_TIMEOUT="0.3"):
+        for proxy in proxy_for(tmp_path, url + "/v1", CTXPROXY_UPSTREAM_TIMEOUT="1.5"):
             response = httpx.post(proxy + "/v1/chat/completions", json=BODY | {"stream": True}, timeout=10)
             assert response.status_code == 200
             last = [line for line in response.text.splitlines() if line.startswith("data: ")][-1]

@@ -1,5 +1,17 @@
-"""The pure core: message identities today, the projection (spill, elision, pins) next. No I/O, clock or SQL."""
+"""The pure core: what the agent sent → what the model should see. No I/O, clock, SQL or global config.
 
-from proxy.rewrite.identity import canonical_json, content_hash, fingerprint, message_hash
+``project`` (``project.py``) is the entry point; ``cuts`` holds elision and folding, ``stubs`` the exact texts put
+in place of what was cut, ``invariants`` the checks of DESIGN.md §6, ``tokens`` counting and calibration.
+"""
 
-__all__ = ["canonical_json", "content_hash", "fingerprint", "message_hash"]
+from proxy.rewrite.budget import Budget, budget_for
+from proxy.rewrite.decisions import Decision, OverflowWrite
+from proxy.rewrite.identity import canonical_json, content_hash, fingerprint, message_hash, message_ids
+from proxy.rewrite.invariants import broken_pairs, violations
+from proxy.rewrite.project import Projection, Report, project
+from proxy.rewrite.state import Rules, State
+
+__all__ = [
+    "Budget", "Decision", "OverflowWrite", "Projection", "Report", "Rules", "State", "broken_pairs", "budget_for",
+    "canonical_json", "content_hash", "fingerprint", "message_hash", "message_ids", "project", "violations",
+]

@@ -13,7 +13,9 @@ from typing import Any
 
 import orjson
 
-__all__ = ["canonical_json", "content_hash", "fingerprint", "message_hash"]
+__all__ = [
+    "canonical_json", "content_hash", "fingerprint", "identity_base", "message_hash", "message_ids", "next_identity",
+]
 
 _SYSTEM_ROLES = ("system", "developer")
 
@@ -35,3 +37,22 @@ def fingerprint(messages: Sequence[Mapping[str, Any]]) -> str:
     system = next((m.get("content") for m in messages if m.get("role") in _SYSTEM_ROLES), None)
     user = next((m.get("content") for m in messages if m.get("role") == "user"), None)
     return content_hash(canonical_json([system, user]))
+
+
+def identity_base(message: Mapping[str, Any], message_hash: str) -> str:
+    """A tool result is known by the call it answers; any other message by its role and content hash."""
+    if message.get("role") == "tool" and isinstance(message.get("tool_call_id"), str):
+        return f"tool:{message['tool_call_id']}"
+    return f"{message.get('role')}:{message_hash[:16]}"
+
+
+def next_identity(base: str, seen: dict[str, int]) -> str:
+    """``base`` for its first occurrence, ``base#n`` for the n-th repeat (agents reuse tool_call_ids)."""
+    n = seen.get(base, 0)
+    seen[base] = n + 1
+    return base if n == 0 else f"{base}#{n}"
+
+
+def message_ids(messages: Sequence[Mapping[str, Any]], hashes: Sequence[str]) -> list[str]:
+    seen: dict[str, int] = {}
+    return [next_identity(identity_base(m, h), seen) for m, h in zip(messages, hashes, strict=True)]

@@ -1,0 +1,155 @@
+"""The two cuts a projection makes when it is over budget: auto-elision, then folding as the last resort.
+
+Auto-elision (DESIGN.md §4) collapses the oldest tool results — not pinned, not among the newest
+``keep_results``, not a ``read_overflow`` result — into a marker, oldest first, until the estimate is at the
+target. One pass cuts deep, then nothing changes for many requests: the upstream's prefix cache survives.
+
+Folding: when every eligible result is already a marker and the request is still over budget, the oldest whole
+rounds after the first task (an assistant message with the results of its calls, or a lone message) fold into
+one stub, never splitting a call from its result, never folding a pinned message or the newest rounds. A later
+fold extends the earlier one from the same start, so there is only ever one fold stub.
+
+How much is protected is the caller's choice (``keep_results``, ``newest``): ``project`` first cuts with the
+configured protection, then, only if the request still cannot fit, squeezes with everything but the newest
+result and round — losing the newer results (restorably) is better than a request the model cannot read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from proxy.rewrite.budget import MIN_CUT_CHARS
+from proxy.rewrite.decisions import Decision, OverflowWrite
+from proxy.rewrite.identity import canonical_json, message_hash
+from proxy.rewrite.state import READ_OVERFLOW, Counter, Rules, State, sha256_text
+from proxy.rewrite.stubs import elision_marker, fold_stub
+
+__all__ = ["apply_fold", "elide", "fold", "rounds"]
+
+_FOLD_STUB_TOKENS = 120
+"""Room a fold stub takes, reckoned before it is written (its exact count replaces this after)."""
+
+
+def elide(state: State, messages: Sequence[dict[str, Any]], rules: Rules, counter: Counter,
+          new: list[Decision], writes: list[OverflowWrite], keep_results: int) -> None:
+    keep = set(state.tool_indices[-keep_results:]) if keep_results else set()
+    for i in state.tool_indices:
+        if rules.scaled(state.total + rules.tools_tokens) <= rules.budget.target:
+            return
+        if i in keep or state.out[i] is None or state.ids[i] in state.pins:
+            continue
+        decision = _elision(state, i, messages[i], rules)
+        if decision is None:
+            continue
+        if state.decided.get(state.ids[i]) is None:  # a spilled body is in the overflow store already
+            call_id = str(messages[i].get("tool_call_id"))
+            writes.append(OverflowWrite(decision.overflow_id, str(messages[i]["content"]),
+                                        state.calls.get(call_id, ("?", ""))[0], call_id))
+        state.decided[state.ids[i]] = decision
+        new.append(decision)
+        _replace(state, i, {**messages[i], "content": decision.replacement}, counter)
+
+
+def _elision(state: State, i: int, message: dict[str, Any], rules: Rules) -> Decision | None:
+    """The elision of result ``i``, or None when it is not eligible or its marker would not be smaller."""
+    content = message.get("content")
+    current = state.out[i]
+    if not isinstance(content, str) or len(content) < MIN_CUT_CHARS or current is None:
+        return None
+    decided = state.decided.get(state.ids[i])
+    if decided is not None and decided.kind == "elide" and decided.message_hash == state.hashes[i]:
+        return None
+    call_id = str(message.get("tool_call_id"))
+    tool, arguments = state.calls.get(call_id, ("?", ""))
+    if tool == READ_OVERFLOW:
+        return None
+    overflow_id = decided.overflow_id if decided is not None else sha256_text(content)
+    marker = elision_marker(overflow_id, tool, call_id, rules.storage, content, arguments)
+    if len(marker) >= len(str(current.get("content"))):
+        return None
+    return Decision("elide", state.ids[i], state.hashes[i], marker, overflow_id)
+
+
+def _replace(state: State, i: int, message: dict[str, Any] | None, counter: Counter) -> None:
+    count = counter.count(message) if message is not None else 0
+    state.total += count - state.counts[i]
+    state.counts[i] = count
+    state.out[i] = message
+    state.out_hashes[i] = message_hash(message) if message is not None else ""
+
+
+def rounds(messages: Sequence[dict[str, Any]], start: int) -> list[tuple[int, int]]:
+    """``[start, end)`` spans from ``start`` on: an assistant message and the results of its calls, or one message."""
+    spans, i = [], start
+    while i < len(messages):
+        calls = {c.get("id") for c in messages[i].get("tool_calls") or []}
+        j = i + 1
+        while calls and j < len(messages) and messages[j].get("role") == "tool" \
+                and messages[j].get("tool_call_id") in calls:
+            j += 1
+        spans.append((i, j))
+        i = j
+    return spans
+
+
+def _fold_start(messages: Sequence[dict[str, Any]]) -> int:
+    """The first index after the protected head: the system messages and the first task."""
+    first_user = next((i for i, m in enumerate(messages) if m.get("role") == "user"), None)
+    if first_user is not None:
+        return first_user + 1
+    return next((i for i, m in enumerate(messages) if m.get("role") not in ("system", "developer")), len(messages))
+
+
+def fold(state: State, messages: Sequence[dict[str, Any]], rules: Rules, counter: Counter,
+         new: list[Decision], writes: list[OverflowWrite], newest: int) -> None:
+    if not rules.budget.fold_history:
+        return
+    start = _fold_start(messages)
+    spans = rounds(messages, start)
+    end, total = start, state.total
+    for i, j in spans[: max(0, len(spans) - newest)]:
+        if rules.scaled(total + rules.tools_tokens + _FOLD_STUB_TOKENS) <= rules.budget.target and end > start:
+            break
+        if any(state.ids[x] in state.pins for x in range(i, j)):
+            break
+        total -= sum(state.counts[i:j])
+        end = j
+    if end <= start or (state.fold is not None and end <= _fold_end(state, state.fold)):
+        return
+    decision = _fold_decision(state, messages, start, end, rules.storage)
+    writes.append(OverflowWrite(decision.overflow_id, canonical_json(list(messages[start:end])).decode(), "fold", ""))
+    state.fold = decision
+    new.append(decision)
+    apply_fold(state, decision, messages, counter)
+
+
+def _fold_end(state: State, decision: Decision) -> int:
+    return state.ids.index(decision.target) + decision.count
+
+
+def _fold_decision(state: State, messages: Sequence[dict[str, Any]], start: int, end: int, storage: str) -> Decision:
+    body = canonical_json(list(messages[start:end]))
+    overflow_id = sha256_text(body.decode())
+    stub = fold_stub(overflow_id, messages[start:end], len(body), storage)
+    return Decision("fold", state.ids[start], _digest(state.hashes[start:end]), stub, overflow_id,
+                    until=state.ids[end - 1], count=end - start)
+
+
+def _digest(hashes: Sequence[str]) -> str:
+    return sha256_text("".join(hashes))
+
+
+def apply_fold(state: State, decision: Decision, messages: Sequence[dict[str, Any]], counter: Counter) -> None:
+    """Put the fold stub where its rounds were, if they are still exactly the rounds it was made for."""
+    if decision.target not in state.ids:
+        return
+    start = state.ids.index(decision.target)
+    end = start + decision.count
+    if end > len(state.ids) or _digest(state.hashes[start:end]) != decision.message_hash:
+        return
+    if any(state.ids[i] in state.pins for i in range(start, end)):  # pinned since: the fold no longer holds
+        return
+    for i in range(start + 1, end):
+        _replace(state, i, None, counter)
+    _replace(state, start, {"role": "user", "content": decision.replacement}, counter)

@@ -1,0 +1,43 @@
+"""Decisions: what the projection changes, keyed by message identity, journaled, and re-applied to every request.
+
+A decision never names a position. It names a message (``target``: its identity, see ``identity.message_ids``)
+and the exact message it was made for (``message_hash``): if the agent later sends a different message under the
+same identity, the decision no longer applies. ``replacement`` is the exact text put in the message's place, so
+a stub is byte-identical on every request, whatever code wrote it. ``overflow_id`` is the sha256 of the bytes
+removed, stored in the overflow store before the projection is forwarded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["CUTS", "Decision", "Kind", "OverflowWrite"]
+
+Kind = Literal["spill", "elide", "fold", "pin", "unpin"]
+CUTS = frozenset({"spill", "elide"})
+
+
+@dataclass(frozen=True)
+class Decision:
+    kind: Kind
+    target: str
+    message_hash: str = ""
+    replacement: str = ""
+    overflow_id: str = ""
+    until: str = ""
+    """fold: identity of the last message folded."""
+    count: int = 0
+    """fold: how many messages the stub stands for."""
+    source: str = "auto"
+    """auto (the rules), operator (the /ctx API) or model (a context tool)."""
+
+
+@dataclass(frozen=True)
+class OverflowWrite:
+    """A body the caller must store (content-addressed, under the session) before forwarding the projection."""
+
+    overflow_id: str
+    body: str
+    tool: str
+    call_id: str

@@ -1,0 +1,80 @@
+"""The invariants of DESIGN.md §6, checked on a projection: a list of what is wrong (empty when all holds).
+
+- every tool call that had its result still has it, and every result its call (a call and its result are cut or
+  folded together, never apart);
+- system, user and assistant messages are byte-identical, except where a fold stub stands for whole rounds;
+- a cut tool result keeps its place, role and ``tool_call_id``: only its content changes;
+- pinned messages are byte-identical.
+
+The proxy runs it on every request it forwards (from the first message a projection touched); the property tests
+run it on every generated history.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Collection, Sequence
+from typing import Any
+
+__all__ = ["broken_pairs", "violations"]
+
+_FOLD = re.compile(r"^\[folded id=[0-9a-f]{64} messages=(\d+) ")
+_KEPT_ROLES = ("system", "developer", "user", "assistant")
+
+
+def broken_pairs(messages: Sequence[dict[str, Any]]) -> Counter[str]:
+    """Calls with no result after them and results with no call before them, by id (agents reuse ids: a result
+    answers the oldest open call of its id)."""
+    open_calls: Counter[str] = Counter()
+    orphans: Counter[str] = Counter()
+    for m in messages:
+        for call in m.get("tool_calls") or []:
+            open_calls[str(call.get("id"))] += 1
+        if m.get("role") == "tool":
+            cid = str(m.get("tool_call_id"))
+            if open_calls[cid]:
+                open_calls[cid] -= 1
+            else:
+                orphans[cid] += 1
+    return +(open_calls + orphans)
+
+
+def violations(incoming: Sequence[dict[str, Any]], outgoing: Sequence[dict[str, Any]],
+               pinned: Collection[int] = (), start: int = 0) -> list[str]:
+    """``pinned``: incoming indices of pinned messages; ``start``: check from this incoming index on (the
+    messages before it were checked on an earlier request and have not changed since)."""
+    problems: list[str] = []
+    i, j = 0, 0
+    while i < len(incoming) and j < len(outgoing):
+        folded = _folded_count(outgoing[j])
+        if folded:
+            problems += [f"message {x} (pinned) is folded" for x in range(i, i + folded) if x in pinned]
+            i, j = i + folded, j + 1
+            continue
+        if i >= start:
+            problems += _compare(i, incoming[i], outgoing[j], i in pinned)
+        i, j = i + 1, j + 1
+    if i != len(incoming) or j != len(outgoing):
+        problems.append(f"lengths do not line up: {len(incoming)} in, {len(outgoing)} out")
+    extra = broken_pairs(outgoing) - broken_pairs(incoming)
+    problems += [f"tool call {cid} lost its pair" for cid in sorted(extra)]
+    return problems
+
+
+def _folded_count(message: dict[str, Any]) -> int:
+    content = message.get("content")
+    match = _FOLD.match(content) if message.get("role") == "user" and isinstance(content, str) else None
+    return int(match.group(1)) if match else 0
+
+
+def _compare(i: int, before: dict[str, Any], after: dict[str, Any], pinned: bool) -> list[str]:
+    if after is before or after == before:
+        return []
+    if pinned:
+        return [f"message {i} is pinned but changed"]
+    if before.get("role") in _KEPT_ROLES:
+        return [f"message {i} ({before.get('role')}) changed"]
+    if {k: v for k, v in after.items() if k != "content"} != {k: v for k, v in before.items() if k != "content"}:
+        return [f"message {i} ({before.get('role')}) changed more than its content"]
+    return []

@@ -1,0 +1,174 @@
+"""The projection: what the agent sent → what the model should see. Pure: no I/O, clock, SQL or global config.
+
+``project(messages, hashes, decisions, rules, counter, previous)`` re-applies every earlier decision (keyed by
+message identity, never by position), spills an oversized or binary tool result when it first arrives, and when
+the estimate (× the calibrated ratio k) is over the budget, elides the oldest tool results down to the target, or
+as a last resort folds the oldest rounds (``proxy.rewrite.cuts``). It returns the outgoing messages, the new
+decisions and the bodies that must reach the overflow store before anything is forwarded.
+
+Cost follows the new messages, not the history: ``previous`` is the state the last projection of the session
+left. When the history extends it (same hashes in front) and no decision arrived from elsewhere, only the new
+messages are ingested; otherwise everything is recomputed from the decisions, which gives the same bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from proxy.rewrite.budget import MIN_CUT_CHARS, Budget
+from proxy.rewrite.cuts import apply_fold, elide, fold
+from proxy.rewrite.decisions import CUTS, Decision, OverflowWrite
+from proxy.rewrite.identity import identity_base, next_identity
+from proxy.rewrite.identity import message_hash as _hash
+from proxy.rewrite.state import READ_OVERFLOW, Counter, Rules, State, sha256_text
+from proxy.rewrite.stubs import looks_binary, spill_stub
+
+__all__ = ["Projection", "Report", "project"]
+
+@dataclass(frozen=True)
+class Report:
+    estimate: int
+    scaled: int
+    budget: int
+    target: int
+    window: int
+    over_budget: bool
+    reused: int
+    spilled: int = 0
+    elided: int = 0
+    folded: int = 0
+    largest: tuple[tuple[str, int], ...] = ()
+    """Over budget only: the biggest items still in the projection, (identity, tokens), biggest first."""
+
+
+@dataclass(frozen=True)
+class Projection:
+    messages: list[dict[str, Any]]
+    hashes: list[str]
+    new: tuple[Decision, ...]
+    writes: tuple[OverflowWrite, ...]
+    report: Report
+    state: State
+    changed: bool
+    """False when the outgoing messages are the incoming ones, unchanged (the body can go upstream verbatim)."""
+
+
+def project(messages: Sequence[dict[str, Any]], hashes: Sequence[str], decisions: Sequence[Decision],
+            rules: Rules, counter: Counter, previous: State | None = None) -> Projection:
+    state = _resume(previous, hashes, len(decisions)) or _fresh(decisions)
+    reused = len(state.hashes)
+    new: list[Decision] = []
+    writes: list[OverflowWrite] = []
+    for i in range(reused, len(messages)):
+        _ingest(state, i, messages[i], hashes[i], rules, counter, new, writes)
+    if reused == 0 and state.fold is not None:
+        apply_fold(state, state.fold, messages, counter)
+    _cut_to_fit(state, messages, rules, counter, new, writes)
+    state.absorbed = len(decisions) + len(new)
+    return _result(state, messages, rules, new, writes, reused)
+
+
+def _cut_to_fit(state: State, messages: Sequence[dict[str, Any]], rules: Rules, counter: Counter,
+                new: list[Decision], writes: list[OverflowWrite]) -> None:
+    """Elide, then fold, with the configured protection; then squeeze down to the newest result and round."""
+    keep = rules.budget.keep_results
+    for keep_results, newest in ((keep, max(keep, 2)), (min(keep, 1), 1)):
+        if not _over(state, rules):
+            return
+        elide(state, messages, rules, counter, new, writes, keep_results)
+        if _over(state, rules):
+            fold(state, messages, rules, counter, new, writes, newest)
+
+
+def _over(state: State, rules: Rules) -> bool:
+    return rules.scaled(state.total + rules.tools_tokens) > rules.budget.budget
+
+
+def _resume(previous: State | None, hashes: Sequence[str], decisions: int) -> State | None:
+    if previous is None or previous.absorbed != decisions or len(hashes) < len(previous.hashes):
+        return None
+    if list(hashes[: len(previous.hashes)]) != previous.hashes:
+        return None
+    return previous.copy()
+
+
+def _fresh(decisions: Sequence[Decision]) -> State:
+    state = State()
+    for d in decisions:
+        if d.kind in CUTS:
+            state.decided[d.target] = d
+        elif d.kind == "pin":
+            state.pins.add(d.target)
+        elif d.kind == "unpin":
+            state.pins.discard(d.target)
+        elif d.kind == "fold":
+            state.fold = d
+    return state
+
+
+def _ingest(state: State, i: int, message: dict[str, Any], message_hash: str, rules: Rules, counter: Counter,
+            new: list[Decision], writes: list[OverflowWrite]) -> None:
+    mid = next_identity(identity_base(message, message_hash), state.seen)
+    state.hashes.append(message_hash)
+    state.ids.append(mid)
+    for call in message.get("tool_calls") or []:
+        function = call.get("function") or {}
+        state.calls[call.get("id", "")] = (str(function.get("name", "?")), str(function.get("arguments") or ""))
+    out = message
+    if message.get("role") == "tool":
+        state.tool_indices.append(i)
+        out = _cut_tool_result(state, mid, message, message_hash, rules, new, writes)
+    count = counter.count(out, message_hash if out is message else None)
+    state.out.append(out)
+    state.out_hashes.append(message_hash if out is message else _hash(out))
+    state.counts.append(count)
+    state.total += count
+
+
+def _cut_tool_result(state: State, mid: str, message: dict[str, Any], message_hash: str, rules: Rules,
+                     new: list[Decision], writes: list[OverflowWrite]) -> dict[str, Any]:
+    """The result as it goes out: a stored decision re-applied, or a spill decided now, or untouched."""
+    if mid in state.pins:
+        return message
+    decided = state.decided.get(mid)
+    if decided is not None and decided.message_hash == message_hash:
+        return {**message, "content": decided.replacement}
+    content = message.get("content")
+    call_id = str(message.get("tool_call_id"))
+    tool, _ = state.calls.get(call_id, ("?", ""))
+    if not _should_spill(content, tool, rules.budget):
+        return message
+    assert isinstance(content, str)
+    overflow_id = sha256_text(content)
+    stub = spill_stub(overflow_id, tool, call_id, rules.storage, content, rules.budget.preview_head,
+                      rules.budget.preview_tail)
+    decision = Decision("spill", mid, message_hash, stub, overflow_id)
+    state.decided[mid] = decision
+    new.append(decision)
+    writes.append(OverflowWrite(overflow_id, content, tool, call_id))
+    return {**message, "content": stub}
+
+
+def _should_spill(content: Any, tool: str, budget: Budget) -> bool:
+    if not isinstance(content, str) or len(content) < MIN_CUT_CHARS or tool == READ_OVERFLOW:
+        return False
+    return len(content) >= budget.spill_chars or looks_binary(content)
+
+
+def _result(state: State, messages: Sequence[dict[str, Any]], rules: Rules, new: list[Decision],
+            writes: list[OverflowWrite], reused: int) -> Projection:
+    out = [m for m in state.out if m is not None]
+    out_hashes = [h for h, m in zip(state.out_hashes, state.out, strict=True) if m is not None]
+    changed = out != list(messages)  # C-speed: untouched messages are the same objects
+    estimate = state.total + rules.tools_tokens
+    scaled = rules.scaled(estimate)
+    kinds = [d.kind for d in new]
+    over = scaled > rules.budget.budget
+    largest = sorted(zip(state.ids, state.counts, strict=True), key=lambda p: -p[1])[:5] if over else []
+    if over and rules.tools_tokens:
+        largest = sorted([*largest, ("tools", rules.tools_tokens)], key=lambda p: -p[1])[:5]
+    report = Report(estimate, scaled, rules.budget.budget, rules.budget.target, rules.budget.window, over, reused,
+                    kinds.count("spill"), kinds.count("elide"), kinds.count("fold"), tuple(largest))
+    return Projection(out, out_hashes, tuple(new), tuple(writes), report, state, changed)

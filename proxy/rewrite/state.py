@@ -1,0 +1,62 @@
+"""The working state of a projection and the rules it obeys, shared by ``project`` and ``cuts``."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from proxy.rewrite.budget import Budget
+from proxy.rewrite.decisions import Decision
+
+__all__ = ["READ_OVERFLOW", "Counter", "Rules", "State", "sha256_text"]
+
+READ_OVERFLOW = "read_overflow"
+"""Results of the tool that restores cut content are never cut again."""
+
+
+class Counter(Protocol):
+    def count(self, message: dict[str, Any], key: str | None = None) -> int: ...
+
+
+@dataclass(frozen=True)
+class Rules:
+    budget: Budget
+    k: float = 1.0
+    storage: str = "disk"
+    tools_tokens: int = 0
+
+    def scaled(self, estimate: int) -> int:
+        return math.ceil(round(estimate * self.k, 9))  # 50 × 1.1 is 55, not 55.000000000000007 → 56
+
+
+@dataclass
+class State:
+    """What one projection leaves for the next request of its session; aligned with the incoming messages."""
+
+    hashes: list[str] = field(default_factory=list)
+    ids: list[str] = field(default_factory=list)
+    out: list[dict[str, Any] | None] = field(default_factory=list)
+    out_hashes: list[str] = field(default_factory=list)
+    """The identity hash of each outgoing message (the incoming one's where untouched), for the journal."""
+    counts: list[int] = field(default_factory=list)
+    total: int = 0
+    seen: dict[str, int] = field(default_factory=dict)
+    calls: dict[str, tuple[str, str]] = field(default_factory=dict)
+    tool_indices: list[int] = field(default_factory=list)
+    decided: dict[str, Decision] = field(default_factory=dict)
+    pins: set[str] = field(default_factory=set)
+    fold: Decision | None = None
+    absorbed: int = 0
+    """How many of the session's decisions this state reflects (the log only grows)."""
+
+    def copy(self) -> State:
+        return State(list(self.hashes), list(self.ids), list(self.out), list(self.out_hashes), list(self.counts),
+                     self.total,
+                     dict(self.seen), dict(self.calls), list(self.tool_indices), dict(self.decided), set(self.pins),
+                     self.fold, self.absorbed)
+
+
+def sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()

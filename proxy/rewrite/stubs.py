@@ -1,0 +1,109 @@
+"""The exact text put where content was cut (DESIGN.md §4). Byte-stable: same input, same bytes, always.
+
+Every stub opens with one machine-readable line and says where the original is and how to get it back::
+
+    [overflow id=<sha256> tool=<name> bytes=<n> call_id=<id> storage=<disk|memory-only (incognito)>]
+
+A spill keeps a head/tail preview (the result was too big to keep, not too old); an elision keeps one preview
+line and the tool's command tail; a fold stands for whole rounds.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["elision_marker", "fold_stub", "looks_binary", "spill_stub", "stub_line"]
+
+_LINE = 100
+_COMMAND_KEYS = ("command", "cmd", "path", "file", "pattern", "query", "url")
+
+
+def stub_line(overflow_id: str, tool: str, nbytes: int, call_id: str, storage: str) -> str:
+    return f"[overflow id={overflow_id} tool={tool} bytes={nbytes} call_id={call_id} storage={storage}]"
+
+
+def _intact(overflow_id: str, storage: str) -> str:
+    where = "in memory only (incognito: lost when ctxproxy stops)" if storage != "disk" else "intact"
+    return f"The original is {where}: read_overflow id={overflow_id} returns it (offset, limit, grep)."
+
+
+def spill_stub(overflow_id: str, tool: str, call_id: str, storage: str, content: str, head: int, tail: int) -> str:
+    nbytes = len(content.encode())
+    kind = "looks binary" if looks_binary(content) else "was too large to keep inline"
+    front, back = _head(content, head), _tail(content, tail)
+    hidden = len(content) - len(front) - len(back)
+    return "\n".join([
+        stub_line(overflow_id, tool, nbytes, call_id, storage),
+        f"Spilled on arrival: the output {kind}. {_intact(overflow_id, storage)} Head and tail:",
+        _printable(front), f"[… {hidden} characters not shown …]", _printable(back),
+    ])
+
+
+def elision_marker(overflow_id: str, tool: str, call_id: str, storage: str, content: str, arguments: str) -> str:
+    nbytes = len(content.encode())
+    lines = [line.strip() for line in content.splitlines() if line.strip()] or [""]
+    command = _command_tail(arguments)
+    preview = f'"{_clip(_printable(lines[0]))}" … "{_clip(_printable(lines[-1]))}"'
+    return "\n".join([
+        stub_line(overflow_id, tool, nbytes, call_id, storage),
+        f"Elided to save context{f' ({command})' if command else ''}: {preview}. {_intact(overflow_id, storage)}",
+    ])
+
+
+def fold_stub(overflow_id: str, messages: Sequence[dict[str, Any]], nbytes: int, storage: str) -> str:
+    roles = Counter(str(m.get("role")) for m in messages)
+    tools = Counter(call.get("function", {}).get("name", "?") for m in messages for call in m.get("tool_calls") or [])
+    used = ", ".join(f"{name} x{n}" for name, n in sorted(tools.items())) or "no tools"
+    return "\n".join([
+        f"[folded id={overflow_id} messages={len(messages)} bytes={nbytes} storage={storage}]",
+        f"Earlier history folded to fit the context window: {roles.get('assistant', 0)} assistant, "
+        f"{roles.get('tool', 0)} tool and {roles.get('user', 0)} user messages ({used}). "
+        + _intact(overflow_id, storage).replace("The original is", "The originals are"),
+    ])
+
+
+def looks_binary(text: str) -> bool:
+    """NUL bytes, or more than 10% control or replacement characters in the first 4 KB."""
+    sample = text[:4096]
+    if "\x00" in sample:
+        return True
+    odd = sum(1 for c in sample if (ord(c) < 32 and c not in "\t\n\r") or c == "\ufffd")
+    return odd > len(sample) // 10
+
+
+def _head(text: str, size: int) -> str:
+    cut = text[:size]
+    newline = cut.rfind("\n")
+    return cut[:newline] if newline > size // 2 else cut
+
+
+def _tail(text: str, size: int) -> str:
+    cut = text[-size:] if size else ""
+    newline = cut.find("\n")
+    return cut[newline + 1:] if 0 <= newline < size // 2 else cut
+
+
+def _printable(text: str) -> str:
+    return "".join(c if c.isprintable() or c in "\n\t" else "\ufffd" for c in text)
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= _LINE else text[: _LINE - 1] + "…"
+
+
+def _command_tail(arguments: str) -> str:
+    """The end of the call's most telling argument (`command`, `path`…), for an elided result's marker."""
+    try:
+        args = json.loads(arguments) if arguments else {}
+    except json.JSONDecodeError:
+        args = arguments
+    if isinstance(args, dict):
+        value = next((args[k] for k in _COMMAND_KEYS if isinstance(args.get(k), str)), None)
+        text = value if value is not None else json.dumps(args, ensure_ascii=False, sort_keys=True)
+    else:
+        text = str(args)
+    text = " ".join(text.split())
+    return f"`{text if len(text) <= 80 else '…' + text[-79:]}`" if text and text != "{}" else ""
