@@ -6,7 +6,9 @@ COPY pyproject.toml README.md ./
 COPY proxy ./proxy
 COPY store ./store
 COPY config ./config
-RUN pip install --no-cache-dir . && useradd --create-home ctxproxy
+# /data must exist and belong to the user before VOLUME: a named volume copies this ownership, and the
+# journal cannot be created otherwise.
+RUN pip install --no-cache-dir . && useradd --create-home ctxproxy && mkdir /data && chown ctxproxy /data
 
 USER ctxproxy
 ENV CTXPROXY_DATA_DIR=/data \

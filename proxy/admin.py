@@ -1,4 +1,4 @@
-"""The operator surface under ``/ctx/``: sessions, a session's summary and its journal.
+"""The operator surface under ``/ctx/``: sessions, their journal, cut bodies (overflow) and operator pins.
 
 On loopback it is open, like the proxy itself. Bound anywhere else the server refuses to start without an admin
 token (``config.settings``), and every ``/ctx/*`` request must carry ``Authorization: Bearer <token>``.
@@ -7,13 +7,16 @@ token (``config.settings``), and every ``/ctx/*`` request must carry ``Authoriza
 from __future__ import annotations
 
 import hmac
+from datetime import UTC, datetime
 from typing import Any
 
 from fastapi import APIRouter
+from pydantic import BaseModel, Field
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 
-from proxy.errors import NotFound, Unauthorized
+from proxy.errors import BadRequest, NotFound, Unauthorized
+from proxy.rewrite import canonical_json, message_hash, message_ids
 from proxy.state import AppState
 from store import Journal
 
@@ -66,3 +69,89 @@ async def show_request(request: Request, request_id: int) -> JSONResponse:
     if row is None:
         raise NotFound(f"No request {request_id} in the journal.")
     return JSONResponse(row)
+
+
+@router.get("/sessions/{session_id}/overflow/{overflow_id}")
+async def session_overflow(request: Request, session_id: str, overflow_id: str) -> Response:
+    """A cut body, byte for byte, if this session (or an ancestor it forked from) cut it."""
+    return await _overflow(_state(request), overflow_id, session_id)
+
+
+@router.get("/overflow/{overflow_id}")
+async def any_overflow(request: Request, overflow_id: str) -> Response:
+    return await _overflow(_state(request), overflow_id, None)
+
+
+async def _overflow(state: AppState, overflow_id: str, session_id: str | None) -> Response:
+    row = await state.journal.call(Journal.overflow_body, overflow_id, session_id)
+    if row is None:
+        scope = f" for session {session_id!r}" if session_id else ""
+        raise NotFound(f"No overflow body {overflow_id!r}{scope}. Stubs name their id: [overflow id=...].")
+    headers = {f"x-ctx-{k.replace('_', '-')}": str(row[k]) for k in ("session_id", "tool", "call_id", "bytes")}
+    return Response(row["body"].encode(), media_type="text/plain; charset=utf-8", headers=headers)
+
+
+class PinRequest(BaseModel):
+    handle: str | None = None
+    snippet: str | None = Field(default=None, min_length=12)
+
+
+@router.get("/sessions/{session_id}/pins")
+async def list_pins(request: Request, session_id: str) -> JSONResponse:
+    state = _state(request)
+    await _session(state, session_id)
+    return JSONResponse({"session_id": session_id, "pins": sorted(await _pins(state, session_id))})
+
+
+@router.post("/sessions/{session_id}/pins")
+async def add_pin(request: Request, session_id: str, pin: PinRequest) -> JSONResponse:
+    state = _state(request)
+    return JSONResponse(await _change_pin(state, session_id, pin, "pin"), status_code=201)
+
+
+@router.delete("/sessions/{session_id}/pins")
+async def remove_pin(request: Request, session_id: str, pin: PinRequest) -> JSONResponse:
+    return JSONResponse(await _change_pin(_state(request), session_id, pin, "unpin"))
+
+
+async def _change_pin(state: AppState, session_id: str, pin: PinRequest, kind: str) -> dict[str, Any]:
+    """Journal an operator pin/unpin by message identity or snippet; the next request of the session honours it."""
+    await _session(state, session_id)
+    target = pin.handle or await _resolve_snippet(state, session_id, pin.snippet)
+    decision = {"kind": kind, "target": target, "message_hash": "", "replacement": "", "overflow_id": "",
+                "until": "", "count": 0, "source": "operator"}
+    await state.locks.acquire(session_id)
+    try:
+        await state.journal.call(Journal.add_decisions, session_id, [decision], _now())
+        state.contexts.drop(state.journal, session_id)
+    finally:
+        state.locks.release(session_id)
+    return {"session_id": session_id, "pins": sorted(await _pins(state, session_id))}
+
+
+async def _resolve_snippet(state: AppState, session_id: str, snippet: str | None) -> str:
+    if not snippet:
+        raise BadRequest("Give `handle` (a message identity, e.g. tool:call_7) or `snippet` (12+ characters).",
+                         param="handle")
+    messages = await state.journal.call(Journal.head_messages, session_id)
+    hits = [i for i, m in enumerate(messages)
+            if m.get("role") not in ("system", "developer") and snippet in canonical_json(m.get("content")).decode()]
+    if len(hits) != 1:
+        raise BadRequest(f"The snippet appears in {len(hits)} non-system messages of the session's latest request;"
+                         " it must name exactly one.", param="snippet")
+    ids = message_ids(messages, [message_hash(m) for m in messages])
+    return ids[hits[0]]
+
+
+async def _pins(state: AppState, session_id: str) -> set[str]:
+    pins: set[str] = set()
+    for d in await state.journal.call(Journal.decisions, session_id):
+        if d["kind"] == "pin":
+            pins.add(d["target"])
+        elif d["kind"] == "unpin":
+            pins.discard(d["target"])
+    return pins
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="milliseconds")

@@ -24,11 +24,12 @@ from proxy import __version__
 from proxy.admin import router as admin_router
 from proxy.chat import chat_completions
 from proxy.edge import read_body
-from proxy.errors import BadRequest, CtxError, render_ctx_error, render_http_error, render_unexpected
+from proxy.errors import BadRequest, CtxError, log, render_ctx_error, render_http_error, render_unexpected
 from proxy.responses import FinallyResponse
 from proxy.state import AppState
 from proxy.transport import AiohttpTransport
-from proxy.upstream import Upstream, client_headers, response_headers
+from proxy.upstream import Upstream, client_headers, response_headers, with_headers
+from proxy.window import WindowDetector
 from store import Journal, JournalWriter
 
 __all__ = ["create_app"]
@@ -65,7 +66,8 @@ def _lifespan(settings: Settings, transport: httpx.AsyncBaseTransport | None, ad
         incognito = JournalWriter(Journal(None))
         upstream = Upstream(settings.upstream, transport or AiohttpTransport(), settings.upstream_connect_timeout,
                             settings.upstream_timeout)
-        app.state.ctx = admin.state.ctx = AppState(settings, upstream, journal, incognito,
+        windows = WindowDetector(upstream, ctx_window=0)  # a configured window is applied per model, in planning
+        app.state.ctx = admin.state.ctx = AppState(settings, upstream, journal, incognito, windows,
                                                    own_headers=frozenset({settings.session_header.lower()}))
         try:
             yield
@@ -81,10 +83,20 @@ async def passthrough(request: Request) -> Response:
     """Every other ``/v1/*`` route (models, embeddings, completions, responses…): relayed as it is."""
     state: AppState = request.app.state.ctx
     body = await read_body(request, state.settings.max_body_bytes)
-    upstream = await state.upstream.send(request.method, request.url.path, request.url.query,
+    path = request.scope.get("raw_path", b"").decode("latin-1") or request.url.path  # keep %2F as the client sent it
+    upstream = await state.upstream.send(request.method, path, request.url.query,
                                          client_headers(request.headers.raw, state.own_headers), body)
-    inner = StreamingResponse(upstream.aiter_raw(), upstream.status_code, headers=response_headers(upstream))
-    return FinallyResponse(inner, upstream.aclose)
+    inner = StreamingResponse(_relayed(upstream), upstream.status_code)
+    return FinallyResponse(with_headers(inner, response_headers(upstream)), upstream.aclose)
+
+
+async def _relayed(upstream: httpx.Response) -> AsyncIterator[bytes]:
+    """The upstream's bytes as they come; a body that breaks off ends the relay (the status is already sent)."""
+    try:
+        async for chunk in upstream.aiter_raw():
+            yield chunk
+    except httpx.TransportError as exc:
+        log.warning("upstream answer to a passthrough request broke off: %s", exc or type(exc).__name__)
 
 
 async def healthz(request: Request) -> JSONResponse:

@@ -1,9 +1,15 @@
-"""``POST /v1/chat/completions``: validate, journal, forward, relay, journal the answer.
+"""``POST /v1/chat/completions``: validate, journal, project, forward, relay, journal the answer.
 
-The order is the contract: the request is journaled (committed) before a byte goes upstream; the session's lock
-is held from then until the answer is journaled, whatever happens in between (an upstream failure, a client that
-disconnects mid-stream). When nothing is rewritten the client's body goes upstream byte for byte, and a streamed
-answer is relayed chunk by chunk as it arrives.
+The order is the contract: the request is journaled before anything else; the session's lock is held from then
+until the answer is journaled, whatever happens in between (an upstream failure, a client that disconnects
+mid-stream). The projection's decisions and cut bodies are journaled before a byte goes upstream
+(``proxy.planning``). When nothing is rewritten the client's body goes upstream byte for byte; a streamed answer
+is relayed chunk by chunk as it arrives.
+
+If the upstream answers that the prompt is too long (``proxy.overflow``; for a llama.cpp stream, a 200 that ends
+before its first byte), the calibration is corrected from what the upstream counted, the request is projected
+again with the stricter ratio and retried once; if it still does not fit, the client gets a clear
+``context_length_exceeded`` error.
 """
 
 from __future__ import annotations
@@ -18,19 +24,24 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from proxy.context import SessionContext
 from proxy.edge import parse_chat_body, read_body
-from proxy.errors import CtxError, UpstreamTimeout, envelope
+from proxy.errors import ContextTooLarge, CtxError, UpstreamTimeout, UpstreamUnreachable, envelope, error_response
+from proxy.overflow import Overflow, detect_overflow
+from proxy.planning import Plan, plan_forward
 from proxy.responses import FinallyResponse
 from proxy.rewrite import canonical_json, content_hash, fingerprint
 from proxy.sse import last_usage
 from proxy.state import AppState
-from proxy.upstream import client_headers, redact, response_headers
+from proxy.upstream import client_headers, redact, response_headers, with_headers
 from proxy.wire import ChatBody
 from store import IncomingRequest, Journal, JournalWriter, RecordedRequest, ResponseRecord
 
 __all__ = ["chat_completions", "incoming_request"]
 
 SESSION_RESPONSE_HEADER = "X-Ctx-Session"
+ATTEMPTS = 2
+"""The first forward, and one retry after the upstream said the prompt is too long."""
 _CHAT_DROP = frozenset({"accept-encoding"})
 _IDENTITY = [(b"accept-encoding", b"identity")]  # the proxy reads the answer (usage), so it must arrive plain
 
@@ -39,21 +50,24 @@ async def chat_completions(request: Request) -> Response:
     state: AppState = request.app.state.ctx
     raw = await read_body(request, state.settings.max_body_bytes)
     body = parse_chat_body(raw)
-    incognito = request.headers.get("x-ctx-incognito", "").lower() in ("1", "true", "yes")
+    incognito = state.settings.incognito or request.headers.get("x-ctx-incognito", "").lower() in ("1", "true")
     writer = state.journal_for(incognito)
     incoming = incoming_request(request, raw, body, state)
-    recorded = await writer.call(Journal.record_request, incoming)
-    await state.locks.acquire(recorded.session_id)
-    exchange = Exchange(state, writer, recorded)
+    with anyio.CancelScope(shield=True):  # once begun, the request's row is written, so its answer row can follow
+        recorded = await writer.call(Journal.record_request, incoming)
+    exchange = Exchange(state, writer, recorded, request, body, incoming, incognito)
     try:
-        upstream = await exchange.open(request, raw)
-    except BaseException as exc:
+        await exchange.lock()
+        return await exchange.run(raw)
+    except CtxError as exc:
         with anyio.CancelScope(shield=True):
-            await exchange.finish(_outcome_of(exc), getattr(exc, "status", 499), None)
+            await exchange.finish(_outcome_of(exc), exc.status, envelope(exc.message, exc.type, exc.param, exc.code))
+        return error_response(exc, headers=exchange.headers)
+    except BaseException as exc:
+        cancelled = isinstance(exc, anyio.get_cancelled_exc_class())
+        with anyio.CancelScope(shield=True):
+            await exchange.finish(_outcome_of(exc), 499 if cancelled else 500, None)
         raise
-    if body.get("stream") and upstream.status_code == 200:
-        return exchange.relay(upstream)
-    return await exchange.buffered(upstream)
 
 
 def incoming_request(request: Request, raw: bytes, body: ChatBody, state: AppState) -> IncomingRequest:
@@ -64,60 +78,106 @@ def incoming_request(request: Request, raw: bytes, body: ChatBody, state: AppSta
     hashed = state.hasher.hash(session_name or opening, messages)
     params = canonical_json({k: v for k, v in body.items() if k != "messages"})
     return IncomingRequest(
-        received_at=_now(),
-        path=request.url.path,
-        model=body.get("model"),
-        stream=bool(body.get("stream")),
-        session_name=session_name,
-        fingerprint=opening,
-        hashes=hashed.hashes,
-        bodies=hashed.bodies,
-        params_hash=content_hash(params),
-        params_body=params,
-        headers=redact(request.headers.raw),
+        received_at=_now(), path=request.url.path, model=body.get("model"), stream=bool(body.get("stream")),
+        session_name=session_name, fingerprint=opening, hashes=hashed.hashes, bodies=hashed.bodies,
+        params_hash=content_hash(params), params_body=params, headers=redact(request.headers.raw),
         body_bytes=len(raw),
     )
 
 
 class Exchange:
-    """One request's round trip upstream, and the single place its answer is journaled and its lock released."""
+    """One request's round trips upstream, and the single place its answer is journaled and its lock released."""
 
-    def __init__(self, state: AppState, writer: JournalWriter, recorded: RecordedRequest) -> None:
-        self.state, self.writer, self.recorded = state, writer, recorded
+    def __init__(self, state: AppState, writer: JournalWriter, recorded: RecordedRequest, request: Request,
+                 body: ChatBody, incoming: IncomingRequest, incognito: bool) -> None:
+        self.state, self.writer, self.recorded, self.request = state, writer, recorded, request
+        self.body, self.incoming, self.incognito = body, incoming, incognito
         self.started = time.perf_counter()
         self.ttfb_ms: float | None = None
+        self.attempt = 0
+        self.estimate = 0
+        self.context: SessionContext | None = None
+        self._chunks: AsyncIterator[bytes] = _nothing()
+        self._locked = False
         self._finished = False
 
     @property
     def headers(self) -> dict[str, str]:
         return {SESSION_RESPONSE_HEADER: self.recorded.session_id}
 
-    async def open(self, request: Request, raw: bytes) -> httpx.Response:
-        own = self.state.own_headers
-        headers = client_headers(request.headers.raw, own, _CHAT_DROP) + _IDENTITY
-        upstream = await self.state.upstream.send("POST", request.url.path, request.url.query, headers, raw)
+    async def lock(self) -> None:
+        await self.state.locks.acquire(self.recorded.session_id)
+        self._locked = True
+
+    async def run(self, raw: bytes) -> Response:
+        model = self.body.get("model")
+        self.context = await self.state.contexts.get(self.writer, self.recorded.session_id, model)
+        overflow: Overflow | None = None
+        for self.attempt in range(ATTEMPTS):
+            plan = await plan_forward(self.state, self.writer, self.context, self.recorded, self.body, raw,
+                                      self.incoming, self.attempt, self.incognito)
+            self.estimate = plan.estimate
+            upstream = await self._open(plan.body)
+            first, overflow = await self._inspect(upstream)
+            if overflow is None:
+                return await self._respond(upstream, first)
+            await self._record_overflow(plan, overflow, upstream.status_code)
+        raise ContextTooLarge(f"The upstream refused the prompt as too long even after ctxproxy cut it to about "
+                              f"{self.estimate} tokens (estimated): {overflow.message if overflow else ''}. "
+                              "Set ctx_window to the model's real window, or start a new session.")
+
+    async def _open(self, body: bytes) -> httpx.Response:
+        headers = client_headers(self.request.headers.raw, self.state.own_headers, _CHAT_DROP) + _IDENTITY
+        upstream = await self.state.upstream.send("POST", self.request.url.path, self.request.url.query, headers,
+                                                  body)
         self.ttfb_ms = self._elapsed()
         return upstream
 
-    async def buffered(self, upstream: httpx.Response) -> Response:
-        try:
-            content = await upstream.aread()
-        except httpx.TimeoutException:
-            raise UpstreamTimeout("The upstream stopped sending its answer in time.") from None
-        finally:
-            await upstream.aclose()
+    async def _inspect(self, upstream: httpx.Response) -> tuple[bytes | None, Overflow | None]:
+        """An error answer is read whole (to recognise an overflow); a stream's first chunk is read ahead (a
+        llama.cpp stream that overflows is a 200 that ends before it starts)."""
+        if upstream.status_code >= 400:
+            content = await _read(upstream)
+            return content, detect_overflow(upstream.status_code, content)
+        if not self.body.get("stream"):
+            return None, None
+        self._chunks = upstream.aiter_raw()
+        first = await anext(self._chunks, b"")
+        if first:
+            return first, None
+        await upstream.aclose()
+        return b"", Overflow(None, "the upstream ended the stream without a byte (llama.cpp's overflow)")
+
+    async def _record_overflow(self, plan: Plan, overflow: Overflow, status: int) -> None:
+        assert self.context is not None
+        model = self.body.get("model")
+        corrected = self.context.calibration(model).overflow(plan.estimate, overflow.prompt_tokens)
+        self.context.calibrations[model] = corrected
+        await self.writer.call(Journal.record_response, ResponseRecord(
+            self.recorded.request_id, self.attempt, "context_overflow", status, overflow.message, None,
+            self.ttfb_ms, self._elapsed(), _now()))
+
+    async def _respond(self, upstream: httpx.Response, first: bytes | None) -> Response:
+        if self.body.get("stream") and upstream.status_code == 200:
+            return self._relay(upstream, first or b"")
+        content = first if first is not None else await _read(upstream)
+        return self._buffered_response(upstream, content)
+
+    def _buffered_response(self, upstream: httpx.Response, content: bytes) -> Response:
         outcome = "ok" if upstream.status_code < 400 else "upstream_error"
-        response = Response(content, upstream.status_code, headers=response_headers(upstream) | self.headers)
-        usage = _usage_of(content)
+        response = with_headers(Response(content, upstream.status_code, headers=self.headers),
+                                response_headers(upstream))
+        usage = _usage_of(content) if outcome == "ok" else None
         return FinallyResponse(response, lambda: self.finish(outcome, upstream.status_code, content, usage))
 
-    def relay(self, upstream: httpx.Response) -> Response:
-        chunks: list[bytes] = []
+    def _relay(self, upstream: httpx.Response, first: bytes) -> Response:
+        chunks: list[bytes] = [first]
         state = {"outcome": "client_disconnected"}
 
         async def forward() -> AsyncIterator[bytes]:
+            yield first
             try:
-                async for chunk in upstream.aiter_raw():
+                async for chunk in self._chunks:
                     chunks.append(chunk)
                     yield chunk
                 state["outcome"] = "ok"
@@ -130,24 +190,51 @@ class Exchange:
             text = b"".join(chunks)
             await self.finish(state["outcome"], upstream.status_code, text, last_usage(text.decode("utf-8", "replace")))
 
-        inner = StreamingResponse(forward(), upstream.status_code, headers=response_headers(upstream) | self.headers)
+        inner = with_headers(StreamingResponse(forward(), upstream.status_code, headers=self.headers),
+                             response_headers(upstream))
         return FinallyResponse(inner, done)
 
     async def finish(self, outcome: str, status: int, body: bytes | None,
                      usage: dict[str, object] | None = None) -> None:
-        """Journal the answer (exactly once) and release the session's lock."""
+        """Journal the answer (exactly once), learn from its usage, and release the session's lock."""
         if self._finished:
             return
         self._finished = True
         try:
+            self._calibrate(usage)
             await self.writer.call(Journal.record_response, ResponseRecord(
-                self.recorded.request_id, 0, outcome, status, body.decode("utf-8", "replace") if body else None,
-                usage, self.ttfb_ms, self._elapsed(), _now()))
+                self.recorded.request_id, self.attempt, outcome, status,
+                body.decode("utf-8", "replace") if body else None, usage, self.ttfb_ms, self._elapsed(), _now()))
         finally:
-            self.state.locks.release(self.recorded.session_id)
+            if self._locked:
+                self.state.locks.release(self.recorded.session_id)
+
+    def _calibrate(self, usage: dict[str, object] | None) -> None:
+        prompt = (usage or {}).get("prompt_tokens")
+        if self.context is None or not isinstance(prompt, int) or not self.estimate:
+            return
+        model = self.body.get("model")
+        calibration = self.context.calibration(model).observe(self.estimate, prompt)
+        self.context.calibrations[model] = self.state.contexts.models[model] = calibration
 
     def _elapsed(self) -> float:
         return round((time.perf_counter() - self.started) * 1000, 3)
+
+
+async def _nothing() -> AsyncIterator[bytes]:
+    return
+    yield b""
+
+
+async def _read(upstream: httpx.Response) -> bytes:
+    try:
+        return await upstream.aread()
+    except httpx.TimeoutException:
+        raise UpstreamTimeout("The upstream stopped sending its answer in time.") from None
+    except httpx.TransportError as exc:
+        raise UpstreamUnreachable(f"The upstream broke off its answer: {exc or type(exc).__name__}.") from None
+    finally:
+        await upstream.aclose()
 
 
 def _usage_of(content: bytes) -> dict[str, object] | None:
@@ -159,6 +246,8 @@ def _usage_of(content: bytes) -> dict[str, object] | None:
 
 
 def _outcome_of(exc: BaseException) -> str:
+    if isinstance(exc, ContextTooLarge):
+        return "context_too_large"
     if isinstance(exc, CtxError):
         return {502: "unreachable", 504: "timeout"}.get(exc.status, "error")
     return "client_disconnected" if isinstance(exc, anyio.get_cancelled_exc_class()) else "error"

@@ -1,4 +1,5 @@
-"""The ``ctxproxy`` command: ``serve`` runs the proxy; ``sessions`` and ``show`` read the journal directly.
+"""The ``ctxproxy`` command: ``serve`` runs the proxy; ``sessions`` and ``show`` read the journal directly;
+``replay`` runs a recorded conversation through the rewrite core with no upstream.
 
 The reading commands open the journal file themselves (SQLite in WAL mode lets them read while a server writes),
 so they work whether or not a server is running.
@@ -11,6 +12,8 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from config import Settings, SettingsError, load_settings
@@ -26,6 +29,11 @@ _JOURNAL_COLUMNS = [("request_id", "req"), ("received_at", "received"), ("model"
                     ("messages", "msgs"), ("new_messages", "new"), ("body_bytes", "bytes"), ("outcome", "outcome"),
                     ("status", "status"), ("prompt_tokens", "prompt tok"), ("completion_tokens", "compl tok"),
                     ("ttfb_ms", "ttfb ms"), ("total_ms", "total ms")]
+
+
+_REPLAY_COLUMNS = [("request", "req"), ("messages", "msgs"), ("tokens_in", "tokens in"), ("tokens_out", "tokens out"),
+                   ("decisions", "decisions"), ("prefix", "prefix"), ("chars_reused", "reused chars"),
+                   ("chars_sent", "sent chars"), ("refused", "")]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -50,6 +58,9 @@ def _parser() -> argparse.ArgumentParser:
     show = _command(commands, "show", "show one session and its journal", _show)
     show.add_argument("session_id")
     show.add_argument("--limit", type=int, default=200, help="journal entries to print (default 200)")
+    replay = _command(commands, "replay", "run a recorded conversation through the rewrite core, offline", _replay)
+    replay.add_argument("file", help="a conversation: {messages, tools?} (the shared trajectory format)")
+    replay.add_argument("--window", type=int, help="the model's window in tokens (default: ctx_window, else 131072)")
     return parser
 
 
@@ -74,6 +85,32 @@ def _serve(settings: Settings, args: argparse.Namespace) -> int:
 
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level,
                 proxy_headers=False, server_header=False, access_log=settings.access_log)
+    return 0
+
+
+def _replay(settings: Settings, args: argparse.Namespace) -> int:
+    from proxy.replay import replay, summarize
+
+    try:
+        conversation = json.loads(Path(args.file).read_text())
+    except (OSError, ValueError) as exc:
+        print(f"ctxproxy replay: cannot read {args.file}: {exc}", file=sys.stderr)
+        return 2
+    window = args.window or settings.ctx_window or 131072
+    steps = list(replay(conversation, settings, window))
+    summary = summarize(steps)
+    if args.json:
+        print(json.dumps({"window": window, "steps": [asdict(s) for s in steps],
+                          "summary": asdict(summary) | {"reuse": summary.reuse, "uncached": summary.uncached}},
+                         indent=2))
+        return 0
+    rows = [asdict(s) | {"decisions": ", ".join(f"{k} {v}" for k, v in s.decisions.items()) or "-",
+                         "prefix": "kept" if s.prefix_kept else "changed",
+                         "refused": "REFUSED" if s.refused else ""} for s in steps]
+    print(render_table(rows, _REPLAY_COLUMNS))
+    print(f"\n{summary.requests} requests, window {window}: {summary.refused} refused (cannot fit), "
+          f"{summary.violations} invariant violations, max {summary.max_tokens_out} tokens sent, prefix reuse "
+          f"{summary.reuse:.1%} ({summary.uncached:,} uncached characters of {summary.chars_sent:,})")
     return 0
 
 

@@ -6,6 +6,8 @@ names the offending field in ``param`` (``messages[3].role``) so a client can fi
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any, cast
 
 import orjson
@@ -15,6 +17,8 @@ from proxy.errors import BadRequest, PayloadTooLarge
 from proxy.wire import ChatBody
 
 __all__ = ["parse_chat_body", "read_body"]
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -37,10 +41,7 @@ def _too_large(size: int, limit: int) -> PayloadTooLarge:
 
 
 def parse_chat_body(raw: bytes) -> ChatBody:
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"Request body is not valid JSON: {exc}", code="invalid_json") from None
+    body = _loads(raw)
     if not isinstance(body, dict):
         raise BadRequest("Request body must be a JSON object with a `messages` array.", code="invalid_json")
     _expect(body, "model", str, "a string")
@@ -52,6 +53,30 @@ def parse_chat_body(raw: bytes) -> ChatBody:
     for i, message in enumerate(messages):
         _check_message(i, message)
     return cast(ChatBody, body)
+
+
+def _loads(raw: bytes) -> Any:
+    """orjson; or, for JSON that only the stdlib accepts (a lone surrogate escape such as ``"\\ud83d"``, which a
+    JavaScript agent emits when it cuts a string mid-emoji), the stdlib with those surrogates made U+FFFD, so
+    every later step (hashing, the journal, a rewritten body) can encode the text. The body itself still goes
+    upstream as it came when nothing is rewritten."""
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        try:
+            return _without_surrogates(json.loads(raw))
+        except ValueError:
+            raise BadRequest(f"Request body is not valid JSON: {exc}", code="invalid_json") from None
+
+
+def _without_surrogates(value: Any) -> Any:
+    if isinstance(value, str):
+        return _SURROGATE.sub("\ufffd", value)
+    if isinstance(value, list):
+        return [_without_surrogates(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _without_surrogates(v) for k, v in value.items()}
+    return value
 
 
 def _expect(obj: dict[str, Any], key: str, kind: type, what: str, where: str = "") -> None:

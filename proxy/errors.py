@@ -15,6 +15,7 @@ from starlette.responses import Response
 
 __all__ = [
     "BadRequest",
+    "ContextTooLarge",
     "CtxError",
     "NotFound",
     "PayloadTooLarge",
@@ -43,6 +44,12 @@ class CtxError(Exception):
 
 class BadRequest(CtxError):
     status, type, code = 400, "invalid_request_error", "invalid_request"
+
+
+class ContextTooLarge(CtxError):
+    """The request cannot fit the model's context even after every cut the rules allow."""
+
+    status, type, code = 400, "invalid_request_error", "context_length_exceeded"
 
 
 class Unauthorized(CtxError):

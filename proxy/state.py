@@ -10,8 +10,11 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from config import Settings
+from proxy.context import SessionContexts
 from proxy.hashing import MessageHasher
+from proxy.rewrite.tokens import MessageCounter
 from proxy.upstream import Upstream
+from proxy.window import WindowDetector
 from store import JournalWriter
 
 __all__ = ["AppState", "SessionLocks"]
@@ -56,8 +59,11 @@ class AppState:
     upstream: Upstream
     journal: JournalWriter
     incognito_journal: JournalWriter
+    windows: WindowDetector
     locks: SessionLocks = field(default_factory=SessionLocks)
     hasher: MessageHasher = field(default_factory=MessageHasher)
+    counter: MessageCounter = field(default_factory=MessageCounter)
+    contexts: SessionContexts = field(default_factory=SessionContexts)
     own_headers: frozenset[str] = frozenset()
 
     def journal_for(self, incognito: bool) -> JournalWriter:

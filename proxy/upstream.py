@@ -11,10 +11,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import httpx
+from starlette.responses import Response
 
 from proxy.errors import UpstreamTimeout, UpstreamUnreachable
 
-__all__ = ["HOP_BY_HOP", "Upstream", "client_headers", "redact", "response_headers", "upstream_url"]
+__all__ = [
+    "HOP_BY_HOP", "Upstream", "client_headers", "redact", "response_headers", "upstream_url", "with_headers",
+]
 
 HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection", "te", "trailer",
@@ -41,8 +44,17 @@ def client_headers(headers: Iterable[tuple[bytes, bytes]], own: frozenset[str],
     return out
 
 
-def response_headers(upstream: httpx.Response, drop: frozenset[str] = frozenset()) -> dict[str, str]:
-    return {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP and k.lower() not in drop}
+def response_headers(upstream: httpx.Response) -> list[tuple[bytes, bytes]]:
+    """The upstream's response headers minus hop-by-hop ones, repeated headers (Set-Cookie) kept apart."""
+    return [(k, v) for k, v in upstream.headers.raw if k.decode("latin-1").lower() not in HOP_BY_HOP]
+
+
+def with_headers(response: Response, headers: list[tuple[bytes, bytes]]) -> Response:
+    """``response`` carrying the upstream's headers too; where both set one (Content-Type), the upstream's wins."""
+    theirs = [(k.lower(), v) for k, v in headers]
+    names = {k for k, _ in theirs}
+    response.raw_headers = [(k, v) for k, v in response.raw_headers if k not in names] + theirs
+    return response
 
 
 def redact(headers: Iterable[tuple[bytes, bytes]]) -> dict[str, str | None]:

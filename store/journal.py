@@ -23,6 +23,7 @@ from typing import Any
 
 from sqlite_utils import Database
 
+from store.cuts import CutsMixin
 from store.migrations import migrations
 
 __all__ = ["IncomingRequest", "Journal", "RecordedRequest", "ResponseRecord", "prefix_digest"]
@@ -58,6 +59,7 @@ class RecordedRequest:
     parent_id: str | None
     forked: bool
     new_messages: int
+    list_id: int
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,8 @@ class _Head:
     length: int
     digest: str
     updated_at: str
+    pending: int = 0
+    """1 while the head's own request has no answer yet: nothing can continue it before that answer exists."""
 
 
 @dataclass(frozen=True)
@@ -93,7 +97,7 @@ class _Placement:
     parent_id: str | None
 
 
-class Journal:
+class Journal(CutsMixin):
     """One SQLite database. ``path=None`` keeps everything in memory (incognito: nothing touches the disk)."""
 
     def __init__(self, path: Path | None, sync: str = "normal") -> None:
@@ -116,19 +120,16 @@ class Journal:
 
     # --- writes -------------------------------------------------------------------------------------------------
     def record_request(self, req: IncomingRequest) -> RecordedRequest:
-        """Resolve the session and journal the request and its verbatim forward, in one transaction."""
+        """Resolve the session and journal the request, in one transaction (its forwards follow, ``record_forward``)."""
         with self.conn:  # one transaction: committed on success, rolled back on any error
             place = self._place(req)
             list_id = self._insert_list(req, place)
             self._insert_blob(req.params_hash, "params", req.params_body)
             request_id = self._insert_request(req, place.session.id, list_id)
-            self.conn.execute(
-                "INSERT INTO forwards (request_id, attempt, list_id, params_hash, verbatim) VALUES (?, 0, ?, ?, 1)",
-                [request_id, list_id, req.params_hash],
-            )
             self._advance_head(place.session.id, list_id, req)
         forked = place.created and place.parent_id is not None
-        return RecordedRequest(request_id, place.session.id, place.parent_id, forked, len(req.hashes) - place.common)
+        return RecordedRequest(request_id, place.session.id, place.parent_id, forked, len(req.hashes) - place.common,
+                               list_id)
 
     def record_response(self, rec: ResponseRecord) -> None:
         usage = rec.usage or {}
@@ -150,12 +151,10 @@ class Journal:
                 return self._open(req, req.session_name, parent=None, shared=0, fingerprint=None)
             return _Placement(head, head.list_id, self._common_with(head, req.hashes), False, None)
         candidates = self._heads_by_fingerprint(req.fingerprint)
-        extended = [h for h in candidates
-                    if h.length <= len(req.hashes) and prefix_digest(req.hashes[: h.length]) == h.digest]
-        if extended:
-            head = max(extended, key=lambda h: (h.length, h.updated_at))
+        head = _continued(candidates, req.hashes)
+        if head is not None:
             return _Placement(head, head.list_id, head.length, False, None)
-        parent, shared = self._closest(candidates, req.hashes)
+        parent, shared = self._closest(candidates[-_FORK_CANDIDATES:], req.hashes)
         return self._open(req, self._new_id(req.fingerprint, len(candidates)), parent, shared, req.fingerprint)
 
     def _open(self, req: IncomingRequest, session_id: str, parent: _Head | None, shared: int,
@@ -166,6 +165,9 @@ class Journal:
             [session_id, fingerprint, int(fingerprint is None), parent.id if parent else None, shared,
              req.received_at, req.received_at, prefix_digest([]), req.model],
         )
+        if parent is not None:
+            self.conn.execute("UPDATE sessions SET inherit_upto = (SELECT COALESCE(MAX(id), 0) FROM decisions"
+                              " WHERE session_id = ?) WHERE id = ?", [parent.id, session_id])
         head = _Head(session_id, None, 0, prefix_digest([]), req.received_at)
         base = parent.list_id if parent and shared else None
         return _Placement(head, base, shared if base else 0, True, parent.id if parent else None)
@@ -238,8 +240,10 @@ class Journal:
 
     def _heads_by_fingerprint(self, fingerprint: str) -> list[_Head]:
         rows = self.conn.execute(
-            "SELECT id, head_list_id, head_len, head_digest, updated_at FROM sessions WHERE fingerprint = ?"
-            " ORDER BY created_at, id", [fingerprint]
+            "SELECT s.id, s.head_list_id, s.head_len, s.head_digest, s.updated_at,"
+            " NOT EXISTS (SELECT 1 FROM responses p WHERE p.request_id ="
+            "  (SELECT MAX(r.id) FROM requests r WHERE r.session_id = s.id)) AS pending"
+            " FROM sessions s WHERE s.fingerprint = ? ORDER BY s.updated_at, s.id", [fingerprint]
         ).fetchall()
         return [_Head(*row) for row in rows]
 
@@ -295,6 +299,25 @@ class Journal:
         cursor = self.conn.execute(sql, list(params))
         names = [d[0] for d in cursor.description]
         return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+
+
+_FORK_CANDIDATES = 8
+"""A new run's parent is looked for among the most recently active sessions of its opening only."""
+
+
+def _continued(candidates: Sequence[_Head], hashes: Sequence[str]) -> _Head | None:
+    """The session this request continues, if any.
+
+    A continuation carries the head and more (the head's answer, the next result). A request that merely
+    equals a head is a retry, or a second run replaying the same first steps: it goes where it strictly extends
+    a head if such a session exists (so two runs never swap sessions), else to the equal one. A head whose own
+    request is still unanswered cannot be continued yet: a request matching it is a parallel run.
+    """
+    matching = [h for h in candidates if not h.pending and h.length <= len(hashes)
+                and prefix_digest(hashes[: h.length]) == h.digest]
+    strict = [h for h in matching if h.length < len(hashes)]
+    chosen = strict or matching
+    return max(chosen, key=lambda h: (h.length, h.updated_at)) if chosen else None
 
 
 def _int_or_none(value: Any) -> int | None:

@@ -102,3 +102,47 @@ def m001_journal(db: Database) -> None:
         );
         """
     )
+
+
+@migrations()
+def m002_decisions_and_overflow(db: Database) -> None:
+    db.executescript(
+        """
+        -- Every decision the projection (or the operator, or the model) made, in order. Re-applied to every request
+        -- of the session by message identity; never updated, never deleted (an unpin is a new row).
+        CREATE TABLE decisions (
+            id INTEGER PRIMARY KEY,
+            session_id TEXT NOT NULL REFERENCES sessions(id),
+            request_id INTEGER REFERENCES requests(id),  -- the request whose projection made it; NULL if operator
+            kind TEXT NOT NULL,          -- spill | elide | fold | pin | unpin
+            target TEXT NOT NULL,        -- message identity (tool:<call id>[#n] or <role>:<hash16>[#n])
+            message_hash TEXT NOT NULL,  -- the exact message it was made for ('' for pins)
+            replacement TEXT NOT NULL,   -- the exact text put in place of the content
+            overflow_id TEXT NOT NULL,   -- sha256 of what was removed (its body is in `overflow`)
+            until TEXT NOT NULL,         -- fold: identity of the last folded message
+            count INTEGER NOT NULL,      -- fold: messages folded
+            source TEXT NOT NULL,        -- auto | operator | model
+            created_at TEXT NOT NULL
+        );
+        CREATE INDEX decisions_by_session ON decisions(session_id, id);
+
+        -- What was cut, per session: the body is a content-addressed blob (kind 'overflow'), stored once however
+        -- many sessions cut the same bytes; this row scopes it, so read_overflow only serves a session its own.
+        CREATE TABLE overflow (
+            session_id TEXT NOT NULL REFERENCES sessions(id),
+            id TEXT NOT NULL REFERENCES blobs(hash),   -- sha256 of the body
+            tool TEXT NOT NULL,
+            call_id TEXT NOT NULL,
+            bytes INTEGER NOT NULL,
+            created_at TEXT NOT NULL,
+            PRIMARY KEY (session_id, id)
+        );
+
+        -- A forked session inherits its parent's decisions made up to the fork (NULL: none).
+        ALTER TABLE sessions ADD COLUMN inherit_upto INTEGER;
+        -- The token estimate of what was forwarded and the calibration ratio in force: with the answer's
+        -- usage.prompt_tokens, the calibration can be rebuilt after a restart.
+        ALTER TABLE forwards ADD COLUMN estimate INTEGER;
+        ALTER TABLE forwards ADD COLUMN k REAL;
+        """
+    )

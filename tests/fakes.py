@@ -68,14 +68,31 @@ def stream_chunks(text: str, model: str = "fake-model", usage: dict[str, int] | 
 class FakeUpstream:
     def __init__(self) -> None:
         self.received: list[Received] = []
-        self.replies: deque[Reply] = deque()
+        self.replies: dict[str, deque[Reply]] = {}
 
-    def enqueue(self, reply: Reply) -> None:
-        self.replies.append(reply)
+    def enqueue(self, reply: Reply, path: str = "/chat/completions") -> None:
+        """Script the next answer to a request whose path ends with ``path`` (other routes keep their defaults,
+        so a proxy's own side requests, like its window detection, do not eat a test's scripted answers)."""
+        self.replies.setdefault(path, deque()).append(reply)
+
+    def _next(self, got: Received) -> Reply:
+        for suffix, queue in self.replies.items():
+            if got.path.endswith(suffix) and queue:
+                return queue.popleft()
+        return self._echo(got)
+
+    @property
+    def chats(self) -> list[Received]:
+        """The chat requests received (the proxy's side requests left out)."""
+        return [r for r in self.received if r.path.endswith("/chat/completions")]
 
     @property
     def last(self) -> Received:
         return self.received[-1]
+
+    @property
+    def last_chat(self) -> Received:
+        return self.chats[-1]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -90,7 +107,7 @@ class FakeUpstream:
         got = Received(scope["method"], scope["path"], scope["query_string"].decode(),
                        {k.decode().lower(): v.decode() for k, v in scope["headers"]}, body)
         self.received.append(got)
-        reply = self.replies.popleft() if self.replies else self._echo(got)
+        reply = self._next(got)
         if reply.delay:
             await asyncio.sleep(reply.delay)
         await _send_reply(reply, send)
@@ -164,3 +181,40 @@ def serve_in_thread(app: Any, **config: Any) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+class CountingUpstream(FakeUpstream):
+    """A model server with a real window: it counts each prompt (cl100k × ``ratio``, plus a per-message template
+    cost) and answers like llama.cpp — 400 ``exceed_context_size_error`` above ``window``, an empty 200 when the
+    request streams — and otherwise with ``usage.prompt_tokens`` set to its own count."""
+
+    def __init__(self, window: int, ratio: float = 1.0) -> None:
+        super().__init__()
+        from proxy.rewrite.tokens import MessageCounter
+
+        self.window, self.ratio = window, ratio
+        self.counter = MessageCounter()
+        self.counts: list[int] = []
+        """The prompt size of every chat request received, as this server counts it."""
+
+    def _echo(self, got: Received) -> Reply:
+        if not got.path.endswith("/chat/completions"):
+            return super()._echo(got)
+        request = got.json()
+        counted = int(sum(self.counter.count(m) for m in request["messages"]) * self.ratio)
+        counted += int(self.counter.count_tools(request.get("tools")) * self.ratio)
+        self.counts.append(counted)
+        if counted > self.window:
+            if request.get("stream"):
+                return Reply(raw=b"", headers={"content-type": "text/event-stream"})
+            return Reply(status=400, body={"error": {
+                "code": 400, "type": "exceed_context_size_error", "n_prompt_tokens": counted, "n_ctx": self.window,
+                "message": "the request exceeds the available context size, try increasing it"}})
+        if request.get("stream"):
+            return Reply(sse=stream_chunks("fits", usage={"prompt_tokens": counted, "completion_tokens": 1,
+                                                          "total_tokens": counted + 1}))
+        return Reply(body=completion("fits", counted))
+
+    @property
+    def over_window(self) -> int:
+        return sum(1 for c in self.counts if c > self.window)

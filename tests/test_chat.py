@@ -23,15 +23,15 @@ def test_the_body_goes_upstream_byte_for_byte(client: TestClient, fake: FakeUpst
            b' "chat_template_kwargs": {"enable_thinking": false}, "stream_options": null, "x_unknown": [1, 2.50]}')
     response = client.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
     assert response.status_code == 200
-    assert fake.last.body == raw
-    assert fake.last.path == "/v1/chat/completions"
+    assert fake.last_chat.body == raw
+    assert fake.last_chat.path == "/v1/chat/completions"
 
 
 def test_auth_and_unknown_headers_pass_our_own_do_not(client: TestClient, fake: FakeUpstream) -> None:
     client.post("/v1/chat/completions", json=chat("hi"), headers={
         "Authorization": "Bearer sk-abc", "OpenAI-Organization": "org-1", "X-Custom": "yes",
         "X-Session-Id": "mine", "X-Ctx-Incognito": "0"})
-    sent = fake.last.headers
+    sent = fake.last_chat.headers
     assert sent["authorization"] == "Bearer sk-abc"
     assert sent["openai-organization"] == "org-1" and sent["x-custom"] == "yes"
     assert "x-session-id" not in sent and "x-ctx-incognito" not in sent

@@ -57,7 +57,7 @@ def test_the_sdk_gets_the_same_answer_through_the_proxy(stack: Stack) -> None:
     direct = stack.sdk(via_proxy=False).chat.completions.create(model="fake-model", messages=MESSAGES)
     proxied = stack.sdk().chat.completions.create(model="fake-model", messages=MESSAGES)
     assert proxied.model_dump() == direct.model_dump()
-    assert stack.fake.received[0].body == stack.fake.received[1].body
+    assert stack.fake.chats[0].body == stack.fake.chats[1].body
 
 
 def test_the_sdk_gets_the_same_stream_through_the_proxy(stack: Stack) -> None:
@@ -85,7 +85,7 @@ def test_the_async_sdk_with_tool_calls_and_a_named_session(stack: Stack) -> None
 
     raw = asyncio.run(run())
     assert raw.headers["x-ctx-session"] == "agent-1"
-    sent = stack.fake.last.json()
+    sent = stack.fake.last_chat.json()
     assert sent["tools"] == tools and sent["chat_template_kwargs"] == {"enable_thinking": False}
     assert sent["messages"] == history
 

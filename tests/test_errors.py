@@ -54,7 +54,7 @@ def test_bad_input_is_a_400_naming_the_field_and_is_not_journaled(
         client: TestClient, fake: FakeUpstream, settings: Settings, raw: bytes, param: str | None) -> None:
     response = client.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
     assert_envelope(response, 400, "invalid_request_error", param)
-    assert fake.received == [] and rows(settings, "requests") == 0
+    assert fake.chats == [] and rows(settings, "requests") == 0
 
 
 def test_a_body_over_the_limit_is_a_413(tmp_path: Any, fake: FakeUpstream) -> None:
@@ -67,7 +67,7 @@ def test_a_body_over_the_limit_is_a_413(tmp_path: Any, fake: FakeUpstream) -> No
         assert client.post("/v1/chat/completions", json=chat("small")).status_code == 200
         chunked = client.post("/v1/chat/completions", content=iter([b"x" * 1500, b"y" * 1500]))
         assert_envelope(chunked, 413, "invalid_request_error")
-    assert fake.received[0].json()["messages"][1]["content"] == "small" and len(fake.received) == 1
+    assert fake.chats[0].json()["messages"][1]["content"] == "small" and len(fake.chats) == 1
 
 
 def raising(exc: Exception) -> httpx.MockTransport:
@@ -94,18 +94,17 @@ def test_upstream_failures_are_502_or_504_and_journaled_whole(
     assert outcomes == [(outcome, status), (outcome, status)] and rows(settings, "requests") == 2
 
 
-LLAMA_OVERFLOW = {"error": {"code": 400, "message": "the request exceeds the available context size",
-                            "type": "exceed_context_size_error", "n_prompt_tokens": 6047, "n_ctx": 4096}}
+UPSTREAM_ERROR = {"error": {"code": 404, "message": "model 'gpt-9' not found", "type": "invalid_request_error"}}
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_an_upstream_error_is_relayed_with_its_status_and_body(
         client: TestClient, fake: FakeUpstream, settings: Settings, stream: bool) -> None:
-    fake.enqueue(Reply(status=400, body=LLAMA_OVERFLOW))
+    fake.enqueue(Reply(status=404, body=UPSTREAM_ERROR))
     response = client.post("/v1/chat/completions", json=chat("hi", stream=stream))
-    assert response.status_code == 400 and response.json() == LLAMA_OVERFLOW
+    assert response.status_code == 404 and response.json() == UPSTREAM_ERROR
     journal = Journal(settings.data_path / "journal.db")
-    assert journal.db.execute("SELECT outcome, status FROM responses").fetchall() == [("upstream_error", 400)]
+    assert journal.db.execute("SELECT outcome, status FROM responses").fetchall() == [("upstream_error", 404)]
 
 
 def test_an_unexpected_failure_is_a_500_envelope_without_traceback(settings: Settings) -> None:

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from proxy.rewrite import canonical_json, content_hash, fingerprint
 from proxy.upstream import redact
-from store import IncomingRequest, Journal, ResponseRecord
+from store import IncomingRequest, Journal, RecordedRequest, ResponseRecord
 from store.migrations import migrations
 
 
@@ -24,6 +24,13 @@ def incoming(messages: Sequence[dict[str, Any]], session: str | None = None, n: 
     return IncomingRequest(f"2026-01-01T00:00:{n:02d}", "/v1/chat/completions", "m", False, session,
                            fingerprint(messages), [content_hash(b) for b in bodies], bodies, content_hash(params),
                            params, headers or {}, 100)
+
+
+def record(journal: Journal, req: IncomingRequest) -> RecordedRequest:
+    """Journal a request and its answer, as the proxy does before the next request of a run can exist."""
+    rec = journal.record_request(req)
+    journal.record_response(ResponseRecord(rec.request_id, 0, "ok", 200, "{}", None, 1.0, 2.0, req.received_at))
+    return rec
 
 
 def run(n_rounds: int, opening: str = "fix the bug", result: str = "output") -> list[list[dict[str, Any]]]:
@@ -44,7 +51,7 @@ def journal(tmp_path: Path) -> Journal:
 
 
 def test_a_growing_run_is_one_session(journal: Journal) -> None:
-    ids = {journal.record_request(incoming(msgs, n=i)).session_id for i, msgs in enumerate(run(5))}
+    ids = {record(journal, incoming(msgs, n=i)).session_id for i, msgs in enumerate(run(5))}
     assert len(ids) == 1
     (row,) = journal.sessions()
     assert row["requests"] == 6 and row["messages"] == 12
@@ -53,7 +60,7 @@ def test_a_growing_run_is_one_session(journal: Journal) -> None:
 def test_messages_are_stored_once_and_lists_only_add_the_new(journal: Journal) -> None:
     requests = run(30)
     for i, msgs in enumerate(requests):
-        recorded = journal.record_request(incoming(msgs, n=i))
+        recorded = record(journal, incoming(msgs, n=i))
         assert recorded.new_messages == 2
     blobs = journal.db.execute("SELECT COUNT(*) FROM blobs WHERE kind = 'message'").fetchone()[0]
     added = journal.db.execute("SELECT SUM(json_array_length(added)) FROM message_lists").fetchone()[0]
@@ -62,14 +69,14 @@ def test_messages_are_stored_once_and_lists_only_add_the_new(journal: Journal) -
 
 def test_a_request_rebuilds_byte_for_byte(journal: Journal) -> None:
     requests = run(4)
-    recorded = [journal.record_request(incoming(m, n=i)) for i, m in enumerate(requests)]
+    recorded = [record(journal, incoming(m, n=i)) for i, m in enumerate(requests)]
     for rec, msgs in zip(recorded, requests, strict=True):
         assert journal.request(rec.request_id)["messages"] == msgs  # type: ignore[index]
 
 
 def test_a_second_run_with_the_same_opening_becomes_a_child(journal: Journal) -> None:
-    first = [journal.record_request(incoming(m, n=i)) for i, m in enumerate(run(3))]
-    second = journal.record_request(incoming(run(3, result="other")[1], n=10))
+    first = [record(journal, incoming(m, n=i)) for i, m in enumerate(run(3))]
+    second = record(journal, incoming(run(3, result="other")[1], n=10))
     assert second.session_id != first[0].session_id
     assert second.forked and second.parent_id == first[0].session_id
     child = journal.session(second.session_id)
@@ -79,24 +86,37 @@ def test_a_second_run_with_the_same_opening_becomes_a_child(journal: Journal) ->
 def test_an_agent_that_edits_its_history_forks(journal: Journal) -> None:
     requests = run(3)
     for i, m in enumerate(requests):
-        journal.record_request(incoming(m, n=i))
+        record(journal, incoming(m, n=i))
     edited = [dict(m) for m in requests[-1]]
     edited[3] = {"role": "tool", "tool_call_id": "c0", "content": "trimmed by the agent"}
-    rec = journal.record_request(incoming(edited, n=9))
+    rec = record(journal, incoming(edited, n=9))
     assert rec.forked and rec.new_messages == len(edited) - 3
     assert journal.request(rec.request_id)["messages"] == edited  # type: ignore[index]
 
 
 def test_a_retry_of_the_same_request_stays_in_the_session(journal: Journal) -> None:
     msgs = run(2)[-1]
-    a = journal.record_request(incoming(msgs, n=1))
-    b = journal.record_request(incoming(msgs, n=2))
+    a = record(journal, incoming(msgs, n=1))
+    b = record(journal, incoming(msgs, n=2))
     assert a.session_id == b.session_id and b.new_messages == 0
 
 
+def test_runs_in_parallel_with_the_same_opening_get_their_own_sessions(journal: Journal) -> None:
+    opening = run(0)[0]
+    sessions = {journal.record_request(incoming(opening, n=i)).session_id for i in range(4)}  # none answered yet
+    assert len(sessions) == 4
+
+
+def test_two_runs_replaying_the_same_first_steps_never_swap_sessions(journal: Journal) -> None:
+    a_steps, b_steps = run(4, result="same"), run(4, result="same")
+    a = [record(journal, incoming(m, n=i)).session_id for i, m in enumerate(a_steps[:3])]
+    b = [record(journal, incoming(m, n=10 + i)).session_id for i, m in enumerate(b_steps[:3])]
+    assert len(set(a)) == 1 and set(b).isdisjoint(a) and len(set(b)) == 1
+
+
 def test_a_named_session_wins_over_the_fingerprint(journal: Journal) -> None:
-    a = journal.record_request(incoming(run(1)[-1], session="agent-7"))
-    b = journal.record_request(incoming(run(1, opening="other task")[-1], session="agent-7", n=1))
+    a = record(journal, incoming(run(1)[-1], session="agent-7"))
+    b = record(journal, incoming(run(1, opening="other task")[-1], session="agent-7", n=1))
     assert a.session_id == b.session_id == "agent-7"
     assert not b.forked
 
@@ -126,7 +146,7 @@ def test_responses_keep_usage_and_timings(journal: Journal) -> None:
 def test_migrating_twice_is_a_noop(tmp_path: Path) -> None:
     Journal(tmp_path / "j.db").close()
     journal = Journal(tmp_path / "j.db")
-    assert [m.name for m in migrations.applied(journal.db)] == ["m001_journal"]
+    assert [m.name for m in migrations.applied(journal.db)] == ["m001_journal", "m002_decisions_and_overflow"]
 
 
 def test_in_memory_journal_writes_no_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -33,7 +33,7 @@ def paths(fake: FakeUpstream) -> list[str]:
 
 
 async def test_vllm_models_answer(fake: FakeUpstream) -> None:
-    fake.enqueue(models({"id": "other", "max_model_len": 8192}, {"id": "MODEL", "max_model_len": 32768}))
+    fake.enqueue(path="/models", reply=models({"id": "other", "max_model_len": 8192}, {"id": "MODEL", "max_model_len": 32768}))
     assert await detector(fake).window_for("MODEL") == Window(32768, "vllm /models")
     assert paths(fake) == ["/v1/models"]
     sent = fake.last
@@ -43,15 +43,15 @@ async def test_vllm_models_answer(fake: FakeUpstream) -> None:
 
 
 async def test_unlisted_model_uses_the_only_entry_with_a_window(fake: FakeUpstream) -> None:
-    fake.enqueue(models({"id": "served", "max_model_len": 16384}, {"id": "no-window"}))
+    fake.enqueue(path="/models", reply=models({"id": "served", "max_model_len": 16384}, {"id": "no-window"}))
     assert await detector(fake).window_for("alias") == Window(16384, "vllm /models")
 
 
 @pytest.mark.parametrize("props", [{"default_generation_settings": {"n_ctx": 4096}, "total_slots": 1},
                                    {"n_ctx": 2048}])
 async def test_llama_cpp_props_after_models_lacks_the_field(fake: FakeUpstream, props: dict[str, Any]) -> None:
-    fake.enqueue(models({"id": "fake-model", "object": "model"}))
-    fake.enqueue(Reply(body=props))
+    fake.enqueue(path="/models", reply=models({"id": "fake-model", "object": "model"}))
+    fake.enqueue(Reply(body=props), path="/props")
     expected = props.get("default_generation_settings", props)["n_ctx"]
     assert await detector(fake).window_for("fake-model") == Window(expected, "llama.cpp /props")
     assert paths(fake) == ["/v1/models", "/props"]  # /props lives at the root, beside /v1
@@ -65,8 +65,8 @@ async def test_llama_cpp_props_after_models_lacks_the_field(fake: FakeUpstream, 
     [],  # llama-cpp-python: /models without a window (the fake's default), /props unknown (echo without n_ctx)
 ])
 async def test_default_when_nothing_answers(fake: FakeUpstream, replies: list[Reply]) -> None:
-    for reply in replies:
-        fake.enqueue(reply)
+    for reply, path in zip(replies, ("/models", "/props"), strict=False):
+        fake.enqueue(reply, path=path)
     assert await detector(fake).window_for("m") == Window(DEFAULT_WINDOW, "default")
     assert paths(fake) == ["/v1/models", "/props"]
 
@@ -90,8 +90,8 @@ async def test_settings_win_without_a_request(fake: FakeUpstream) -> None:
 
 
 async def test_answer_is_cached_per_model(fake: FakeUpstream) -> None:
-    fake.enqueue(models({"id": "a", "max_model_len": 1000}, {"id": "b", "max_model_len": 2000}))
-    fake.enqueue(models({"id": "a", "max_model_len": 1000}, {"id": "b", "max_model_len": 2000}))
+    fake.enqueue(path="/models", reply=models({"id": "a", "max_model_len": 1000}, {"id": "b", "max_model_len": 2000}))
+    fake.enqueue(path="/models", reply=models({"id": "a", "max_model_len": 1000}, {"id": "b", "max_model_len": 2000}))
     windows = detector(fake)
     assert (await windows.window_for("a")).tokens == 1000
     assert (await windows.window_for("a")).tokens == 1000
@@ -101,7 +101,7 @@ async def test_answer_is_cached_per_model(fake: FakeUpstream) -> None:
 
 
 async def test_ten_concurrent_callers_cause_one_detection(fake: FakeUpstream) -> None:
-    fake.enqueue(Reply(body={"data": [{"id": "m", "max_model_len": 32768}]}, delay=0.05))
+    fake.enqueue(Reply(body={"data": [{"id": "m", "max_model_len": 32768}]}, delay=0.05), path="/models")
     windows = detector(fake)
     results: list[Window] = []
 
@@ -116,14 +116,14 @@ async def test_ten_concurrent_callers_cause_one_detection(fake: FakeUpstream) ->
 
 
 async def test_failure_is_cached_until_forget(fake: FakeUpstream) -> None:
-    fake.enqueue(Reply(status=503, body={}))
-    fake.enqueue(Reply(status=503, body={}))
+    fake.enqueue(Reply(status=503, body={}), path="/models")
+    fake.enqueue(Reply(status=503, body={}), path="/props")
     windows = detector(fake)
     assert (await windows.window_for("m")).source == "default"
     assert (await windows.window_for("m")).source == "default"
     assert len(fake.received) == 2  # the second call asked nobody
     windows.forget("m")
-    fake.enqueue(models({"id": "m", "max_model_len": 4096}))
+    fake.enqueue(path="/models", reply=models({"id": "m", "max_model_len": 4096}))
     assert await windows.window_for("m") == Window(4096, "vllm /models")
     assert len(fake.received) == 3
 

@@ -41,9 +41,10 @@ def broken_pairs(messages: Sequence[dict[str, Any]]) -> Counter[str]:
 
 
 def violations(incoming: Sequence[dict[str, Any]], outgoing: Sequence[dict[str, Any]],
-               pinned: Collection[int] = (), start: int = 0) -> list[str]:
+               pinned: Collection[int] = (), start: int = 0, pairs: bool = True) -> list[str]:
     """``pinned``: incoming indices of pinned messages; ``start``: check from this incoming index on (the
-    messages before it were checked on an earlier request and have not changed since)."""
+    messages before it were checked on an earlier request and have not changed since); ``pairs=False`` skips the
+    pairing walk when nothing but contents changed since it last held."""
     problems: list[str] = []
     i, j = 0, 0
     while i < len(incoming) and j < len(outgoing):
@@ -57,7 +58,7 @@ def violations(incoming: Sequence[dict[str, Any]], outgoing: Sequence[dict[str, 
         i, j = i + 1, j + 1
     if i != len(incoming) or j != len(outgoing):
         problems.append(f"lengths do not line up: {len(incoming)} in, {len(outgoing)} out")
-    extra = broken_pairs(outgoing) - broken_pairs(incoming)
+    extra = broken_pairs(outgoing) - broken_pairs(incoming) if pairs else Counter[str]()
     problems += [f"tool call {cid} lost its pair" for cid in sorted(extra)]
     return problems
 

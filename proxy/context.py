@@ -1,0 +1,61 @@
+"""What the proxy remembers about a session between its requests, and how it gets it back after a restart.
+
+Per session: its decisions (the journal's, in order), the state the last projection left (so the next request
+costs only its new messages), the calibration ratio per model, and the list that last went upstream (the base of
+the next forward's delta in the journal). All of it can be rebuilt from the journal: on a miss (a restart, an
+evicted session) the decisions and calibration samples are read back, and the first projection recomputes from
+the decisions, which gives the same bytes.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from proxy.rewrite import Decision, State
+from proxy.rewrite.tokens import Calibration
+from store import Journal, JournalWriter
+
+__all__ = ["SessionContext", "SessionContexts"]
+
+
+@dataclass
+class SessionContext:
+    decisions: list[Decision]
+    state: State | None = None
+    calibrations: dict[str | None, Calibration] = field(default_factory=dict)
+    sent_list: tuple[int, list[str]] | None = None
+    """Id and message hashes of the last list forwarded: the base of the next forward's delta."""
+
+    def calibration(self, model: str | None) -> Calibration:
+        return self.calibrations.get(model, Calibration())
+
+
+class SessionContexts:
+    """A bounded LRU of session contexts; a session's lock is held whenever its context is used."""
+
+    def __init__(self, capacity: int = 256) -> None:
+        self._items: OrderedDict[tuple[int, str], SessionContext] = OrderedDict()
+        self._capacity = capacity
+        self.models: dict[str | None, Calibration] = {}
+        """The latest calibration per model, across sessions: a new session starts from it."""
+
+    async def get(self, writer: JournalWriter, session_id: str, model: str | None) -> SessionContext:
+        key = (id(writer), session_id)
+        context = self._items.pop(key, None) or await self._load(writer, session_id, model)
+        self._items[key] = context
+        if len(self._items) > self._capacity:
+            self._items.popitem(last=False)
+        return context
+
+    def drop(self, writer: JournalWriter, session_id: str) -> None:
+        """Forget a session's working state; the next request reloads it from the journal."""
+        self._items.pop((id(writer), session_id), None)
+
+    async def _load(self, writer: JournalWriter, session_id: str, model: str | None) -> SessionContext:
+        rows = await writer.call(Journal.decisions, session_id)
+        samples = await writer.call(Journal.calibration_samples, session_id, model)
+        calibration = self.models.get(model, Calibration())
+        for estimate, actual in samples:
+            calibration = calibration.observe(estimate, actual)
+        return SessionContext([Decision(**row) for row in rows], calibrations={model: calibration})

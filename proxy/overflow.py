@@ -1,0 +1,64 @@
+"""Recognising an upstream's "the prompt is too long" answer, whatever the server.
+
+- llama.cpp ``llama-server``: 400 ``{"error": {"type": "exceed_context_size_error", "n_prompt_tokens": N, ...}}``;
+- OpenAI, vLLM, llama-cpp-python: 400 with ``context_length_exceeded`` or "maximum context length … you
+  requested N tokens" / "your messages resulted in N tokens";
+- llama.cpp streaming: 200 with an empty body (the error only reaches the server's log). The relay sees that as
+  a stream that ends before its first byte (``proxy.chat``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import orjson
+
+__all__ = ["Overflow", "detect_overflow"]
+
+_MARKERS = ("exceed_context_size_error", "context_length_exceeded", "maximum context length",
+            "context window", "exceeds the available context size", "too many tokens")
+_TOKENS = (re.compile(r"requested (\d+) tokens"), re.compile(r"resulted in (\d+) tokens"),
+           re.compile(r"(\d+) tokens in the messages"), re.compile(r"prompt \((\d+) tokens\)"))
+
+
+@dataclass(frozen=True)
+class Overflow:
+    prompt_tokens: int | None
+    """How many tokens the upstream counted in the prompt, when it said so."""
+    message: str
+
+
+def detect_overflow(status: int, body: bytes) -> Overflow | None:
+    if status not in (400, 413, 422, 500) or not body:
+        return None
+    text = body.decode("utf-8", "replace")
+    lowered = text.lower()
+    if not any(marker in lowered for marker in _MARKERS):
+        return None
+    return Overflow(_prompt_tokens(body, text), _message(body) or text[:300])
+
+
+def _prompt_tokens(body: bytes, text: str) -> int | None:
+    counted = _error_object(body).get("n_prompt_tokens")
+    if isinstance(counted, int):
+        return counted
+    for pattern in _TOKENS:
+        match = pattern.search(text)
+        if match:
+            return int(match.group(1))
+    return None
+
+
+def _message(body: bytes) -> str:
+    message = _error_object(body).get("message")
+    return message if isinstance(message, str) else ""
+
+
+def _error_object(body: bytes) -> dict[str, object]:
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return {}
+    error = parsed.get("error") if isinstance(parsed, dict) else None
+    return error if isinstance(error, dict) else {}

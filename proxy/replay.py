@@ -1,0 +1,109 @@
+"""``ctxproxy replay``: run a recorded conversation through the rewrite core, request by request, offline.
+
+A conversation (the shared trajectory format: ``{"messages", "tools"?}``) is turned into the requests its agent
+sent: one each time the agent asked the model, i.e. the history before each assistant message, and the whole
+history when it does not end with one. Each request is projected as the proxy would (same decisions carried from
+request to request, same state, the real token counter) and reported: tokens in and out, decisions, invariants,
+and how much of it an upstream prefix cache could reuse from the previous request.
+
+Prefix reuse, as the project's benchmarks define it: the characters of a request's leading messages (and its
+tools) that are byte-identical to the previous upstream request's, over all characters sent.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from config import Settings
+from proxy.rewrite import Decision, Rules, State, budget_for, message_hash, project, violations
+from proxy.rewrite.tokens import MessageCounter
+
+__all__ = ["ReplayStep", "Summary", "agent_requests", "replay", "summarize"]
+
+
+@dataclass(frozen=True)
+class ReplayStep:
+    request: int
+    messages: int
+    tokens_in: int
+    tokens_out: int
+    chars_sent: int
+    chars_reused: int
+    prefix_kept: bool
+    """The previous request's upstream messages are a byte-identical prefix of this one's."""
+    refused: bool
+    """Over budget even after every cut: the proxy answers context_length_exceeded instead of forwarding."""
+    decisions: dict[str, int] = field(default_factory=dict)
+    violations: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Summary:
+    requests: int
+    refused: int
+    violations: int
+    chars_sent: int
+    chars_reused: int
+    max_tokens_out: int
+
+    @property
+    def reuse(self) -> float:
+        return self.chars_reused / self.chars_sent if self.chars_sent else 1.0
+
+    @property
+    def uncached(self) -> int:
+        return self.chars_sent - self.chars_reused
+
+
+def agent_requests(messages: Sequence[dict[str, Any]]) -> list[int]:
+    """Where the agent asked the model: before each assistant message after the first, and at the end."""
+    ends = [i for i, m in enumerate(messages) if m.get("role") == "assistant" and i > 0]
+    if messages and messages[-1].get("role") != "assistant":
+        ends.append(len(messages))
+    return ends
+
+
+def replay(conversation: dict[str, Any], settings: Settings, window: int,
+           counter: MessageCounter | None = None) -> Iterator[ReplayStep]:
+    counter = counter or MessageCounter()
+    messages, tools = conversation["messages"], conversation.get("tools")
+    model_settings = settings.for_model(conversation.get("model"))
+    rules = Rules(budget_for(model_settings, window), tools_tokens=counter.count_tools(tools))
+    hashes = [message_hash(m) for m in messages]
+    decisions: list[Decision] = []
+    state: State | None = None
+    previous: list[bytes] = []
+    tools_chars = len(orjson.dumps(tools)) if tools else 0
+    for n, end in enumerate(agent_requests(messages)):
+        p = project(messages[:end], hashes[:end], decisions, rules, counter, state)
+        sent = [orjson.dumps(m) for m in p.messages]
+        reused = _reused(previous, sent) + (tools_chars if n else 0)
+        problems = tuple(violations(messages[:end], p.messages))
+        yield ReplayStep(n, end, sum(counter.count(m, h) for m, h in zip(messages[:end], hashes[:end], strict=True))
+                         + rules.tools_tokens, p.report.estimate, sum(map(len, sent)) + tools_chars, reused,
+                         sent[: len(previous)] == previous, p.report.over_budget,
+                         dict(collections.Counter(d.kind for d in p.new)), problems)
+        if not p.report.over_budget:
+            decisions += p.new
+            state, previous = p.state, sent
+
+
+def _reused(previous: list[bytes], sent: list[bytes]) -> int:
+    total = 0
+    for a, b in zip(previous, sent, strict=False):
+        if a != b:
+            break
+        total += len(a)
+    return total
+
+
+def summarize(steps: Sequence[ReplayStep]) -> Summary:
+    forwarded = [s for s in steps if not s.refused]
+    return Summary(len(steps), len(steps) - len(forwarded), sum(len(s.violations) for s in steps),
+                   sum(s.chars_sent for s in forwarded), sum(s.chars_reused for s in forwarded),
+                   max((s.tokens_out for s in forwarded), default=0))

@@ -1,0 +1,161 @@
+"""The journal's verbs for what a projection cut: decisions, overflow bodies, and the forward that used them.
+
+A mixin of ``Journal`` (same connection, same single writer). ``record_forward`` writes, in one transaction and
+before anything is forwarded, the decisions a projection made, the bodies it cut (content-addressed blobs scoped
+to the session by an ``overflow`` row) and the message list that goes upstream, delta-encoded against the list the
+caller names (usually the session's previous projection), so a long session still costs O(total bytes).
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+__all__ = ["CutsMixin", "ForwardRecord", "OverflowBody"]
+
+_DECISION_FIELDS = ("kind", "target", "message_hash", "replacement", "overflow_id", "until", "count", "source")
+
+
+@dataclass(frozen=True)
+class OverflowBody:
+    overflow_id: str
+    body: str
+    tool: str
+    call_id: str
+
+
+@dataclass(frozen=True)
+class ForwardRecord:
+    """One attempt upstream. ``verbatim``: the request's own list and bytes went; else the projected list, given as
+    ``added`` hashes and bodies after the first ``base_len`` messages of list ``base_list_id``."""
+
+    request_id: int
+    attempt: int
+    session_id: str
+    created_at: str
+    params_hash: str
+    verbatim: bool
+    length: int = 0
+    base_list_id: int | None = None
+    base_len: int = 0
+    added_hashes: Sequence[str] = ()
+    added_bodies: Sequence[bytes] = ()
+    decisions: Sequence[Mapping[str, Any]] = ()
+    overflow: Sequence[OverflowBody] = field(default_factory=tuple)
+    estimate: int | None = None
+    k: float | None = None
+
+
+class CutsMixin:
+    conn: sqlite3.Connection
+
+    if TYPE_CHECKING:  # provided by Journal
+        def message_hashes(self, list_id: int) -> list[str]: ...
+        def blobs(self, hashes: Sequence[str]) -> list[Any]: ...
+
+    def record_forward(self, rec: ForwardRecord) -> int:
+        """Journal one forward with its decisions and cut bodies; returns the id of the list that went upstream."""
+        with self.conn:
+            self._insert_overflow(rec.session_id, rec.overflow, rec.created_at)
+            self.insert_decisions(rec.session_id, rec.request_id, rec.decisions, rec.created_at)
+            list_id = self._forward_list(rec)
+            self.conn.execute(
+                "INSERT INTO forwards (request_id, attempt, list_id, params_hash, verbatim, estimate, k)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                [rec.request_id, rec.attempt, list_id, rec.params_hash, int(rec.verbatim), rec.estimate, rec.k])
+        return list_id
+
+    def add_decisions(self, session_id: str, decisions: Sequence[Mapping[str, Any]], created_at: str) -> None:
+        """Decisions that come from outside a projection (the operator's pins)."""
+        with self.conn:
+            self.insert_decisions(session_id, None, decisions, created_at)
+
+    def insert_decisions(self, session_id: str, request_id: int | None, decisions: Sequence[Mapping[str, Any]],
+                         created_at: str) -> None:
+        self.conn.executemany(
+            "INSERT INTO decisions (session_id, request_id, kind, target, message_hash, replacement, overflow_id,"
+            " until, count, source, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            [(session_id, request_id, *(d[f] for f in _DECISION_FIELDS), created_at) for d in decisions])
+
+    def _insert_overflow(self, session_id: str, bodies: Sequence[OverflowBody], created_at: str) -> None:
+        self.conn.executemany("INSERT OR IGNORE INTO blobs (hash, kind, body, chars) VALUES (?, 'overflow', ?, ?)",
+                              [(b.overflow_id, b.body, len(b.body)) for b in bodies])
+        self.conn.executemany(
+            "INSERT OR IGNORE INTO overflow (session_id, id, tool, call_id, bytes, created_at)"
+            " VALUES (?, ?, ?, ?, ?, ?)",
+            [(session_id, b.overflow_id, b.tool, b.call_id, len(b.body.encode()), created_at) for b in bodies])
+
+    def _forward_list(self, rec: ForwardRecord) -> int:
+        if rec.verbatim:
+            row = self.conn.execute("SELECT list_id FROM requests WHERE id = ?", [rec.request_id]).fetchone()
+            return int(row[0])
+        self.conn.executemany(
+            "INSERT OR IGNORE INTO blobs (hash, kind, body, chars) VALUES (?, 'message', ?, ?)",
+            [(h, b.decode(), len(b)) for h, b in zip(rec.added_hashes, rec.added_bodies, strict=True)])
+        cursor = self.conn.execute(
+            "INSERT INTO message_lists (base_id, base_len, added, length) VALUES (?, ?, ?, ?)",
+            [rec.base_list_id if rec.base_len else None, rec.base_len, json.dumps(list(rec.added_hashes)),
+             rec.length])
+        return int(cursor.lastrowid or 0)
+
+    # --- reads ------------------------------------------------------------------------------------------------
+    def decisions(self, session_id: str) -> list[dict[str, Any]]:
+        """The session's decisions in order, after those it inherited from its ancestors up to each fork."""
+        chain = self._ancestry(session_id)
+        out: list[dict[str, Any]] = []
+        for sid, upto in chain:
+            sql = f"SELECT {', '.join(_DECISION_FIELDS)} FROM decisions WHERE session_id = ?"
+            params: list[Any] = [sid]
+            if upto is not None:
+                sql, params = sql + " AND id <= ?", [sid, upto]
+            rows = self.conn.execute(sql + " ORDER BY id", params).fetchall()
+            out += [dict(zip(_DECISION_FIELDS, row, strict=True)) for row in rows]
+        return out
+
+    def _ancestry(self, session_id: str) -> list[tuple[str, int | None]]:
+        """(session, decisions up to) from the oldest ancestor down to ``session_id`` (None: all of them)."""
+        chain: list[tuple[str, int | None]] = []
+        current: str | None = session_id
+        upto: int | None = None
+        while current is not None and len(chain) < 64:
+            row = self.conn.execute("SELECT parent_id, inherit_upto FROM sessions WHERE id = ?", [current]).fetchone()
+            chain.append((current, upto))
+            if row is None or row[1] is None:
+                break
+            current, upto = row
+        return list(reversed(chain))
+
+    def overflow_body(self, overflow_id: str, session_id: str | None = None) -> dict[str, Any] | None:
+        """A cut body, restorable byte for byte: for a session, only one cut in it or inherited by it."""
+        sessions = [sid for sid, _ in self._ancestry(session_id)] if session_id else None
+        sql = ("SELECT o.session_id, o.tool, o.call_id, o.bytes, o.created_at, b.body FROM overflow o"
+               " JOIN blobs b ON b.hash = o.id WHERE o.id = ?")
+        params: list[Any] = [overflow_id]
+        if sessions is not None:
+            sql += f" AND o.session_id IN ({','.join('?' * len(sessions))})"
+            params += sessions
+        row = self.conn.execute(sql + " LIMIT 1", params).fetchone()
+        if row is None:
+            return None
+        keys = ("session_id", "tool", "call_id", "bytes", "created_at", "body")
+        return {"id": overflow_id} | dict(zip(keys, row, strict=True))
+
+    def head_messages(self, session_id: str) -> list[Any]:
+        """The messages of the session's latest request, decoded."""
+        row = self.conn.execute("SELECT head_list_id FROM sessions WHERE id = ?", [session_id]).fetchone()
+        if row is None or row[0] is None:
+            return []
+        hashes = self.message_hashes(int(row[0]))
+        return self.blobs(hashes)
+
+    def calibration_samples(self, session_id: str, model: str | None, limit: int = 8) -> list[tuple[int, int]]:
+        """(estimate, prompt_tokens) of the session's latest answered forwards for ``model``, oldest first."""
+        rows = self.conn.execute(
+            "SELECT f.estimate, p.prompt_tokens FROM forwards f JOIN requests r ON r.id = f.request_id"
+            " JOIN responses p ON p.request_id = f.request_id AND p.attempt = f.attempt"
+            " WHERE r.session_id = ? AND r.model IS ? AND f.estimate > 0 AND p.prompt_tokens > 0"
+            " ORDER BY f.id DESC LIMIT ?", [session_id, model, limit]).fetchall()
+        return [(int(e), int(p)) for e, p in reversed(rows)]
