@@ -33,7 +33,8 @@ def paths(fake: FakeUpstream) -> list[str]:
 
 
 async def test_vllm_models_answer(fake: FakeUpstream) -> None:
-    fake.enqueue(path="/models", reply=models({"id": "other", "max_model_len": 8192}, {"id": "MODEL", "max_model_len": 32768}))
+    fake.enqueue(path="/models",
+                 reply=models({"id": "other", "max_model_len": 8192}, {"id": "MODEL", "max_model_len": 32768}))
     assert await detector(fake).window_for("MODEL") == Window(32768, "vllm /models")
     assert paths(fake) == ["/v1/models"]
     sent = fake.last

@@ -1,0 +1,168 @@
+"""The rewrite through the real app: what reaches the upstream, what the journal keeps, how overflows are handled.
+
+The upstream here is ``CountingUpstream``: it counts every prompt as a model server would and refuses (like
+llama.cpp) any prompt over its window.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from config import Settings, load_settings
+from proxy.rewrite import violations
+from store import Journal
+from tests.conftest import app_client
+from tests.fakes import CountingUpstream, Reply
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+STUB_ID = re.compile(r"\[overflow id=([0-9a-f]{64}) ")
+
+
+def settings_for(tmp_path: Path, **env: str) -> Settings:
+    return load_settings(env={"CTXPROXY_DATA_DIR": str(tmp_path / "data"), "CTXPROXY_UPSTREAM": "http://u.test/v1",
+                              **env})
+
+
+@pytest.fixture
+def conversation() -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((SHARED / "bench" / "conversation-60.json").read_text())
+    return data
+
+
+def requests_of(conversation: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """The agent's requests: the history through each tool result."""
+    messages = conversation["messages"]
+    for end in (i + 1 for i, m in enumerate(messages) if m["role"] == "tool"):
+        yield {"model": "m", "tools": conversation["tools"], "messages": messages[:end]}
+
+
+def drive(client: TestClient, conversation: dict[str, Any], limit: int = 60, **extra: Any) -> list[httpx.Response]:
+    out = []
+    for n, body in enumerate(requests_of(conversation)):
+        if n == limit:
+            break
+        out.append(client.post("/v1/chat/completions", json=body | extra))
+    return out
+
+
+def test_every_request_fits_and_the_stubs_reach_the_upstream(tmp_path: Path, conversation: dict[str, Any]) -> None:
+    upstream = CountingUpstream(window=32768)
+    with app_client(settings_for(tmp_path, CTXPROXY_CTX_WINDOW="32768"), httpx.ASGITransport(app=upstream)) as c:
+        answers = drive(c, conversation)
+    assert [a.status_code for a in answers] == [200] * 60
+    assert upstream.over_window == 0 and max(upstream.counts) <= 24576  # the budget: window - reserve
+    last = upstream.last_chat.json()
+    assert violations(conversation["messages"], last["messages"]) == []
+    assert sum("[overflow id=" in (m.get("content") or "") for m in last["messages"]) > 30
+
+
+def test_what_was_cut_is_restorable_byte_for_byte(tmp_path: Path, conversation: dict[str, Any]) -> None:
+    upstream = CountingUpstream(window=32768)
+    with app_client(settings_for(tmp_path, CTXPROXY_CTX_WINDOW="32768"), httpx.ASGITransport(app=upstream)) as c:
+        session = drive(c, conversation, limit=10)[-1].headers["x-ctx-session"]
+        sent = upstream.last_chat.json()["messages"]
+        originals = {m["tool_call_id"]: m["content"] for m in conversation["messages"] if m["role"] == "tool"}
+        cut = [m for m in sent if m["role"] == "tool" and STUB_ID.match(m["content"])]
+        assert cut
+        for m in cut:
+            oid = STUB_ID.match(m["content"]).group(1)  # type: ignore[union-attr]
+            restored = c.get(f"/ctx/sessions/{session}/overflow/{oid}")
+            assert restored.status_code == 200 and restored.content == originals[m["tool_call_id"]].encode()
+        needle = next(m for m in sent if m.get("tool_call_id") == "call_002")
+        oid = STUB_ID.match(needle["content"]).group(1)  # type: ignore[union-attr]
+        assert b"needle-4471" in c.get(f"/ctx/sessions/{session}/overflow/{oid}").content
+        assert c.get(f"/ctx/sessions/other/overflow/{oid}").status_code == 404  # scoped to its session
+
+
+def test_an_upstream_that_counts_more_stops_overflowing_within_two_requests(
+        tmp_path: Path, conversation: dict[str, Any]) -> None:
+    upstream = CountingUpstream(window=8192, ratio=1.3)
+    with app_client(settings_for(tmp_path, CTXPROXY_CTX_WINDOW="8192"), httpx.ASGITransport(app=upstream)) as c:
+        answers = drive(c, conversation, limit=30)
+    assert all(a.status_code == 200 for a in answers)
+    overflowing = [i for i, count in enumerate(upstream.counts) if count > upstream.window]
+    chats_per_request = len(upstream.counts) - len(answers)  # retries
+    assert len(overflowing) == chats_per_request <= 2
+    assert not overflowing or overflowing[-1] <= 2
+
+
+def test_a_llama_cpp_overflow_is_retried_and_the_client_gets_its_answer(tmp_path: Path) -> None:
+    upstream = CountingUpstream(window=100_000)
+    upstream.enqueue(Reply(status=400, body={"error": {"code": 400, "type": "exceed_context_size_error",
+                                                       "message": "the request exceeds the available context size",
+                                                       "n_prompt_tokens": 9000, "n_ctx": 4096}}))
+    body = {"model": "m", "messages": [{"role": "user", "content": "hello " * 50}]}
+    with app_client(settings_for(tmp_path), httpx.ASGITransport(app=upstream)) as c:
+        answer = c.post("/v1/chat/completions", json=body)
+    assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["content"] == "fits"
+    rows = Journal(tmp_path / "data" / "journal.db").db.execute(
+        "SELECT attempt, outcome FROM responses ORDER BY attempt").fetchall()
+    assert rows == [(0, "context_overflow"), (1, "ok")]
+
+
+def test_an_empty_stream_is_llama_cpp_overflowing_and_is_retried(tmp_path: Path) -> None:
+    upstream = CountingUpstream(window=100_000)
+    upstream.enqueue(Reply(raw=b"", headers={"content-type": "text/event-stream"}))
+    body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    with app_client(settings_for(tmp_path), httpx.ASGITransport(app=upstream)) as c:
+        answer = c.post("/v1/chat/completions", json=body)
+    assert answer.status_code == 200 and "fits" in answer.text and answer.text.rstrip().endswith("[DONE]")
+    assert len(upstream.chats) == 2
+
+
+def test_a_request_that_cannot_fit_gets_a_clear_error(tmp_path: Path) -> None:
+    upstream = CountingUpstream(window=100_000)
+    body = {"model": "m", "messages": [{"role": "system", "content": " ".join(f"rule {i};" for i in range(1500))},
+                                       {"role": "user", "content": "go"}]}
+    with app_client(settings_for(tmp_path, CTXPROXY_CTX_WINDOW="4096"), httpx.ASGITransport(app=upstream)) as c:
+        answer = c.post("/v1/chat/completions", json=body)
+    error = answer.json()["error"]
+    assert answer.status_code == 400 and error["code"] == "context_length_exceeded"
+    assert "message 0 (system" in error["message"] and "budget of 3072" in error["message"]
+    assert answer.headers["x-ctx-session"] and upstream.chats == []
+
+
+def test_an_operator_pin_keeps_a_result_whole(tmp_path: Path, conversation: dict[str, Any]) -> None:
+    upstream = CountingUpstream(window=32768)
+    with app_client(settings_for(tmp_path, CTXPROXY_CTX_WINDOW="32768"), httpx.ASGITransport(app=upstream)) as c:
+        session = drive(c, conversation, limit=3)[-1].headers["x-ctx-session"]
+        sent = {m.get("tool_call_id"): m for m in upstream.last_chat.json()["messages"]}
+        assert sent["call_002"]["content"].startswith("[overflow")
+        pinned = c.post(f"/ctx/sessions/{session}/pins", json={"snippet": "SECRET_TOKEN=needle-4471"})
+        assert pinned.status_code == 201 and pinned.json()["pins"] == ["tool:call_002"]
+        drive(c, conversation, limit=4)
+        sent = {m.get("tool_call_id"): m for m in upstream.last_chat.json()["messages"]}
+        assert sent["call_002"]["content"].startswith("SECRET_TOKEN=needle-4471")
+        c.request("DELETE", f"/ctx/sessions/{session}/pins", json={"handle": "tool:call_002"})
+        assert c.get(f"/ctx/sessions/{session}/pins").json()["pins"] == []
+
+
+def test_decisions_survive_a_restart_byte_for_byte(tmp_path: Path, conversation: dict[str, Any]) -> None:
+    settings = settings_for(tmp_path, CTXPROXY_CTX_WINDOW="16384")
+    first, second = CountingUpstream(window=16384), CountingUpstream(window=16384)
+    with app_client(settings, httpx.ASGITransport(app=first)) as c:
+        drive(c, conversation, limit=25)
+    with app_client(settings, httpx.ASGITransport(app=second)) as c:  # a new process over the same journal
+        drive(c, conversation, limit=26)
+    before, after = first.last_chat.json()["messages"], second.last_chat.json()["messages"]
+    assert after[: len(before)] == before  # the prefix cache of the upstream survives the restart
+
+
+def test_incognito_cuts_stay_in_memory(tmp_path: Path, conversation: dict[str, Any]) -> None:
+    upstream = CountingUpstream(window=32768)
+    with app_client(settings_for(tmp_path, CTXPROXY_CTX_WINDOW="32768"), httpx.ASGITransport(app=upstream)) as c:
+        drive(c, conversation, limit=4, **{})
+        c.post("/v1/chat/completions", headers={"X-Ctx-Incognito": "1"},
+               json={"model": "m", "messages": conversation["messages"][:8]})
+    stubs = [m["content"] for m in upstream.last_chat.json()["messages"] if m["role"] == "tool"]
+    assert any("storage=memory-only (incognito)" in s for s in stubs)
+    on_disk = b"".join(p.read_bytes() for p in (tmp_path / "data").iterdir())
+    assert b"storage=memory-only" not in on_disk
