@@ -53,4 +53,7 @@ class MessageHasher:
 
 
 def _common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # the usual case, compared in C
+        return n
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), n)

@@ -47,7 +47,8 @@ async def plan_forward(app: AppState, writer: JournalWriter, ctx: SessionContext
     rules = Rules(budget_for(settings, window), k, INCOGNITO_STORAGE if incognito else "disk",
                   app.counter.count_tools(body.get("tools")))
     messages = cast(list[dict[str, Any]], body["messages"])
-    p = project(messages, incoming.hashes, ctx.decisions, rules, app.counter, ctx.state)
+    previous, ctx.state = ctx.state, None  # consumed by project(); only a journaled projection gives it back
+    p = project(messages, incoming.hashes, ctx.decisions, rules, app.counter, previous)
     if p.report.over_budget:
         raise ContextTooLarge(describe_overflow(p.report, messages, p.state.ids))
     broken = _broken(messages, p)

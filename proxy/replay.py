@@ -88,7 +88,9 @@ def replay(conversation: dict[str, Any], settings: Settings, window: int,
                          + rules.tools_tokens, p.report.estimate, sum(map(len, sent)) + tools_chars, reused,
                          sent[: len(previous)] == previous, p.report.over_budget,
                          dict(collections.Counter(d.kind for d in p.new)), problems)
-        if not p.report.over_budget:
+        if p.report.over_budget:  # the proxy refuses it: nothing of it is journaled, the next one recomputes
+            state = None
+        else:
             decisions += p.new
             state, previous = p.state, sent
 

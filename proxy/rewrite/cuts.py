@@ -75,8 +75,10 @@ def _replace(state: State, i: int, message: dict[str, Any] | None, counter: Coun
     count = counter.count(message) if message is not None else 0
     state.total += count - state.counts[i]
     state.counts[i] = count
+    was_cut = state.out_hashes[i] != state.hashes[i]
     state.out[i] = message
     state.out_hashes[i] = message_hash(message) if message is not None else ""
+    state.cut += (state.out_hashes[i] != state.hashes[i]) - was_cut
 
 
 def rounds(messages: Sequence[dict[str, Any]], start: int) -> list[tuple[int, int]]:
@@ -153,3 +155,4 @@ def apply_fold(state: State, decision: Decision, messages: Sequence[dict[str, An
     for i in range(start + 1, end):
         _replace(state, i, None, counter)
     _replace(state, start, {"role": "user", "content": decision.replacement}, counter)
+    state.folded = (start, end)

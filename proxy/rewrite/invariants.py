@@ -46,7 +46,11 @@ def violations(incoming: Sequence[dict[str, Any]], outgoing: Sequence[dict[str, 
     messages before it were checked on an earlier request and have not changed since); ``pairs=False`` skips the
     pairing walk when nothing but contents changed since it last held."""
     problems: list[str] = []
-    i, j = 0, 0
+    # Before ``start`` nothing changed since the last check: any fold lies before it, so the lists line up from
+    # there with a constant offset.
+    i, j = start, start - (len(incoming) - len(outgoing))
+    if j < 0:
+        i = j = 0
     while i < len(incoming) and j < len(outgoing):
         folded = _folded_count(outgoing[j])
         if folded:

@@ -9,13 +9,16 @@ decisions and the bodies that must reach the overflow store before anything is f
 Cost follows the new messages, not the history: ``previous`` is the state the last projection of the session
 left. When the history extends it (same hashes in front) and no decision arrived from elsewhere, only the new
 messages are ingested; otherwise everything is recomputed from the decisions, which gives the same bytes.
+``previous`` is consumed — extended in place, not copied, since copying it is the one cost that would grow with
+the history — so a caller that wants to keep it passes ``state.copy()``. Nothing else is mutated: no I/O, no
+clock, no global state.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from proxy.rewrite.budget import MIN_CUT_CHARS, Budget
 from proxy.rewrite.cuts import apply_fold, elide, fold
@@ -91,7 +94,7 @@ def _resume(previous: State | None, hashes: Sequence[str], decisions: int) -> St
         return None
     if list(hashes[: len(previous.hashes)]) != previous.hashes:
         return None
-    return previous.copy()
+    return previous
 
 
 def _fresh(decisions: Sequence[Decision]) -> State:
@@ -123,6 +126,7 @@ def _ingest(state: State, i: int, message: dict[str, Any], message_hash: str, ru
     count = counter.count(out, message_hash if out is message else None)
     state.out.append(out)
     state.out_hashes.append(message_hash if out is message else _hash(out))
+    state.cut += out is not message
     state.counts.append(count)
     state.total += count
 
@@ -159,9 +163,10 @@ def _should_spill(content: Any, tool: str, budget: Budget) -> bool:
 
 def _result(state: State, messages: Sequence[dict[str, Any]], rules: Rules, new: list[Decision],
             writes: list[OverflowWrite], reused: int) -> Projection:
-    out = [m for m in state.out if m is not None]
-    out_hashes = [h for h, m in zip(state.out_hashes, state.out, strict=True) if m is not None]
-    changed = out != list(messages)  # C-speed: untouched messages are the same objects
+    start, end = state.folded or (0, 1)  # the folded-away messages are the Nones after the stub: slice them out
+    out = cast(list[dict[str, Any]], state.out[: start + 1] + state.out[end:])
+    out_hashes = state.out_hashes[: start + 1] + state.out_hashes[end:]
+    changed = state.cut > 0
     estimate = state.total + rules.tools_tokens
     scaled = rules.scaled(estimate)
     kinds = [d.kind for d in new]

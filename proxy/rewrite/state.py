@@ -48,6 +48,10 @@ class State:
     decided: dict[str, Decision] = field(default_factory=dict)
     pins: set[str] = field(default_factory=set)
     fold: Decision | None = None
+    folded: tuple[int, int] | None = None
+    """The span ``[start, end)`` of incoming messages the fold stub (at ``start``) stands for."""
+    cut: int = 0
+    """How many incoming messages go out changed or folded away (0: the request can go upstream verbatim)."""
     absorbed: int = 0
     """How many of the session's decisions this state reflects (the log only grows)."""
 
@@ -55,7 +59,7 @@ class State:
         return State(list(self.hashes), list(self.ids), list(self.out), list(self.out_hashes), list(self.counts),
                      self.total,
                      dict(self.seen), dict(self.calls), list(self.tool_indices), dict(self.decided), set(self.pins),
-                     self.fold, self.absorbed)
+                     self.fold, self.folded, self.cut, self.absorbed)
 
 
 def sha256_text(text: str) -> str:

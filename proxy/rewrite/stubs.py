@@ -11,6 +11,7 @@ line and the tool's command tail; a fold stands for whole rounds.
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -18,6 +19,8 @@ from typing import Any
 __all__ = ["elision_marker", "fold_stub", "looks_binary", "spill_stub", "stub_line"]
 
 _LINE = 100
+_ODD = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffd]")
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029]")
 _COMMAND_KEYS = ("command", "cmd", "path", "file", "pattern", "query", "url")
 
 
@@ -68,10 +71,7 @@ def fold_stub(overflow_id: str, messages: Sequence[dict[str, Any]], nbytes: int,
 def looks_binary(text: str) -> bool:
     """NUL bytes, or more than 10% control or replacement characters in the first 4 KB."""
     sample = text[:4096]
-    if "\x00" in sample:
-        return True
-    odd = sum(1 for c in sample if (ord(c) < 32 and c not in "\t\n\r") or c == "\ufffd")
-    return odd > len(sample) // 10
+    return "\x00" in sample or len(_ODD.findall(sample)) > len(sample) // 10
 
 
 def _head(text: str, size: int) -> str:
@@ -87,7 +87,8 @@ def _tail(text: str, size: int) -> str:
 
 
 def _printable(text: str) -> str:
-    return "".join(c if c.isprintable() or c in "\n\t" else "\ufffd" for c in text)
+    """Control characters (other than newline and tab) shown as U+FFFD, so a preview never carries raw bytes."""
+    return _CONTROL.sub("\ufffd", text)
 
 
 def _clip(text: str) -> str:

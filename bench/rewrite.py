@@ -1,0 +1,194 @@
+"""The rewrite core's guarantees, measured: budgets kept, pairs whole, text intact, cuts restorable, prefix reuse.
+
+Why: issue #3's "done when" is a set of numbers. This script produces all of them in one run:
+
+1. every native trajectory of ``shared/trajectories`` replayed through the core (``proxy.replay``) at 4k, 8k and
+   32k: requests, refused (cannot fit even after every cut), invariant violations, the largest request sent;
+2. the shared 60-round workload (``shared/bench/conversation-60.json``) and a generated 600-round one, sent
+   through the real app to a model server that counts every prompt itself (``tests.fakes.CountingUpstream``,
+   cl100k + template cost) and refuses any prompt over its window: requests over the window by the upstream's
+   own count, broken pairs and changed text at the upstream, characters sent, prefix reuse, uncached characters;
+3. the same against a server that counts 1.3x what tiktoken counts (the calibration must catch up) and one that
+   answers llama.cpp's overflow error once (the client must still get its answer);
+4. the cost of the rewrite of request 600 against request 60 of the 600-round session (hashing, projection and
+   invariant check; JSON decoding aside), median of repeated runs.
+
+Run: ``.venv/bin/python bench/rewrite.py [--json bench/results/rewrite.json]``. Nothing leaves this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared"
+sys.path.insert(0, str(ROOT))
+
+import httpx  # noqa: E402
+import orjson  # noqa: E402
+from fastapi.testclient import TestClient  # noqa: E402
+
+from config import load_settings  # noqa: E402
+from proxy.app import create_app  # noqa: E402
+from proxy.hashing import MessageHasher  # noqa: E402
+from proxy.replay import replay, summarize  # noqa: E402
+from proxy.rewrite import Rules, budget_for, project, violations  # noqa: E402
+from proxy.rewrite.tokens import MessageCounter  # noqa: E402
+from tests.fakes import CountingUpstream, Reply  # noqa: E402
+
+WINDOWS = (4096, 8192, 32768)
+
+
+def generated(rounds: int) -> dict[str, Any]:
+    spec = importlib.util.spec_from_file_location("gen_conversation", SHARED / "bench" / "gen_conversation.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    conversation: dict[str, Any] = module.build(rounds, 7)
+    return conversation
+
+
+def trajectories() -> list[dict[str, Any]]:
+    """Per native trajectory and window: what the core does with it."""
+    rows, counter, settings = [], MessageCounter(), load_settings(env={})
+    for path in sorted((SHARED / "trajectories").glob("*.native.json")):
+        conversation = json.loads(path.read_text())
+        for window in WINDOWS:
+            s = summarize(list(replay(conversation, settings, window, counter)))
+            rows.append({"file": path.name, "window": window, "requests": s.requests, "refused": s.refused,
+                         "violations": s.violations, "max_tokens_sent": s.max_tokens_out, "reuse": round(s.reuse, 4)})
+    return rows
+
+
+def through_the_app(conversation: dict[str, Any], window: int, ratio: float = 1.0,
+                    first_reply: Reply | None = None, **env: str) -> dict[str, Any]:
+    """Send the agent's requests (history through each tool result) through the app to a counting upstream."""
+    upstream = CountingUpstream(window=window, ratio=ratio)
+    if first_reply is not None:
+        upstream.enqueue(first_reply)
+    messages = conversation["messages"]
+    ends = [i + 1 for i, m in enumerate(messages) if m["role"] == "tool"]
+    with tempfile.TemporaryDirectory(prefix="ctxproxy-bench-") as tmp:
+        settings = load_settings(env={"CTXPROXY_DATA_DIR": tmp, "CTXPROXY_UPSTREAM": "http://u.test/v1",
+                                      "CTXPROXY_CTX_WINDOW": str(window), **env})
+        with TestClient(create_app(settings, httpx.ASGITransport(app=upstream))) as client:
+            statuses = [client.post("/v1/chat/completions", json={
+                "model": "m", "tools": conversation["tools"], "messages": messages[:end]}).status_code for end in ends]
+    return _upstream_report(upstream, messages, ends, statuses)
+
+
+def _upstream_report(upstream: CountingUpstream, messages: list[Any], ends: list[int],
+                     statuses: list[int]) -> dict[str, Any]:
+    sent = [r.json() for r in upstream.chats]
+    answered = [s for s in sent if len(s["messages"]) > 0]
+    chars = reused = broken = 0
+    previous: list[bytes] = []
+    for body in answered:
+        encoded = [json.dumps(m, ensure_ascii=False).encode() for m in body["messages"]]
+        tools = len(json.dumps(body.get("tools"), ensure_ascii=False))
+        chars += sum(map(len, encoded)) + tools
+        same = next((i for i, (a, b) in enumerate(zip(previous, encoded, strict=False)) if a != b),
+                    min(len(previous), len(encoded)))
+        reused += sum(map(len, encoded[:same])) + (tools if previous else 0)
+        previous = encoded
+    for body, end in zip(sent[-len(ends):], ends, strict=False):
+        broken += len(violations(messages[:end], body["messages"]))
+    return {"requests": len(ends), "answered_200": statuses.count(200), "upstream_calls": len(sent),
+            "over_window": upstream.over_window, "over_window_at": [i for i, c in enumerate(upstream.counts)
+                                                                    if c > upstream.window],
+            "max_prompt_tokens": max(upstream.counts), "invariant_violations": broken, "chars_sent": chars,
+            "chars_reused": reused, "reuse": round(reused / chars, 4), "uncached_chars": chars - reused}
+
+
+def rewrite_cost(conversation: dict[str, Any], requests: tuple[int, int] = (60, 600), repeats: int = 60,
+                 window: int = 32768) -> dict[str, Any]:
+    """Per request k: median ms to project and check it given the session's state after request k - 1 (the
+    rewrite), and, apart, to give its freshly decoded messages their identities (the hash-reuse check). The two
+    requests are timed alternately, so the machine's drift hits both alike."""
+    counter, settings = MessageCounter(), load_settings(env={})
+    rules = Rules(budget_for(settings, window), tools_tokens=counter.count_tools(conversation["tools"]))
+    messages = conversation["messages"]
+    ends = [i + 1 for i, m in enumerate(messages) if m["role"] == "tool"]
+    decisions: list[Any] = []
+    state, hasher, inputs = None, MessageHasher(), {}
+    for k, end in enumerate(ends, start=1):
+        if k in requests:
+            inputs[k] = (messages[:end], list(decisions), state.copy() if state is not None else None)
+        hashes = hasher.hash("s", messages[:end]).hashes
+        p = project(messages[:end], hashes, decisions, rules, counter, state)
+        decisions, state = decisions + list(p.new), p.state
+    samples: dict[int, list[tuple[float, float]]] = {k: [] for k in requests}
+    for _ in range(repeats):
+        for k in requests:
+            samples[k].append(_timed_rewrite(*inputs[k], rules, counter))
+    out: dict[str, Any] = {}
+    for k in requests:
+        out[f"request_{k}"] = {"identity_ms": round(statistics.median(s[0] for s in samples[k]), 3),
+                               "rewrite_ms": round(statistics.median(s[1] for s in samples[k]), 3),
+                               "history_bytes": len(orjson.dumps(inputs[k][0]))}
+    first, last = out[f"request_{requests[0]}"], out[f"request_{requests[1]}"]
+    out["rewrite_ratio"] = round(last["rewrite_ms"] / first["rewrite_ms"], 2)
+    out["identity_ratio"] = round(last["identity_ms"] / first["identity_ms"], 2)
+    return out
+
+
+def _timed_rewrite(request: list[Any], decisions: list[Any], state: Any, rules: Rules,
+                   counter: MessageCounter) -> tuple[float, float]:
+    """One freshly decoded copy of the request (decoding not timed): ms to hash it, ms to project and check it."""
+    hasher = MessageHasher()
+    hasher.hash("s", orjson.loads(orjson.dumps(request[:-2])))  # the previous request, already seen
+    fresh = orjson.loads(orjson.dumps(request))
+    previous = state.copy() if state is not None else None  # project() consumes the state it extends
+    started = time.perf_counter()
+    hashes = hasher.hash("s", fresh).hashes
+    hashed = time.perf_counter()
+    p = project(fresh, hashes, decisions, rules, counter, previous)
+    violations(fresh, p.messages, start=p.report.reused, pairs=False)
+    return (hashed - started) * 1000, (time.perf_counter() - hashed) * 1000
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "rewrite.json")
+    args = parser.parse_args(argv)
+    sixty = json.loads((SHARED / "bench" / "conversation-60.json").read_text())
+    six_hundred = generated(600)
+    overflow_once = Reply(status=400, body={"error": {"code": 400, "type": "exceed_context_size_error",
+                                                      "message": "the request exceeds the available context size",
+                                                      "n_prompt_tokens": 40000, "n_ctx": 32768}})
+    report = {
+        "command": "python bench/rewrite.py",
+        "trajectories": trajectories(),
+        "conversation_60_at_32k": through_the_app(sixty, 32768),
+        "conversation_600_at_32k": through_the_app(six_hundred, 32768),
+        "counts_1_3x_at_8k": through_the_app(sixty, 8192, ratio=1.3),
+        # without the reserve's headroom, only the calibration stands between the estimate and the window
+        "counts_1_3x_at_8k_no_reserve": through_the_app(sixty, 8192, ratio=1.3, CTXPROXY_CONTEXT_RESERVE="0"),
+        "llama_cpp_overflow_once": through_the_app(sixty, 32768, first_reply=overflow_once),
+        "rewrite_cost_600_vs_60": rewrite_cost(six_hundred),
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=1))
+    print(json.dumps({k: v for k, v in report.items() if k != "trajectories"}, indent=1))
+    _print_trajectories(report["trajectories"])
+    return 0
+
+
+def _print_trajectories(rows: list[dict[str, Any]]) -> None:
+    for window in WINDOWS:
+        chosen = [r for r in rows if r["window"] == window]
+        print(f"window {window}: {len(chosen)} files, {sum(r['requests'] for r in chosen)} requests, "
+              f"{sum(r['refused'] for r in chosen)} refused, {sum(r['violations'] for r in chosen)} violations, "
+              f"max sent {max(r['max_tokens_sent'] for r in chosen)} tokens")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
