@@ -7,16 +7,18 @@ token (``config.settings``), and every ``/ctx/*`` request must carry ``Authoriza
 from __future__ import annotations
 
 import hmac
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Any
 
+import orjson
 from fastapi import APIRouter
 from pydantic import BaseModel, Field
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from proxy.errors import BadRequest, NotFound, Unauthorized
-from proxy.rewrite import canonical_json, message_hash, message_ids
+from proxy.rewrite import message_hash, message_ids
 from proxy.state import AppState
 from store import Journal
 
@@ -71,6 +73,19 @@ async def show_request(request: Request, request_id: int) -> JSONResponse:
     return JSONResponse(row)
 
 
+@router.get("/events")
+async def events(request: Request) -> StreamingResponse:
+    """Server-sent events: one ``context_op`` per context tool call (catalogued in docs/api/sse_events.json)."""
+    state = _state(request)
+
+    async def stream() -> AsyncIterator[bytes]:
+        yield b": ctxproxy context_op events\n\n"
+        async for event in state.events.subscribe():
+            yield b"event: " + event["type"].encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
+
+    return StreamingResponse(stream(), media_type="text/event-stream")
+
+
 @router.get("/sessions/{session_id}/overflow/{overflow_id}")
 async def session_overflow(request: Request, session_id: str, overflow_id: str) -> Response:
     """A cut body, byte for byte, if this session (or an ancestor it forked from) cut it."""
@@ -117,7 +132,7 @@ async def remove_pin(request: Request, session_id: str, pin: PinRequest) -> JSON
 async def _change_pin(state: AppState, session_id: str, pin: PinRequest, kind: str) -> dict[str, Any]:
     """Journal an operator pin/unpin by message identity or snippet; the next request of the session honours it."""
     await _session(state, session_id)
-    target = pin.handle or await _resolve_snippet(state, session_id, pin.snippet)
+    target = await _resolve(state, session_id, pin, must_exist=kind == "pin")
     decision = {"kind": kind, "target": target, "message_hash": "", "replacement": "", "overflow_id": "",
                 "until": "", "count": 0, "source": "operator"}
     await state.locks.acquire(session_id)
@@ -129,18 +144,31 @@ async def _change_pin(state: AppState, session_id: str, pin: PinRequest, kind: s
     return {"session_id": session_id, "pins": sorted(await _pins(state, session_id))}
 
 
-async def _resolve_snippet(state: AppState, session_id: str, snippet: str | None) -> str:
-    if not snippet:
-        raise BadRequest("Give `handle` (a message identity, e.g. tool:call_7) or `snippet` (12+ characters).",
-                         param="handle")
+async def _resolve(state: AppState, session_id: str, pin: PinRequest, must_exist: bool) -> str:
+    """The identity a pin names: a handle (``call_7`` or ``tool:call_7``, an identity) or a snippet of 12+
+    characters found in exactly one non-system message of the session's latest request."""
+    if not pin.handle and not pin.snippet:
+        raise BadRequest("Give `handle` (a tool_call_id such as call_7, or an identity) or `snippet` (12+ "
+                         "characters).", param="handle")
     messages = await state.journal.call(Journal.head_messages, session_id)
+    ids = message_ids(messages, [message_hash(m) for m in messages])
+    if pin.handle:
+        target = pin.handle if ":" in pin.handle else f"tool:{pin.handle}"
+        if must_exist and target not in ids:
+            raise NotFound(f"No message {target!r} in the session's latest request.")
+        return target
     hits = [i for i, m in enumerate(messages)
-            if m.get("role") not in ("system", "developer") and snippet in canonical_json(m.get("content")).decode()]
+            if m.get("role") not in ("system", "developer") and str(pin.snippet) in _text(m.get("content"))]
     if len(hits) != 1:
         raise BadRequest(f"The snippet appears in {len(hits)} non-system messages of the session's latest request;"
                          " it must name exactly one.", param="snippet")
-    ids = message_ids(messages, [message_hash(m) for m in messages])
     return ids[hits[0]]
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, list):
+        return " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return content if isinstance(content, str) else ""
 
 
 async def _pins(state: AppState, session_id: str) -> set[str]:

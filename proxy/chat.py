@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
+from typing import Any, cast
 
 import anyio
 import httpx
@@ -27,8 +28,9 @@ from starlette.responses import Response, StreamingResponse
 from proxy.context import SessionContext
 from proxy.edge import parse_chat_body, read_body
 from proxy.errors import ContextTooLarge, CtxError, UpstreamTimeout, UpstreamUnreachable, envelope, error_response
+from proxy.intercept import ContextRunner, strip_calls
 from proxy.overflow import Overflow, detect_overflow
-from proxy.planning import Plan, plan_forward
+from proxy.planning import Plan, plan_forward, what_takes_room
 from proxy.responses import FinallyResponse
 from proxy.rewrite import canonical_json, content_hash, fingerprint
 from proxy.sse import last_usage
@@ -96,6 +98,8 @@ class Exchange:
         self.ttfb_ms: float | None = None
         self.attempt = 0
         self.estimate = 0
+        self.internal_rounds = 0
+        self.totals = {"prompt_tokens": 0, "completion_tokens": 0}
         self.context: SessionContext | None = None
         self._chunks: AsyncIterator[bytes] = _nothing()
         self._locked = False
@@ -103,28 +107,103 @@ class Exchange:
 
     @property
     def headers(self) -> dict[str, str]:
-        return {SESSION_RESPONSE_HEADER: self.recorded.session_id}
+        headers = {SESSION_RESPONSE_HEADER: self.recorded.session_id}
+        if self.internal_rounds:  # the usage the agent reads is the final answer's; the totals are here
+            headers |= {"X-Ctx-Internal-Rounds": str(self.internal_rounds),
+                        "X-Ctx-Total-Prompt-Tokens": str(self.totals["prompt_tokens"]),
+                        "X-Ctx-Total-Completion-Tokens": str(self.totals["completion_tokens"])}
+        return headers
+
+    def _add_usage(self, usage: dict[str, object] | None) -> None:
+        for key in self.totals:
+            value = (usage or {}).get(key)
+            self.totals[key] += value if isinstance(value, int) else 0
 
     async def lock(self) -> None:
         await self.state.locks.acquire(self.recorded.session_id)
         self._locked = True
 
     async def run(self, raw: bytes) -> Response:
+        """Forward, and while the model answers with context-tool calls only, execute them and ask again (the
+        last round without the tools). The agent gets the final answer, or the model's own calls of a mixed one."""
         model = self.body.get("model")
         self.context = await self.state.contexts.get(self.writer, self.recorded.session_id, model)
-        overflow: Overflow | None = None
-        for self.attempt in range(ATTEMPTS):
+        runner = ContextRunner(self.state, self.writer, self.context, self.recorded.session_id,
+                               self.recorded.request_id, cast(list[dict[str, Any]], self.body["messages"]),
+                               list(self.incoming.hashes))
+        rounds = self.state.settings.for_model(model).max_context_rounds
+        splice: list[dict[str, Any]] = []
+        for internal in range(rounds + 1):
+            upstream, first, plan = await self._forward_fitting(raw, splice, offer=internal < rounds)
+            if self.body.get("stream") or upstream.status_code >= 400:
+                return await self._respond(upstream, first)
+            content = first if first is not None else await _read(upstream)
+            answer, calls = _context_calls(content, self._agent_tools())
+            if not calls:
+                return self._buffered_response(upstream, content)
+            results = await runner.execute(calls, plan.rules, model)
+            stripped = orjson.dumps(answer)
+            if _has_agent_calls(answer) or internal == rounds:
+                return self._buffered_response(upstream, stripped)
+            await self._record_round(upstream.status_code, content)
+            splice += [{"role": "assistant", "content": _message(answer).get("content"), "tool_calls": calls},
+                       *results]
+            self.internal_rounds = internal + 1
+        raise AssertionError("unreachable: the last round returns")
+
+    async def _forward_fitting(self, raw: bytes, splice: list[dict[str, Any]],
+                               offer: bool) -> tuple[httpx.Response, bytes | None, Plan]:
+        """Forward; if the upstream says the prompt is too long, learn its window and count, cut harder, retry
+        once. A retry that could cut nothing more is not sent: the client hears why at once."""
+        sent = b""
+        for attempt in range(ATTEMPTS):
+            assert self.context is not None
             plan = await plan_forward(self.state, self.writer, self.context, self.recorded, self.body, raw,
-                                      self.incoming, self.attempt, self.incognito)
-            self.estimate = plan.estimate
+                                      self.incoming, self.attempt, self.incognito, splice, offer)
+            if attempt and plan.body == sent:
+                break
+            self.estimate = 0 if splice else plan.estimate  # usage with a splice does not measure the estimate
             upstream = await self._open(plan.body)
             first, overflow = await self._inspect(upstream)
             if overflow is None:
-                return await self._respond(upstream, first)
-            await self._record_overflow(plan, overflow, upstream.status_code)
-        raise ContextTooLarge(f"The upstream refused the prompt as too long even after ctxproxy cut it to about "
-                              f"{self.estimate} tokens (estimated): {overflow.message if overflow else ''}. "
-                              "Set ctx_window to the model's real window, or start a new session.")
+                return upstream, first, plan
+            self._learn(plan, overflow)
+            if attempt == ATTEMPTS - 1:
+                break
+            await self._record_overflow(overflow, upstream.status_code)
+            self.attempt, sent = self.attempt + 1, plan.body
+        raise ContextTooLarge(self._refusal(plan, overflow))
+
+    def _learn(self, plan: Plan, overflow: Overflow) -> None:
+        """What an overflow teaches: the upstream's count (the ratio k) and a ceiling on its window."""
+        assert self.context is not None
+        model = self.body.get("model")
+        corrected = self.context.calibration(model).overflow(plan.estimate, overflow.prompt_tokens)
+        self.context.calibrations[model] = corrected
+        failed = overflow.limit or plan.rules.scaled(plan.estimate)  # the prompt we sent did not fit
+        limits = self.state.contexts.window_limits
+        limits[model] = min(limits.get(model, plan.rules.budget.window), failed, plan.rules.budget.window)
+
+    def _refusal(self, plan: Plan, overflow: Overflow | None) -> str:
+        state = plan.projection.state
+        largest = sorted(zip(state.ids, state.counts, strict=True), key=lambda p: -p[1])[:5]
+        room = what_takes_room(largest, cast(list[Any], self.body["messages"]), state.ids)
+        said = f" The upstream said: {overflow.message}" if overflow else ""
+        return (f"The upstream refused the prompt as too long, and ctxproxy could not cut it further (about "
+                f"{plan.rules.scaled(plan.estimate)} tokens as it counts them). What takes the room: {room}.{said} "
+                "Set ctx_window to the model's real window, or start a new session.")
+
+    def _agent_tools(self) -> frozenset[str]:
+        tools = self.body.get("tools") or []
+        return frozenset(t.get("function", {}).get("name") for t in tools if isinstance(t, dict))
+
+    async def _record_round(self, status: int, content: bytes) -> None:
+        usage = _usage_of(content)
+        self._add_usage(usage)
+        await self.writer.call(Journal.record_response, ResponseRecord(
+            self.recorded.request_id, self.attempt, "context_round", status, content.decode("utf-8", "replace"),
+            usage, self.ttfb_ms, self._elapsed(), _now()))
+        self.attempt += 1
 
     async def _open(self, body: bytes) -> httpx.Response:
         headers = client_headers(self.request.headers.raw, self.state.own_headers, _CHAT_DROP) + _IDENTITY
@@ -148,11 +227,7 @@ class Exchange:
         await upstream.aclose()
         return b"", Overflow(None, "the upstream ended the stream without a byte (llama.cpp's overflow)")
 
-    async def _record_overflow(self, plan: Plan, overflow: Overflow, status: int) -> None:
-        assert self.context is not None
-        model = self.body.get("model")
-        corrected = self.context.calibration(model).overflow(plan.estimate, overflow.prompt_tokens)
-        self.context.calibrations[model] = corrected
+    async def _record_overflow(self, overflow: Overflow, status: int) -> None:
         await self.writer.call(Journal.record_response, ResponseRecord(
             self.recorded.request_id, self.attempt, "context_overflow", status, overflow.message, None,
             self.ttfb_ms, self._elapsed(), _now()))
@@ -165,6 +240,7 @@ class Exchange:
 
     def _buffered_response(self, upstream: httpx.Response, content: bytes) -> Response:
         outcome = "ok" if upstream.status_code < 400 else "upstream_error"
+        self._add_usage(_usage_of(content))
         response = with_headers(Response(content, upstream.status_code, headers=self.headers),
                                 response_headers(upstream))
         usage = _usage_of(content) if outcome == "ok" else None
@@ -235,6 +311,23 @@ async def _read(upstream: httpx.Response) -> bytes:
         raise UpstreamUnreachable(f"The upstream broke off its answer: {exc or type(exc).__name__}.") from None
     finally:
         await upstream.aclose()
+
+
+def _context_calls(content: bytes, agent_tools: frozenset[str]) -> tuple[dict[str, Any], list[Any]]:
+    try:
+        answer = orjson.loads(content)
+    except orjson.JSONDecodeError:
+        return {}, []
+    return strip_calls(answer, agent_tools)
+
+
+def _message(answer: dict[str, Any]) -> dict[str, Any]:
+    message: dict[str, Any] = answer["choices"][0]["message"]
+    return message
+
+
+def _has_agent_calls(answer: dict[str, Any]) -> bool:
+    return bool(_message(answer).get("tool_calls"))
 
 
 def _usage_of(content: bytes) -> dict[str, object] | None:

@@ -26,6 +26,11 @@ class SessionContext:
     calibrations: dict[str | None, Calibration] = field(default_factory=dict)
     sent_list: tuple[int, list[str]] | None = None
     """Id and message hashes of the last list forwarded: the base of the next forward's delta."""
+    offered_turn: str | None = None
+    """Identity of the message that opened the turn in which the context tools were offered."""
+    reminded_turn: str | None = None
+    confirmations: list[str] = field(default_factory=list)
+    """What the model's context tools did, told to it as one system line in its next request."""
 
     def calibration(self, model: str | None) -> Calibration:
         return self.calibrations.get(model, Calibration())
@@ -39,6 +44,8 @@ class SessionContexts:
         self._capacity = capacity
         self.models: dict[str | None, Calibration] = {}
         """The latest calibration per model, across sessions: a new session starts from it."""
+        self.window_limits: dict[str | None, int] = {}
+        """Windows the upstream proved smaller than configured or detected (it refused a prompt as too long)."""
 
     async def get(self, writer: JournalWriter, session_id: str, model: str | None) -> SessionContext:
         key = (id(writer), session_id)

@@ -17,9 +17,12 @@ import orjson
 __all__ = ["Overflow", "detect_overflow"]
 
 _MARKERS = ("exceed_context_size_error", "context_length_exceeded", "maximum context length",
-            "context window", "exceeds the available context size", "too many tokens")
-_TOKENS = (re.compile(r"requested (\d+) tokens"), re.compile(r"resulted in (\d+) tokens"),
-           re.compile(r"(\d+) tokens in the messages"), re.compile(r"prompt \((\d+) tokens\)"))
+            "exceeds the available context size")
+# Prompt tokens only: "you requested 5000 tokens (3000 in the messages, 2000 in the completion)" is 3000.
+_TOKENS = (re.compile(r"(\d+) in the messages"), re.compile(r"(\d+) tokens in the messages"),
+           re.compile(r"resulted in (\d+) tokens"), re.compile(r"has (\d+) input tokens"),
+           re.compile(r"prompt \((\d+) tokens\)"), re.compile(r"requested (\d+) tokens"))
+_LIMIT = re.compile(r"maximum context length is (\d+)")
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,8 @@ class Overflow:
     prompt_tokens: int | None
     """How many tokens the upstream counted in the prompt, when it said so."""
     message: str
+    limit: int | None = None
+    """The upstream's window, when it said so (llama.cpp ``n_ctx``, "maximum context length is N")."""
 
 
 def detect_overflow(status: int, body: bytes) -> Overflow | None:
@@ -36,7 +41,15 @@ def detect_overflow(status: int, body: bytes) -> Overflow | None:
     lowered = text.lower()
     if not any(marker in lowered for marker in _MARKERS):
         return None
-    return Overflow(_prompt_tokens(body, text), _message(body) or text[:300])
+    return Overflow(_prompt_tokens(body, text), _message(body) or text[:300], _limit(body, text))
+
+
+def _limit(body: bytes, text: str) -> int | None:
+    n_ctx = _error_object(body).get("n_ctx")
+    if isinstance(n_ctx, int) and n_ctx > 0:
+        return n_ctx
+    match = _LIMIT.search(text)
+    return int(match.group(1)) if match else None
 
 
 def _prompt_tokens(body: bytes, text: str) -> int | None:

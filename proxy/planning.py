@@ -10,16 +10,19 @@ takes the room.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from typing import Any, cast
 
 import orjson
 
+from config import Settings
 from proxy.context import SessionContext
 from proxy.errors import ContextTooLarge
-from proxy.rewrite import Projection, Report, Rules, budget_for, canonical_json, project, violations
+from proxy.rewrite import Projection, Report, Rules, budget_for, canonical_json, message_hash, project, violations
 from proxy.state import AppState
+from proxy.tools.offer import REMINDER, person_asked, turn_of, with_context_tools
 from proxy.wire import ChatBody
 from store import ForwardRecord, IncomingRequest, Journal, JournalWriter, OverflowBody, RecordedRequest
 
@@ -35,32 +38,76 @@ class Plan:
     estimate: int
     k: float
     projection: Projection
+    rules: Rules
+    offered: bool
+    """The context tools are in this request's tool list."""
 
 
 async def plan_forward(app: AppState, writer: JournalWriter, ctx: SessionContext, recorded: RecordedRequest,
-                       body: ChatBody, raw: bytes, incoming: IncomingRequest, attempt: int,
-                       incognito: bool) -> Plan:
+                       body: ChatBody, raw: bytes, incoming: IncomingRequest, attempt: int, incognito: bool,
+                       splice: list[dict[str, Any]] | None = None, offer: bool = True) -> Plan:
+    """Project the request and journal the forward. ``splice``: this request's context-tool exchanges so far,
+    sent after the projection in the proxy's own follow-up rounds; ``offer=False``: the last round, without the
+    context tools."""
     model = body.get("model")
     settings = app.settings.for_model(model)
     window = settings.ctx_window or (await app.windows.window_for(model)).tokens
+    window = min(window, app.contexts.window_limits.get(model, window))
     k = ctx.calibration(model).k
     rules = Rules(budget_for(settings, window), k, INCOGNITO_STORAGE if incognito else "disk",
                   app.counter.count_tools(body.get("tools")))
     messages = cast(list[dict[str, Any]], body["messages"])
     previous, ctx.state = ctx.state, None  # consumed by project(); only a journaled projection gives it back
-    p = project(messages, incoming.hashes, ctx.decisions, rules, app.counter, previous)
+    p = project(messages, incoming.hashes, ctx.decisions, rules, app.counter, previous, recorded.seen)
     if p.report.over_budget:
         raise ContextTooLarge(describe_overflow(p.report, messages, p.state.ids))
-    broken = _broken(messages, p)
-    if broken:
-        p = replace(p, messages=list(messages), hashes=list(incoming.hashes), new=(), writes=(),
-                    changed=False)
-    list_id = await writer.call(Journal.record_forward, _forward_record(recorded, incoming, ctx, p, attempt, k))
+    if _broken(messages, p):
+        p = replace(p, messages=list(messages), hashes=list(incoming.hashes), new=(), writes=(), changed=False)
+        p.state.absorbed = -1  # never resumed: the next request recomputes from the decisions
+    offered = offer and _offered(ctx, settings, body, messages, p, rules)
+    notices = [] if splice else _notices(ctx, settings, p, rules, offered)  # follow-ups carry the tool results
+    sent = p.messages + notices + list(splice or [])
+    payload: dict[str, Any] = {**body, "messages": sent}
+    if offered:
+        payload["tools"] = with_context_tools(body.get("tools"))
+    changed = p.changed or len(sent) != len(p.messages) or offered
+    hashes = p.hashes + [message_hash(m) for m in sent[len(p.messages):]]
+    record = _forward_record(recorded, incoming, ctx, p, attempt, k, sent, hashes, changed)
+    list_id = await writer.call(Journal.record_forward, record)
     ctx.decisions += p.new
-    ctx.state = None if broken else p.state
-    ctx.sent_list = (list_id, p.hashes)
-    out = raw if not p.changed else orjson.dumps({**body, "messages": p.messages})
-    return Plan(out, p.report.estimate, k, p)
+    ctx.state = p.state
+    ctx.sent_list = (list_id, hashes)
+    return Plan(orjson.dumps(payload) if changed else raw, p.report.estimate, k, p, rules, offered)
+
+
+def _offered(ctx: SessionContext, settings: Settings, body: ChatBody, messages: list[dict[str, Any]],
+             p: Projection, rules: Rules) -> bool:
+    """The offer rule; an offer holds for the rest of the turn (``ctx.offered_turn``)."""
+    if not settings.tools_enabled or body.get("stream") or not (body.get("tools") or settings.native_tools):
+        return False  # streamed answers are not intercepted yet: offering there would leak calls to the agent
+    turn = turn_of(messages)
+    key = p.state.ids[turn.start] if p.state.ids else ""
+    usage = p.report.scaled / rules.budget.window
+    if ctx.offered_turn == key or usage >= settings.offer_pct or person_asked(messages, turn, settings.offer_phrases) \
+            or (settings.offer_round and turn.rounds >= settings.offer_round):
+        ctx.offered_turn = key
+        return True
+    return False
+
+
+def _notices(ctx: SessionContext, settings: Settings, p: Projection, rules: Rules,
+             offered: bool) -> list[dict[str, Any]]:
+    """System lines for the model: what its context tools did since its last request; the soft-ceiling reminder."""
+    out = []
+    if ctx.confirmations:
+        out.append({"role": "system", "content": "[ctxproxy] Applied since your last request: "
+                    + " ".join(ctx.confirmations)})
+        ctx.confirmations = []
+    if offered and p.report.scaled >= settings.soft_ceiling_pct * rules.budget.window \
+            and ctx.reminded_turn != ctx.offered_turn:
+        ctx.reminded_turn = ctx.offered_turn
+        out.append({"role": "system", "content": REMINDER})
+    return out
 
 
 def _broken(messages: list[Any], p: Projection) -> bool:
@@ -74,35 +121,40 @@ def _broken(messages: list[Any], p: Projection) -> bool:
 
 
 def _forward_record(recorded: RecordedRequest, incoming: IncomingRequest, ctx: SessionContext, p: Projection,
-                    attempt: int, k: float) -> ForwardRecord:
+                    attempt: int, k: float, sent: list[dict[str, Any]], hashes: list[str],
+                    changed: bool) -> ForwardRecord:
     record = ForwardRecord(recorded.request_id, attempt, recorded.session_id, _now(), incoming.params_hash,
-                           verbatim=not p.changed, estimate=p.report.estimate, k=k,
+                           verbatim=not changed, estimate=p.report.estimate, k=k,
                            decisions=[asdict(d) for d in p.new],
                            overflow=[OverflowBody(w.overflow_id, w.body, w.tool, w.call_id) for w in p.writes])
-    if not p.changed:
+    if not changed:
         return record
     base_id, base = ctx.sent_list or (recorded.list_id, list(incoming.hashes))
-    same = next((i for i, (a, b) in enumerate(zip(base, p.hashes, strict=False)) if a != b),
-                min(len(base), len(p.hashes)))
-    return replace(record, length=len(p.hashes), base_list_id=base_id, base_len=same, added_hashes=p.hashes[same:],
-                   added_bodies=[canonical_json(m) for m in p.messages[same:]])
+    same = next((i for i, (a, b) in enumerate(zip(base, hashes, strict=False)) if a != b), min(len(base), len(hashes)))
+    return replace(record, length=len(hashes), base_list_id=base_id, base_len=same, added_hashes=hashes[same:],
+                   added_bodies=[canonical_json(m) for m in sent[same:]])
 
 
 def describe_overflow(report: Report, messages: list[Any], ids: list[str]) -> str:
     """Why a request cannot fit: the numbers, and the biggest items still in it."""
+    return (f"This conversation does not fit the context budget even after ctxproxy cut everything it may: about "
+            f"{report.scaled} tokens against a budget of {report.budget} (window {report.window}). What takes the "
+            f"room: {what_takes_room(report.largest, messages, ids)}. System messages, the person's messages, pinned "
+            "items and the newest result are never cut. Raise ctx_window or context_budget, lower context_reserve, "
+            "or start a new session.")
+
+
+def what_takes_room(largest: Sequence[tuple[str, int]], messages: list[Any], ids: list[str]) -> str:
     where = {mid: i for i, mid in enumerate(ids)}
     items = []
-    for mid, tokens in report.largest:
+    for mid, tokens in largest:
         if mid == "tools":
             items.append(f"the tool definitions ({tokens} tokens)")
             continue
         i = where.get(mid, -1)
         role = messages[i].get("role", "?") if i >= 0 else "?"
         items.append(f"message {i} ({role}, {mid}: {tokens} tokens)")
-    return (f"This conversation does not fit the context budget even after ctxproxy cut everything it may: about "
-            f"{report.scaled} tokens against a budget of {report.budget} (window {report.window}). What takes the "
-            f"room: {'; '.join(items)}. System messages, the person's messages, pinned items and the newest result "
-            "are never cut. Raise ctx_window or context_budget, lower context_reserve, or start a new session.")
+    return "; ".join(items)
 
 
 def _now() -> str:

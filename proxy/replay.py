@@ -79,8 +79,9 @@ def replay(conversation: dict[str, Any], settings: Settings, window: int,
     state: State | None = None
     previous: list[bytes] = []
     tools_chars = len(orjson.dumps(tools)) if tools else 0
+    seen = 0
     for n, end in enumerate(agent_requests(messages)):
-        p = project(messages[:end], hashes[:end], decisions, rules, counter, state)
+        p = project(messages[:end], hashes[:end], decisions, rules, counter, state, seen)
         sent = [orjson.dumps(m) for m in p.messages]
         reused = _reused(previous, sent) + (tools_chars if n else 0)
         problems = tuple(violations(messages[:end], p.messages))
@@ -93,6 +94,7 @@ def replay(conversation: dict[str, Any], settings: Settings, window: int,
         else:
             decisions += p.new
             state, previous = p.state, sent
+        seen = end
 
 
 def _reused(previous: list[bytes], sent: list[bytes]) -> int:

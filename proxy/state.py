@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from config import Settings
 from proxy.context import SessionContexts
+from proxy.events import EventBus
 from proxy.hashing import MessageHasher
 from proxy.rewrite.tokens import MessageCounter
 from proxy.upstream import Upstream
@@ -64,6 +65,7 @@ class AppState:
     hasher: MessageHasher = field(default_factory=MessageHasher)
     counter: MessageCounter = field(default_factory=MessageCounter)
     contexts: SessionContexts = field(default_factory=SessionContexts)
+    events: EventBus = field(default_factory=EventBus)
     own_headers: frozenset[str] = frozenset()
 
     def journal_for(self, incognito: bool) -> JournalWriter:

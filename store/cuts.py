@@ -68,10 +68,13 @@ class CutsMixin:
                 [rec.request_id, rec.attempt, list_id, rec.params_hash, int(rec.verbatim), rec.estimate, rec.k])
         return list_id
 
-    def add_decisions(self, session_id: str, decisions: Sequence[Mapping[str, Any]], created_at: str) -> None:
-        """Decisions that come from outside a projection (the operator's pins)."""
+    def add_decisions(self, session_id: str, decisions: Sequence[Mapping[str, Any]], created_at: str,
+                      request_id: int | None = None, overflow: Sequence[OverflowBody] = ()) -> None:
+        """Decisions from outside a projection (the operator's pins, the model's context tools), with the bodies
+        they cut, in one transaction."""
         with self.conn:
-            self.insert_decisions(session_id, None, decisions, created_at)
+            self._insert_overflow(session_id, overflow, created_at)
+            self.insert_decisions(session_id, request_id, decisions, created_at)
 
     def insert_decisions(self, session_id: str, request_id: int | None, decisions: Sequence[Mapping[str, Any]],
                          created_at: str) -> None:

@@ -60,6 +60,8 @@ class RecordedRequest:
     forked: bool
     new_messages: int
     list_id: int
+    seen: int = 0
+    """How many leading messages the session (or the session it forked from) already had."""
 
 
 @dataclass(frozen=True)
@@ -129,7 +131,7 @@ class Journal(CutsMixin):
             self._advance_head(place.session.id, list_id, req)
         forked = place.created and place.parent_id is not None
         return RecordedRequest(request_id, place.session.id, place.parent_id, forked, len(req.hashes) - place.common,
-                               list_id)
+                               list_id, place.common)
 
     def record_response(self, rec: ResponseRecord) -> None:
         usage = rec.usage or {}

@@ -54,6 +54,16 @@ def completion(text: str, prompt_tokens: int = 10, model: str = "fake-model") ->
                       "total_tokens": prompt_tokens + len(text.split())}}
 
 
+def tool_answer(*calls: tuple[str, dict[str, Any]], content: str | None = None) -> dict[str, Any]:
+    """A completion whose message calls tools: ``tool_answer(("context_drop", {"handles": ["call_1"]}))``."""
+    tool_calls = [{"id": f"ctx_{i}_{name}", "type": "function",
+                   "function": {"name": name, "arguments": json.dumps(args)}} for i, (name, args) in enumerate(calls)]
+    return {"id": "chatcmpl-fake", "object": "chat.completion", "created": 1700000000, "model": "fake-model",
+            "choices": [{"index": 0, "finish_reason": "tool_calls",
+                         "message": {"role": "assistant", "content": content, "tool_calls": tool_calls}}],
+            "usage": {"prompt_tokens": 100, "completion_tokens": 10, "total_tokens": 110}}
+
+
 def stream_chunks(text: str, model: str = "fake-model", usage: dict[str, int] | None = None) -> list[Any]:
     base = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": 1700000000, "model": model}
     chunks: list[Any] = [base | {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}]

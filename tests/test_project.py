@@ -4,6 +4,7 @@ invariants of DESIGN.md §6 over generated histories."""
 from __future__ import annotations
 
 import itertools
+import json
 import re
 from collections.abc import Sequence
 from dataclasses import replace
@@ -249,3 +250,44 @@ def _assert_restorable(incoming: list[Any], outgoing: list[Any], bodies: dict[st
             assert sha256_text(body) == match.group(1)
             if m["role"] == "tool":
                 assert any(x.get("content") == body for x in incoming if x.get("role") == "tool")
+
+
+def test_a_fold_made_for_another_history_is_ignored_not_fatal() -> None:
+    rules = Rules(budget(4096, spill_chars=100_000))
+    folded = run(history(["short output " * 10] * 120), rules)
+    other = history(["other output " * 10] * 120, task="Another task entirely.")
+    p = run(other, rules, list(folded.new))  # a fork that inherited the fold of a different run
+    assert violations(other, p.messages) == [] and [d.kind for d in p.new] == ["fold"]
+
+
+def test_an_elision_marker_names_the_call_its_result_answered_when_ids_are_reused() -> None:
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "t"}]
+    for k, command in enumerate(["cat secrets.txt", "ls -la /"] + ["echo"] * 12):
+        msgs.append({"role": "assistant", "content": None, "tool_calls": [{"id": "same", "type": "function",
+                     "function": {"name": f"tool{k}", "arguments": json.dumps({"command": command})}}]})
+        msgs.append({"role": "tool", "tool_call_id": "same", "content": f"{k}" * 2000})
+    p = run(msgs, Rules(budget(8192, spill_chars=100_000)))
+    marker = p.messages[3]["content"]
+    assert "tool=tool0" in marker and "cat secrets.txt" in marker
+
+
+def test_a_recomputation_never_spills_what_the_session_had_already_seen() -> None:
+    msgs = history(["x" * 3000, "y" * 3000])
+    loose = Rules(budget(131072))  # spill_chars 10000: nothing spilled
+    first = run(msgs, loose)
+    strict = Rules(budget(131072, spill_chars=2000))  # the rules changed since (another model, another window)
+    again = project(msgs, [message_hash(m) for m in msgs], list(first.new), strict, CharCounter(), seen=len(msgs))
+    assert again.messages == first.messages == msgs
+
+
+def test_a_round_with_a_message_between_call_and_result_folds_whole() -> None:
+    msgs = history(["short output " * 10] * 120)
+    msgs.insert(3, {"role": "user", "content": "(the person typed while the tool ran)"})
+    p = run(msgs, Rules(budget(4096, spill_chars=100_000)))
+    assert violations(msgs, p.messages) == [] and any(d.kind == "fold" for d in p.new)
+
+
+def test_a_spill_never_makes_a_result_bigger() -> None:
+    content = "z" * 610
+    p = run(history([content]), Rules(budget(4096)))  # spill_chars 600: the stub would be longer than 610
+    assert p.messages[-1]["content"] == content

@@ -85,7 +85,8 @@ def test_what_was_cut_is_restorable_byte_for_byte(tmp_path: Path, conversation: 
 def test_an_upstream_that_counts_more_stops_overflowing_within_two_requests(
         tmp_path: Path, conversation: dict[str, Any]) -> None:
     upstream = CountingUpstream(window=8192, ratio=1.3)
-    with app_client(settings_for(tmp_path, CTXPROXY_CTX_WINDOW="8192"), httpx.ASGITransport(app=upstream)) as c:
+    settings = settings_for(tmp_path, CTXPROXY_CTX_WINDOW="8192", CTXPROXY_CONTEXT_RESERVE="0")  # no headroom
+    with app_client(settings, httpx.ASGITransport(app=upstream)) as c:
         answers = drive(c, conversation, limit=30)
     assert all(a.status_code == 200 for a in answers)
     overflowing = [i for i, count in enumerate(upstream.counts) if count > upstream.window]
@@ -94,28 +95,48 @@ def test_an_upstream_that_counts_more_stops_overflowing_within_two_requests(
     assert not overflowing or overflowing[-1] <= 2
 
 
-def test_a_llama_cpp_overflow_is_retried_and_the_client_gets_its_answer(tmp_path: Path) -> None:
+def test_a_llama_cpp_overflow_is_retried_smaller_and_the_client_gets_its_answer(
+        tmp_path: Path, conversation: dict[str, Any]) -> None:
     upstream = CountingUpstream(window=100_000)
     upstream.enqueue(Reply(status=400, body={"error": {"code": 400, "type": "exceed_context_size_error",
                                                        "message": "the request exceeds the available context size",
-                                                       "n_prompt_tokens": 9000, "n_ctx": 4096}}))
-    body = {"model": "m", "messages": [{"role": "user", "content": "hello " * 50}]}
+                                                       "n_prompt_tokens": 9000, "n_ctx": 8192}}))
+    body = next(b for n, b in enumerate(requests_of(conversation)) if n == 5)
     with app_client(settings_for(tmp_path), httpx.ASGITransport(app=upstream)) as c:
         answer = c.post("/v1/chat/completions", json=body)
-    assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["content"] == "fits"
+        assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["content"] == "fits"
+        assert c.post("/v1/chat/completions", json=body).status_code == 200  # the learned window holds
+    first, retry = upstream.chats[0].body, upstream.chats[1].body
+    assert len(retry) < len(first) and upstream.counts[1] <= 8192 - 2048  # cut to the upstream's own window
     rows = Journal(tmp_path / "data" / "journal.db").db.execute(
-        "SELECT attempt, outcome FROM responses ORDER BY attempt").fetchall()
+        "SELECT attempt, outcome FROM responses WHERE request_id = 1 ORDER BY attempt").fetchall()
     assert rows == [(0, "context_overflow"), (1, "ok")]
 
 
-def test_an_empty_stream_is_llama_cpp_overflowing_and_is_retried(tmp_path: Path) -> None:
+def test_two_overflows_in_a_row_end_in_a_clear_error(tmp_path: Path) -> None:
+    upstream = CountingUpstream(window=100)  # refuses everything
+    body = {"model": "m", "messages": [{"role": "user", "content": "hello " * 500}]}
+    with app_client(settings_for(tmp_path), httpx.ASGITransport(app=upstream)) as c:
+        answer = c.post("/v1/chat/completions", json=body)
+        error = answer.json()["error"]
+        assert answer.status_code == 400 and error["code"] == "context_length_exceeded"
+        assert "message 0 (user" in error["message"]
+        assert answer.headers["x-ctx-session"]
+        assert c.post("/v1/chat/completions", json=body).status_code == 400  # and again, never a 500
+    rows = Journal(tmp_path / "data" / "journal.db").db.execute(
+        "SELECT request_id, attempt, outcome FROM responses ORDER BY request_id, attempt").fetchall()
+    assert [r[1:] for r in rows if r[0] == 1] == [(0, "context_overflow"), (1, "context_too_large")]
+
+
+def test_an_empty_stream_is_llama_cpp_overflowing_and_is_retried_smaller(
+        tmp_path: Path, conversation: dict[str, Any]) -> None:
     upstream = CountingUpstream(window=100_000)
     upstream.enqueue(Reply(raw=b"", headers={"content-type": "text/event-stream"}))
-    body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    body = next(b for n, b in enumerate(requests_of(conversation)) if n == 5) | {"stream": True}
     with app_client(settings_for(tmp_path), httpx.ASGITransport(app=upstream)) as c:
         answer = c.post("/v1/chat/completions", json=body)
     assert answer.status_code == 200 and "fits" in answer.text and answer.text.rstrip().endswith("[DONE]")
-    assert len(upstream.chats) == 2
+    assert len(upstream.chats) == 2 and len(upstream.chats[1].body) < len(upstream.chats[0].body)
 
 
 def test_a_request_that_cannot_fit_gets_a_clear_error(tmp_path: Path) -> None:
@@ -148,21 +169,44 @@ def test_an_operator_pin_keeps_a_result_whole(tmp_path: Path, conversation: dict
 def test_decisions_survive_a_restart_byte_for_byte(tmp_path: Path, conversation: dict[str, Any]) -> None:
     settings = settings_for(tmp_path, CTXPROXY_CTX_WINDOW="16384")
     first, second = CountingUpstream(window=16384), CountingUpstream(window=16384)
+    bodies = list(requests_of(conversation))
     with app_client(settings, httpx.ASGITransport(app=first)) as c:
-        drive(c, conversation, limit=25)
+        sessions = {c.post("/v1/chat/completions", json=b).headers["x-ctx-session"] for b in bodies[:25]}
     with app_client(settings, httpx.ASGITransport(app=second)) as c:  # a new process over the same journal
-        drive(c, conversation, limit=26)
+        resumed = c.post("/v1/chat/completions", json=bodies[25]).headers["x-ctx-session"]
+    assert sessions == {resumed}  # the same session, resumed from the journal
     before, after = first.last_chat.json()["messages"], second.last_chat.json()["messages"]
+    assert any(m["content"].startswith("[overflow id=") for m in before if m["role"] == "tool")
     assert after[: len(before)] == before  # the prefix cache of the upstream survives the restart
 
 
-def test_incognito_cuts_stay_in_memory(tmp_path: Path, conversation: dict[str, Any]) -> None:
+def test_incognito_cuts_stay_in_memory(tmp_path: Path) -> None:
     upstream = CountingUpstream(window=32768)
+    secret = "incognito-only-output " * 2000
+    messages = [{"role": "user", "content": "private task"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "sh", "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": secret}]
     with app_client(settings_for(tmp_path, CTXPROXY_CTX_WINDOW="32768"), httpx.ASGITransport(app=upstream)) as c:
-        drive(c, conversation, limit=4, **{})
-        c.post("/v1/chat/completions", headers={"X-Ctx-Incognito": "1"},
-               json={"model": "m", "messages": conversation["messages"][:8]})
-    stubs = [m["content"] for m in upstream.last_chat.json()["messages"] if m["role"] == "tool"]
-    assert any("storage=memory-only (incognito)" in s for s in stubs)
+        c.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "public"}]})
+        answer = c.post("/v1/chat/completions", headers={"X-Ctx-Incognito": "1"},
+                        json={"model": "m", "messages": messages})
+        assert answer.status_code == 200
+    stub = upstream.last_chat.json()["messages"][2]["content"]
+    assert "storage=memory-only (incognito)" in stub and "lost when ctxproxy stops" in stub
     on_disk = b"".join(p.read_bytes() for p in (tmp_path / "data").iterdir())
-    assert b"storage=memory-only" not in on_disk
+    assert b"incognito-only-output" not in on_disk and b"private task" not in on_disk
+
+
+def test_pins_take_bare_call_ids_and_snippets_with_quotes(tmp_path: Path) -> None:
+    upstream = CountingUpstream(window=100_000)
+    messages = [{"role": "user", "content": "go"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "sh", "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": 'print("hello world")\n'}]
+    with app_client(settings_for(tmp_path), httpx.ASGITransport(app=upstream)) as c:
+        session = c.post("/v1/chat/completions", json={"model": "m", "messages": messages}).headers["x-ctx-session"]
+        assert c.post(f"/ctx/sessions/{session}/pins", json={"handle": "c1"}).json()["pins"] == ["tool:c1"]
+        assert c.post(f"/ctx/sessions/{session}/pins", json={"handle": "nope"}).status_code == 404
+        by_snippet = c.post(f"/ctx/sessions/{session}/pins", json={"snippet": 'print("hello world")'})
+        assert by_snippet.status_code == 201 and by_snippet.json()["pins"] == ["tool:c1"]

@@ -42,10 +42,11 @@ def elide(state: State, messages: Sequence[dict[str, Any]], rules: Rules, counte
         decision = _elision(state, i, messages[i], rules)
         if decision is None:
             continue
-        if state.decided.get(state.ids[i]) is None:  # a spilled body is in the overflow store already
+        spilled = state.decided.get(state.ids[i])
+        if spilled is None or spilled.message_hash != state.hashes[i]:  # else its body is stored already
             call_id = str(messages[i].get("tool_call_id"))
             writes.append(OverflowWrite(decision.overflow_id, str(messages[i]["content"]),
-                                        state.calls.get(call_id, ("?", ""))[0], call_id))
+                                        state.result_calls.get(i, ("?", ""))[0], call_id))
         state.decided[state.ids[i]] = decision
         new.append(decision)
         _replace(state, i, {**messages[i], "content": decision.replacement}, counter)
@@ -58,10 +59,12 @@ def _elision(state: State, i: int, message: dict[str, Any], rules: Rules) -> Dec
     if not isinstance(content, str) or len(content) < MIN_CUT_CHARS or current is None:
         return None
     decided = state.decided.get(state.ids[i])
-    if decided is not None and decided.kind == "elide" and decided.message_hash == state.hashes[i]:
-        return None
+    if decided is not None and decided.message_hash != state.hashes[i]:
+        decided = None  # made for another message under the same identity: not this one's
+    if decided is not None and decided.kind != "spill":
+        return None  # already a marker, or the model's own drop or note: never re-cut
     call_id = str(message.get("tool_call_id"))
-    tool, arguments = state.calls.get(call_id, ("?", ""))
+    tool, arguments = state.result_calls.get(i, ("?", ""))
     if tool == READ_OVERFLOW:
         return None
     overflow_id = decided.overflow_id if decided is not None else sha256_text(content)
@@ -82,14 +85,18 @@ def _replace(state: State, i: int, message: dict[str, Any] | None, counter: Coun
 
 
 def rounds(messages: Sequence[dict[str, Any]], start: int) -> list[tuple[int, int]]:
-    """``[start, end)`` spans from ``start`` on: an assistant message and the results of its calls, or one message."""
+    """``[start, end)`` spans from ``start`` on: an assistant message through the last result of its calls
+    (whatever stands between them), or one message."""
     spans, i = [], start
     while i < len(messages):
-        calls = {c.get("id") for c in messages[i].get("tool_calls") or []}
+        open_calls = {c.get("id") for c in messages[i].get("tool_calls") or []}
         j = i + 1
-        while calls and j < len(messages) and messages[j].get("role") == "tool" \
-                and messages[j].get("tool_call_id") in calls:
+        while open_calls and j < len(messages):
+            if messages[j].get("role") == "tool":
+                open_calls.discard(messages[j].get("tool_call_id"))
             j += 1
+        if open_calls:  # calls never answered (the run's last one): the span is just this message
+            j = i + 1 if not any(m.get("role") == "tool" for m in messages[i + 1:]) else j
         spans.append((i, j))
         i = j
     return spans
@@ -117,17 +124,13 @@ def fold(state: State, messages: Sequence[dict[str, Any]], rules: Rules, counter
             break
         total -= sum(state.counts[i:j])
         end = j
-    if end <= start or (state.fold is not None and end <= _fold_end(state, state.fold)):
+    if end <= start or (state.folded is not None and end <= state.folded[1]):
         return
     decision = _fold_decision(state, messages, start, end, rules.storage)
     writes.append(OverflowWrite(decision.overflow_id, canonical_json(list(messages[start:end])).decode(), "fold", ""))
     state.fold = decision
     new.append(decision)
     apply_fold(state, decision, messages, counter)
-
-
-def _fold_end(state: State, decision: Decision) -> int:
-    return state.ids.index(decision.target) + decision.count
 
 
 def _fold_decision(state: State, messages: Sequence[dict[str, Any]], start: int, end: int, storage: str) -> Decision:
@@ -143,14 +146,13 @@ def _digest(hashes: Sequence[str]) -> str:
 
 
 def apply_fold(state: State, decision: Decision, messages: Sequence[dict[str, Any]], counter: Counter) -> None:
-    """Put the fold stub where its rounds were, if they are still exactly the rounds it was made for."""
-    if decision.target not in state.ids:
-        return
-    start = state.ids.index(decision.target)
+    """Put the fold stub where its rounds were, if they are still exactly the rounds it was made for; else the fold
+    is void for this history (an edited history, a fork's, a message pinned since)."""
+    start = state.ids.index(decision.target) if decision.target in state.ids else -1
     end = start + decision.count
-    if end > len(state.ids) or _digest(state.hashes[start:end]) != decision.message_hash:
-        return
-    if any(state.ids[i] in state.pins for i in range(start, end)):  # pinned since: the fold no longer holds
+    if start < 0 or end > len(state.ids) or _digest(state.hashes[start:end]) != decision.message_hash \
+            or any(state.ids[i] in state.pins for i in range(start, end)):
+        state.fold = None
         return
     for i in range(start + 1, end):
         _replace(state, i, None, counter)

@@ -14,8 +14,9 @@ from typing import Literal
 
 __all__ = ["CUTS", "Decision", "Kind", "OverflowWrite"]
 
-Kind = Literal["spill", "elide", "fold", "pin", "unpin"]
-CUTS = frozenset({"spill", "elide"})
+Kind = Literal["spill", "elide", "drop", "note", "fold", "pin", "unpin"]
+CUTS = frozenset({"spill", "elide", "drop", "note"})
+"""Decisions that replace one message's content (re-applied by identity on every request)."""
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,7 @@ class Decision:
     target: str
     message_hash: str = ""
     replacement: str = ""
+    """The exact text put in place of the content; for a model pin, its ``[model] `` excerpt."""
     overflow_id: str = ""
     until: str = ""
     """fold: identity of the last message folded."""

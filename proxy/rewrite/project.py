@@ -59,13 +59,16 @@ class Projection:
 
 
 def project(messages: Sequence[dict[str, Any]], hashes: Sequence[str], decisions: Sequence[Decision],
-            rules: Rules, counter: Counter, previous: State | None = None) -> Projection:
+            rules: Rules, counter: Counter, previous: State | None = None, seen: int = 0) -> Projection:
+    """``seen``: how many leading messages the session already had before this request. Spilling is decided when a
+    result arrives, so a recomputation never spills those afresh (the rules may have changed since: another
+    window, another model); their decisions, if any, are in ``decisions``."""
     state = _resume(previous, hashes, len(decisions)) or _fresh(decisions)
     reused = len(state.hashes)
     new: list[Decision] = []
     writes: list[OverflowWrite] = []
     for i in range(reused, len(messages)):
-        _ingest(state, i, messages[i], hashes[i], rules, counter, new, writes)
+        _ingest(state, i, messages[i], hashes[i], rules, counter, new, writes, seen)
     if reused == 0 and state.fold is not None:
         apply_fold(state, state.fold, messages, counter)
     _cut_to_fit(state, messages, rules, counter, new, writes)
@@ -103,16 +106,16 @@ def _fresh(decisions: Sequence[Decision]) -> State:
         if d.kind in CUTS:
             state.decided[d.target] = d
         elif d.kind == "pin":
-            state.pins.add(d.target)
+            state.pins[d.target] = d.source
         elif d.kind == "unpin":
-            state.pins.discard(d.target)
+            state.pins.pop(d.target, None)
         elif d.kind == "fold":
             state.fold = d
     return state
 
 
 def _ingest(state: State, i: int, message: dict[str, Any], message_hash: str, rules: Rules, counter: Counter,
-            new: list[Decision], writes: list[OverflowWrite]) -> None:
+            new: list[Decision], writes: list[OverflowWrite], seen: int) -> None:
     mid = next_identity(identity_base(message, message_hash), state.seen)
     state.hashes.append(message_hash)
     state.ids.append(mid)
@@ -122,7 +125,8 @@ def _ingest(state: State, i: int, message: dict[str, Any], message_hash: str, ru
     out = message
     if message.get("role") == "tool":
         state.tool_indices.append(i)
-        out = _cut_tool_result(state, mid, message, message_hash, rules, new, writes)
+        state.result_calls[i] = state.calls.get(str(message.get("tool_call_id")), ("?", ""))
+        out = _cut_tool_result(state, mid, message, message_hash, rules, new, writes, spill=i >= seen)
     count = counter.count(out, message_hash if out is message else None)
     state.out.append(out)
     state.out_hashes.append(message_hash if out is message else _hash(out))
@@ -132,8 +136,8 @@ def _ingest(state: State, i: int, message: dict[str, Any], message_hash: str, ru
 
 
 def _cut_tool_result(state: State, mid: str, message: dict[str, Any], message_hash: str, rules: Rules,
-                     new: list[Decision], writes: list[OverflowWrite]) -> dict[str, Any]:
-    """The result as it goes out: a stored decision re-applied, or a spill decided now, or untouched."""
+                     new: list[Decision], writes: list[OverflowWrite], spill: bool) -> dict[str, Any]:
+    """The result as it goes out: a stored decision re-applied, or (arriving now) a spill decided, or untouched."""
     if mid in state.pins:
         return message
     decided = state.decided.get(mid)
@@ -142,12 +146,14 @@ def _cut_tool_result(state: State, mid: str, message: dict[str, Any], message_ha
     content = message.get("content")
     call_id = str(message.get("tool_call_id"))
     tool, _ = state.calls.get(call_id, ("?", ""))
-    if not _should_spill(content, tool, rules.budget):
+    if not spill or not _should_spill(content, tool, rules.budget):
         return message
     assert isinstance(content, str)
     overflow_id = sha256_text(content)
     stub = spill_stub(overflow_id, tool, call_id, rules.storage, content, rules.budget.preview_head,
                       rules.budget.preview_tail)
+    if len(stub) >= len(content):
+        return message  # its stub would not be smaller
     decision = Decision("spill", mid, message_hash, stub, overflow_id)
     state.decided[mid] = decision
     new.append(decision)

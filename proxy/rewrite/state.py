@@ -44,9 +44,13 @@ class State:
     total: int = 0
     seen: dict[str, int] = field(default_factory=dict)
     calls: dict[str, tuple[str, str]] = field(default_factory=dict)
+    """The latest call per tool_call_id: (tool name, arguments)."""
+    result_calls: dict[int, tuple[str, str]] = field(default_factory=dict)
+    """The call each result answers (index → name, arguments), fixed when the result arrives: ids get reused."""
     tool_indices: list[int] = field(default_factory=list)
     decided: dict[str, Decision] = field(default_factory=dict)
-    pins: set[str] = field(default_factory=set)
+    pins: dict[str, str] = field(default_factory=dict)
+    """Pinned identities and who pinned them (operator or model)."""
     fold: Decision | None = None
     folded: tuple[int, int] | None = None
     """The span ``[start, end)`` of incoming messages the fold stub (at ``start``) stands for."""
@@ -57,9 +61,8 @@ class State:
 
     def copy(self) -> State:
         return State(list(self.hashes), list(self.ids), list(self.out), list(self.out_hashes), list(self.counts),
-                     self.total,
-                     dict(self.seen), dict(self.calls), list(self.tool_indices), dict(self.decided), set(self.pins),
-                     self.fold, self.folded, self.cut, self.absorbed)
+                     self.total, dict(self.seen), dict(self.calls), dict(self.result_calls), list(self.tool_indices),
+                     dict(self.decided), dict(self.pins), self.fold, self.folded, self.cut, self.absorbed)
 
 
 def sha256_text(text: str) -> str:

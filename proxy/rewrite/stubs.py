@@ -35,8 +35,9 @@ def _intact(overflow_id: str, storage: str) -> str:
 
 def spill_stub(overflow_id: str, tool: str, call_id: str, storage: str, content: str, head: int, tail: int) -> str:
     nbytes = len(content.encode())
-    kind = "looks binary" if looks_binary(content) else "was too large to keep inline"
-    front, back = _head(content, head), _tail(content, tail)
+    binary = looks_binary(content)
+    kind = "looks binary" if binary else "was too large to keep inline"
+    front, back = ("", "") if binary else (_head(content, head), _tail(content, tail))
     hidden = len(content) - len(front) - len(back)
     return "\n".join([
         stub_line(overflow_id, tool, nbytes, call_id, storage),

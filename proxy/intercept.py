@@ -1,0 +1,112 @@
+"""Executing the model's context-tool calls inside the proxy (DESIGN.md §2 step 6).
+
+``ContextRunner.execute`` turns each call into an intent (``proxy.tools.intents``), applies it to the session
+(``proxy.tools.apply``, pure) or, for ``read_overflow``, reads the stored body; journals the decisions and the cut
+bodies before anything else is sent; queues a confirmation line for the model's next request; publishes one
+``context_op`` event per call; and returns the tool messages to splice after the call. ``strip_calls`` removes
+context calls from an answer before the agent sees it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from datetime import UTC, datetime
+from typing import Any
+
+from proxy.context import SessionContext
+from proxy.rewrite import project
+from proxy.rewrite.state import Rules
+from proxy.state import AppState
+from proxy.tools.apply import Outcome, View, apply_intent, render_overflow
+from proxy.tools.intents import ReadOverflow, ToolError, parse_call
+from proxy.tools.offer import split_calls
+from store import Journal, JournalWriter, OverflowBody
+
+__all__ = ["ContextRunner", "strip_calls"]
+
+
+class ContextRunner:
+    def __init__(self, app: AppState, writer: JournalWriter, ctx: SessionContext, session_id: str,
+                 request_id: int, messages: list[dict[str, Any]], hashes: list[str]) -> None:
+        self.app, self.writer, self.ctx = app, writer, ctx
+        self.session_id, self.request_id = session_id, request_id
+        self.messages, self.hashes = messages, hashes
+        self.round = 0
+
+    async def execute(self, calls: list[dict[str, Any]], rules: Rules, model: str | None) -> list[dict[str, Any]]:
+        """Run the calls in order; each sees the effect of the ones before it."""
+        self.round += 1
+        results = []
+        for call in calls:
+            function = call.get("function") or {}
+            text = await self._one(str(function.get("name")), function.get("arguments"), rules, model)
+            results.append({"role": "tool", "tool_call_id": call.get("id"), "content": text})
+        return results
+
+    async def _one(self, name: str, arguments: Any, rules: Rules, model: str | None) -> str:
+        settings = self.app.settings.for_model(model)
+        if not settings.tools_enabled:
+            return self._event(name, False, f"{name}: the context tools are switched off here.")
+        try:
+            intent = parse_call(name, arguments)
+        except ToolError as exc:
+            return self._event(name, False, f"{name}: {exc}")
+        if isinstance(intent, ReadOverflow):
+            return await self._read_overflow(intent)
+        outcome = apply_intent(intent, self._view(rules, settings.max_pins, settings.approval_pattern))
+        if outcome.decisions:
+            await self._journal(outcome)
+        self.ctx.confirmations.append(outcome.text)
+        return self._event(outcome.op, outcome.ok, outcome.text, outcome)
+
+    def _view(self, rules: Rules, max_pins: int, approval_pattern: str) -> View:
+        state = self.ctx.state
+        if state is None or state.absorbed != len(self.ctx.decisions):  # decisions changed since: see them applied
+            state = project(self.messages, self.hashes, self.ctx.decisions, rules, self.app.counter).state
+            self.ctx.state = None  # the next projection recomputes from the decisions, which now include these
+        model_pins = sum(1 for source in state.pins.values() if source == "model")
+        return View(self.messages, state, rules, self.app.counter, max_pins, approval_pattern, model_pins)
+
+    async def _journal(self, outcome: Outcome) -> None:
+        overflow = [OverflowBody(w.overflow_id, w.body, w.tool, w.call_id) for w in outcome.writes]
+        await self.writer.call(Journal.add_decisions, self.session_id, [asdict(d) for d in outcome.decisions],
+                               _now(), self.request_id, overflow)
+        self.ctx.decisions += outcome.decisions
+
+    async def _read_overflow(self, intent: ReadOverflow) -> str:
+        row = await self.writer.call(Journal.overflow_body, intent.id, self.session_id)
+        if row is None:
+            return self._event("read_overflow", False, f"read_overflow: no cut content with id {intent.id} in "
+                               "this session; ids come from [overflow id=...] stubs.")
+        text = render_overflow(row["body"], intent.offset, intent.limit, intent.grep)
+        return self._event("read_overflow", True, text, overflow_ids=(intent.id,))
+
+    def _event(self, op: str, ok: bool, text: str, outcome: Outcome | None = None,
+               overflow_ids: tuple[str, ...] = ()) -> str:
+        self.app.events.publish({
+            "type": "context_op", "session": self.session_id, "round": self.round,
+            "op": op.removeprefix("context_"), "ok": ok, "handles": list(outcome.handles if outcome else ()),
+            "tokens_freed": outcome.tokens_freed if outcome else 0,
+            "overflow_ids": list(outcome.overflow_ids if outcome else overflow_ids)})
+        return text
+
+
+def strip_calls(answer: dict[str, Any], agent_tools: frozenset[str]) -> tuple[dict[str, Any], list[Any]]:
+    """The answer without its context-tool calls (the agent never sees them), and those calls."""
+    choices = answer.get("choices") if isinstance(answer, dict) else None
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0].get("message"), dict):
+        return answer, []
+    message = choices[0]["message"]
+    split = split_calls(message, shadowed=agent_tools)
+    if not split.context:
+        return answer, []
+    kept = {**message, "tool_calls": split.agent} if split.agent else \
+        {k: v for k, v in message.items() if k != "tool_calls"} | {"content": message.get("content") or ""}
+    first = {**choices[0], "message": kept}
+    if not split.agent:
+        first["finish_reason"] = "stop"
+    return {**answer, "choices": [first, *choices[1:]]}, split.context
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="milliseconds")

@@ -1,0 +1,198 @@
+"""The context tools, executed by the proxy: the model calls them, the agent never sees them, the effect shows in
+the next upstream request, and what was cut comes back byte for byte (non-streamed answers)."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonschema
+import pytest
+from fastapi.testclient import TestClient
+
+from config import load_settings
+from proxy.tools.schemas import CONTEXT_TOOLS, TOOL_NAMES
+from tests.conftest import app_client
+from tests.fakes import FakeUpstream, Reply, completion, tool_answer
+
+ROOT = Path(__file__).resolve().parents[1]
+CATALOGUE = json.loads((ROOT / "docs" / "api" / "sse_events.json").read_text())
+AGENT_TOOLS = [{"type": "function", "function": {"name": "read_file", "parameters": {
+    "type": "object", "properties": {"path": {"type": "string"}}}}}]
+BIG = "SECRET_TOKEN=needle-4471\n" + "".join(f"line {i}: some output of the tool\n" for i in range(1500))
+
+
+@pytest.fixture
+def fake() -> FakeUpstream:
+    return FakeUpstream()
+
+
+@pytest.fixture
+def client(tmp_path: Path, fake: FakeUpstream) -> Iterator[TestClient]:
+    settings = load_settings(env={"CTXPROXY_DATA_DIR": str(tmp_path), "CTXPROXY_UPSTREAM": "http://u.test/v1",
+                                  "CTXPROXY_CTX_WINDOW": "131072", "CTXPROXY_SPILL_CHARS": "100000"})
+    with app_client(settings, httpx.ASGITransport(app=fake)) as test_client:
+        yield test_client
+
+
+def history(results: int = 3, ask: str = "Please free up your context, then go on.") -> list[dict[str, Any]]:
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": "You are an agent."}, {"role": "user", "content": ask}]
+    for k in range(results):
+        cid = f"call_{k}"
+        msgs.append({"role": "assistant", "content": None, "tool_calls": [
+            {"id": cid, "type": "function", "function": {"name": "read_file", "arguments": '{"path": "a.py"}'}}]})
+        msgs.append({"role": "tool", "tool_call_id": cid, "content": BIG if k == 1 else f"small result {k}"})
+    return msgs
+
+
+def ask(client: TestClient, messages: list[dict[str, Any]]) -> httpx.Response:
+    return client.post("/v1/chat/completions", json={"model": "m", "tools": AGENT_TOOLS, "messages": messages})
+
+
+def sent_names(fake: FakeUpstream, n: int = -1) -> list[str]:
+    return [t["function"]["name"] for t in fake.chats[n].json().get("tools") or []]
+
+
+def test_tools_are_offered_when_the_person_asks_after_the_agents_own(client: TestClient, fake: FakeUpstream) -> None:
+    ask(client, history())
+    assert sent_names(fake) == ["read_file", *[t["function"]["name"] for t in CONTEXT_TOOLS]]
+    ask(client, history(4))  # same turn: still offered, byte-identical
+    assert fake.chats[-1].json()["tools"] == fake.chats[-2].json()["tools"]
+
+
+def test_tools_are_not_offered_to_a_quiet_small_request(client: TestClient, fake: FakeUpstream) -> None:
+    ask(client, history(ask="Fix the bug."))
+    assert sent_names(fake) == ["read_file"] and fake.chats[-1].body == fake.chats[-1].body
+
+
+def test_a_drop_is_executed_the_agent_never_sees_it_and_the_result_is_restorable(
+        client: TestClient, fake: FakeUpstream) -> None:
+    fake.enqueue(Reply(body=tool_answer(("context_drop", {"handles": ["call_1"]}))))
+    fake.enqueue(Reply(body=completion("done")))
+    answer = ask(client, history())
+    assert answer.json()["choices"][0]["message"] == {"role": "assistant", "content": "done"}
+    assert answer.headers["x-ctx-internal-rounds"] == "1"
+    follow_up = fake.chats[-1].json()["messages"]
+    dropped = next(m for m in follow_up if m.get("tool_call_id") == "call_1")
+    oid = re.match(r"\[overflow id=([0-9a-f]{64}) ", dropped["content"]).group(1)  # type: ignore[union-attr]
+    result = next(m for m in follow_up if m.get("tool_call_id") == "ctx_0_context_drop")
+    assert "drop: applied to call_1" in result["content"] and "tokens freed" in result["content"]
+    session = answer.headers["x-ctx-session"]
+    assert client.get(f"/ctx/sessions/{session}/overflow/{oid}").content == BIG.encode()
+    ask(client, [*history(), {"role": "assistant", "content": "done"}, {"role": "user", "content": "next"}])
+    later = fake.chats[-1].json()["messages"]
+    assert next(m for m in later if m.get("tool_call_id") == "call_1")["content"] == dropped["content"]
+    assert any(m["role"] == "system" and "Applied since your last request" in m["content"] for m in later)
+
+
+def test_read_overflow_returns_the_original_byte_for_byte(client: TestClient, fake: FakeUpstream) -> None:
+    fake.enqueue(Reply(body=tool_answer(("context_drop", {"handles": ["call_1"]}))))
+    fake.enqueue(Reply(body=completion("ok")))
+    ask(client, history())
+    oid = re.search(r"id=([0-9a-f]{64})", fake.chats[-1].json()["messages"][5]["content"]).group(1)  # type: ignore
+    fake.enqueue(Reply(body=tool_answer(("read_overflow", {"id": oid, "limit": 20000}))))
+    fake.enqueue(Reply(body=tool_answer(("read_overflow", {"id": oid, "offset": 20000, "limit": 20000}))))
+    fake.enqueue(Reply(body=tool_answer(("read_overflow", {"id": oid, "grep": "needle|line 1499:"}))))
+    fake.enqueue(Reply(body=completion("read it")))
+    ask(client, history(4))
+    pages = [m["content"] for m in fake.chats[-1].json()["messages"] if m.get("tool_call_id", "").startswith("ctx_")]
+    first, second, grep = pages[-3:]
+    assert first.startswith(BIG[:20000]) and first.endswith(f"[… {len(BIG) - 20000} more characters: "
+                                                            "read_overflow with offset=20000]")
+    assert second.startswith(BIG[20000:40000]) and "offset=40000" in second
+    assert grep.splitlines() == ["1: SECRET_TOKEN=needle-4471", "1501: line 1499: some output of the tool"]
+
+
+def test_mixed_answers_return_only_the_agents_calls(client: TestClient, fake: FakeUpstream) -> None:
+    fake.enqueue(Reply(body=tool_answer(("context_drop", {"handles": ["call_1"]}), ("read_file", {"path": "b.py"}))))
+    answer = ask(client, history())
+    calls = answer.json()["choices"][0]["message"]["tool_calls"]
+    assert [c["function"]["name"] for c in calls] == ["read_file"]
+    assert len(fake.chats) == 1  # no follow-up round: the agent runs its call
+    ask(client, [*history(), answer.json()["choices"][0]["message"],
+                 {"role": "tool", "tool_call_id": calls[0]["id"], "content": "b"}])
+    assert next(m for m in fake.chats[-1].json()["messages"]
+                if m.get("tool_call_id") == "call_1")["content"].startswith("[overflow id=")
+
+
+def test_a_model_that_calls_context_tools_forever_is_cut_off_and_the_agent_still_gets_an_answer(
+        client: TestClient, fake: FakeUpstream) -> None:
+    for _ in range(10):
+        fake.enqueue(Reply(body=tool_answer(("context_status", {}), content="checking")))
+    answer = ask(client, history())
+    assert answer.status_code == 200
+    message = answer.json()["choices"][0]["message"]
+    assert "tool_calls" not in message and message["content"] == "checking"
+    assert len(fake.chats) == 5  # the first ask and max_context_rounds (4) follow-ups
+    assert not set(sent_names(fake)) & TOOL_NAMES  # the last round went without the context tools
+    assert answer.headers["x-ctx-internal-rounds"] == "4"
+
+
+def results_of(fake: FakeUpstream) -> list[str]:
+    return [m["content"] for m in fake.chats[-1].json()["messages"] if m.get("tool_call_id", "").startswith("ctx_")]
+
+
+def test_each_refusal_says_why(client: TestClient, fake: FakeUpstream) -> None:
+    msgs = history(5)
+    msgs[-1]["content"] = "deploy waiting: approval_id=AX-42 " + "x" * 700
+    fake.enqueue(Reply(body=tool_answer(("context_pin", {"handles": ["call_3"]}))))
+    fake.enqueue(Reply(body=tool_answer(("context_drop", {"handles": ["call_3", "call_4", "nope", "call_1"]}))))
+    fake.enqueue(Reply(body=tool_answer(("context_drop", {"handles": ["call_1"]}))))
+    fake.enqueue(Reply(body=completion("ok")))
+    ask(client, msgs)
+    pin, drop, again = results_of(fake)
+    assert "pin: applied to call_3" in pin
+    assert "call_3: pinned; unpin it first" in drop and "call_4: carries a pending approval id" in drop
+    assert "nope: no result with this handle" in drop and "applied to call_1" in drop
+    assert "call_1: already a stub" in again
+
+
+def test_model_pins_are_capped_and_unpin_all_spares_the_operators(tmp_path: Path, fake: FakeUpstream) -> None:
+    settings = load_settings(env={"CTXPROXY_DATA_DIR": str(tmp_path), "CTXPROXY_UPSTREAM": "http://u.test/v1",
+                                  "CTXPROXY_CTX_WINDOW": "131072", "CTXPROXY_MAX_PINS": "1",
+                                  "CTXPROXY_SPILL_CHARS": "100000"})
+    with app_client(settings, httpx.ASGITransport(app=fake)) as client:
+        session = ask(client, history()).headers["x-ctx-session"]
+        client.post(f"/ctx/sessions/{session}/pins", json={"handle": "tool:call_0"})
+        fake.enqueue(Reply(body=tool_answer(("context_pin", {"handles": ["call_1", "call_2"]}))))
+        fake.enqueue(Reply(body=tool_answer(("context_unpin", {"all": True}))))
+        fake.enqueue(Reply(body=completion("ok")))
+        ask(client, history(4))
+        pin, unpin = results_of(fake)
+        assert "applied to call_1" in pin and "call_2: you hold 1 pins, the most allowed" in pin
+        assert "unpin: applied to tool:call_1" in unpin and "Operator pins were left" in unpin
+        assert client.get(f"/ctx/sessions/{session}/pins").json()["pins"] == ["tool:call_0"]
+
+
+def test_a_note_replaces_results_and_preserves_ids_and_sources(client: TestClient, fake: FakeUpstream) -> None:
+    msgs = history(3)
+    msgs[3]["content"] = "see https://tracker.example/issues/12 and src/app/parser.py; approval_id=Q-7 " + "y" * 800
+    note = "call_0 showed the tracker issue; call_1 is the big log, nothing needed from it."
+    fake.enqueue(Reply(body=tool_answer(("context_note", {"handles": ["call_0", "call_1"], "note": note}))))
+    fake.enqueue(Reply(body=completion("ok")))
+    ask(client, msgs)
+    sent = {m.get("tool_call_id"): m["content"] for m in fake.chats[-1].json()["messages"] if m["role"] == "tool"}
+    first = sent["call_0"]
+    assert first.startswith(note) and first.count("[overflow id=") == 2
+    assert "Preserved (compaction-safe):" in first and "- approval_id=Q-7" in first
+    assert "- https://tracker.example/issues/12" in first and "- src/app/parser.py" in first
+    assert sent["call_1"].startswith("[overflow id=") and "Summarized in your note on call_0" in sent["call_1"]
+
+
+def test_every_event_validates_against_the_catalogue(client: TestClient, fake: FakeUpstream) -> None:
+    fake.enqueue(Reply(body=tool_answer(("context_status", {"top": 3}), ("context_drop", {"handles": ["call_1"]}),
+                                        ("context_pin", {"snippet": "small result 2"}),
+                                        ("context_note", {"handles": ["nope"], "note": "x"}),
+                                        ("read_overflow", {"id": "0" * 64}), ("context_drop", {}))))
+    fake.enqueue(Reply(body=completion("ok")))
+    ask(client, history())
+    events = list(client.app.state.ctx.events.recent)  # type: ignore[attr-defined]
+    assert [e["op"] for e in events] == ["status", "drop", "pin", "note", "read_overflow", "drop"]
+    assert [e["ok"] for e in events] == [True, True, True, False, False, False]
+    for event in events:
+        jsonschema.validate(event, CATALOGUE["events"][event["type"]])
+    assert events[1]["tokens_freed"] > 1000 and len(events[1]["overflow_ids"]) == 1
