@@ -80,9 +80,20 @@ def through_the_app(conversation: dict[str, Any], window: int, ratio: float = 1.
         settings = load_settings(env={"CTXPROXY_DATA_DIR": tmp, "CTXPROXY_UPSTREAM": "http://u.test/v1",
                                       "CTXPROXY_CTX_WINDOW": str(window), **env})
         with TestClient(create_app(settings, httpx.ASGITransport(app=upstream))) as client:
-            statuses = [client.post("/v1/chat/completions", json={
-                "model": "m", "tools": conversation["tools"], "messages": messages[:end]}).status_code for end in ends]
-    return _upstream_report(upstream, messages, ends, statuses)
+            answers = [client.post("/v1/chat/completions", json={
+                "model": "m", "tools": conversation["tools"], "messages": messages[:end]}) for end in ends]
+            restored = _restorable(client, answers[-1].headers["x-ctx-session"], messages, upstream)
+    return _upstream_report(upstream, messages, ends, [a.status_code for a in answers]) | restored
+
+
+def _restorable(client: TestClient, session: str, messages: list[Any], upstream: CountingUpstream) -> dict[str, int]:
+    """Every stub in the last request sent: is its id's body, read back through the API, the original result?"""
+    originals = {m["tool_call_id"]: m["content"] for m in messages if m["role"] == "tool"}
+    stubs = [(m["tool_call_id"], m["content"][13:77]) for m in upstream.last_chat.json()["messages"]
+             if m["role"] == "tool" and m["content"].startswith("[overflow id=")]
+    intact = sum(client.get(f"/ctx/sessions/{session}/overflow/{oid}").content == originals[cid].encode()
+                 for cid, oid in stubs)
+    return {"stubs_in_last_request": len(stubs), "restored_byte_for_byte": intact}
 
 
 def _upstream_report(upstream: CountingUpstream, messages: list[Any], ends: list[int],

@@ -31,6 +31,7 @@ from proxy.errors import ContextTooLarge, CtxError, UpstreamTimeout, UpstreamUnr
 from proxy.intercept import ContextRunner, strip_calls
 from proxy.overflow import Overflow, detect_overflow
 from proxy.planning import Plan, plan_forward, what_takes_room
+from proxy.relay import intercepting_stream
 from proxy.responses import FinallyResponse
 from proxy.rewrite import canonical_json, content_hash, fingerprint
 from proxy.sse import last_usage
@@ -134,24 +135,26 @@ class Exchange:
         rounds = self.state.settings.for_model(model).max_context_rounds
         splice: list[dict[str, Any]] = []
         for internal in range(rounds + 1):
-            upstream, first, plan = await self._forward_fitting(raw, splice, offer=internal < rounds)
+            upstream, first, plan = await self.forward_fitting(raw, splice, offer=internal < rounds)
+            if self.body.get("stream") and upstream.status_code == 200 and plan.offered:
+                return intercepting_stream(self, upstream, first or b"", plan, runner, raw, rounds)
             if self.body.get("stream") or upstream.status_code >= 400:
                 return await self._respond(upstream, first)
             content = first if first is not None else await _read(upstream)
-            answer, calls = _context_calls(content, self._agent_tools())
+            answer, calls = _context_calls(content, self.agent_tools())
             if not calls:
                 return self._buffered_response(upstream, content)
             results = await runner.execute(calls, plan.rules, model)
             stripped = orjson.dumps(answer)
             if _has_agent_calls(answer) or internal == rounds:
                 return self._buffered_response(upstream, stripped)
-            await self._record_round(upstream.status_code, content)
+            await self.record_round(upstream.status_code, content)
             splice += [{"role": "assistant", "content": _message(answer).get("content"), "tool_calls": calls},
                        *results]
             self.internal_rounds = internal + 1
         raise AssertionError("unreachable: the last round returns")
 
-    async def _forward_fitting(self, raw: bytes, splice: list[dict[str, Any]],
+    async def forward_fitting(self, raw: bytes, splice: list[dict[str, Any]],
                                offer: bool) -> tuple[httpx.Response, bytes | None, Plan]:
         """Forward; if the upstream says the prompt is too long, learn its window and count, cut harder, retry
         once. A retry that could cut nothing more is not sent: the client hears why at once."""
@@ -193,12 +196,24 @@ class Exchange:
                 f"{plan.rules.scaled(plan.estimate)} tokens as it counts them). What takes the room: {room}.{said} "
                 "Set ctx_window to the model's real window, or start a new session.")
 
-    def _agent_tools(self) -> frozenset[str]:
+    def agent_tools(self) -> frozenset[str]:
         tools = self.body.get("tools") or []
         return frozenset(t.get("function", {}).get("name") for t in tools if isinstance(t, dict))
 
-    async def _record_round(self, status: int, content: bytes) -> None:
-        usage = _usage_of(content)
+    def upstream_chunks(self) -> AsyncIterator[bytes]:
+        """The rest of the current upstream stream (its first chunk was read ahead by ``_inspect``)."""
+        return self._chunks
+
+    def totals_comment(self) -> bytes:
+        """For a stream, whose headers left before the internal rounds ran: their totals as an SSE comment."""
+        if not self.internal_rounds:
+            return b""
+        return (f": ctxproxy internal_rounds={self.internal_rounds} total_prompt_tokens={self.totals['prompt_tokens']}"
+                f" total_completion_tokens={self.totals['completion_tokens']}\n\n").encode()
+
+    async def record_round(self, status: int, content: bytes) -> None:
+        """Journal an answer that only called context tools (the agent never gets it)."""
+        usage = _usage_of(content) or last_usage(content.decode("utf-8", "replace"))
         self._add_usage(usage)
         await self.writer.call(Journal.record_response, ResponseRecord(
             self.recorded.request_id, self.attempt, "context_round", status, content.decode("utf-8", "replace"),

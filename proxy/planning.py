@@ -83,8 +83,8 @@ async def plan_forward(app: AppState, writer: JournalWriter, ctx: SessionContext
 def _offered(ctx: SessionContext, settings: Settings, body: ChatBody, messages: list[dict[str, Any]],
              p: Projection, rules: Rules) -> bool:
     """The offer rule; an offer holds for the rest of the turn (``ctx.offered_turn``)."""
-    if not settings.tools_enabled or body.get("stream") or not (body.get("tools") or settings.native_tools):
-        return False  # streamed answers are not intercepted yet: offering there would leak calls to the agent
+    if not settings.tools_enabled or not (body.get("tools") or settings.native_tools):
+        return False
     turn = turn_of(messages)
     key = p.state.ids[turn.start] if p.state.ids else ""
     usage = p.report.scaled / rules.budget.window

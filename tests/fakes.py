@@ -64,6 +64,29 @@ def tool_answer(*calls: tuple[str, dict[str, Any]], content: str | None = None) 
             "usage": {"prompt_tokens": 100, "completion_tokens": 10, "total_tokens": 110}}
 
 
+def stream_tool_answer(*calls: tuple[str, dict[str, Any]], content: str | None = None,
+                       usage: dict[str, int] | None = None) -> list[Any]:
+    """A streamed answer calling tools, in the pieces OpenAI sends: each call's first delta carries its index,
+    id and name, the arguments follow in fragments; then the finish chunk and, if asked, the usage chunk."""
+    base = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": 1700000000, "model": "fake-model"}
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        return base | {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+    out = [chunk({"role": "assistant", "content": ""})]
+    out += [chunk({"content": word + " "}) for word in (content or "").split()]
+    for i, (name, args) in enumerate(calls):
+        text = json.dumps(args)
+        out.append(chunk({"tool_calls": [{"index": i, "id": f"ctx_{i}_{name}", "type": "function",
+                                          "function": {"name": name, "arguments": ""}}]}))
+        out += [chunk({"tool_calls": [{"index": i, "function": {"arguments": text[k:k + 7]}}]})
+                for k in range(0, len(text), 7)]
+    out.append(chunk({}, "tool_calls"))
+    if usage:
+        out.append(base | {"choices": [], "usage": usage})
+    return out
+
+
 def stream_chunks(text: str, model: str = "fake-model", usage: dict[str, int] | None = None) -> list[Any]:
     base = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": 1700000000, "model": model}
     chunks: list[Any] = [base | {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}]

@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 from config import load_settings
 from proxy.tools.schemas import CONTEXT_TOOLS, TOOL_NAMES
 from tests.conftest import app_client
-from tests.fakes import FakeUpstream, Reply, completion, tool_answer
+from tests.fakes import FakeUpstream, Reply, completion, stream_chunks, stream_tool_answer, tool_answer
 
 ROOT = Path(__file__).resolve().parents[1]
 CATALOGUE = json.loads((ROOT / "docs" / "api" / "sse_events.json").read_text())
@@ -196,3 +196,54 @@ def test_every_event_validates_against_the_catalogue(client: TestClient, fake: F
     for event in events:
         jsonschema.validate(event, CATALOGUE["events"][event["type"]])
     assert events[1]["tokens_freed"] > 1000 and len(events[1]["overflow_ids"]) == 1
+
+
+# --- streamed --------------------------------------------------------------------------------------------------
+
+def ask_streamed(client: TestClient, messages: list[dict[str, Any]]) -> list[Any]:
+    answer = client.post("/v1/chat/completions", json={"model": "m", "tools": AGENT_TOOLS, "messages": messages,
+                                                       "stream": True, "stream_options": {"include_usage": True}})
+    assert answer.status_code == 200
+    events = [line[6:] for line in answer.text.splitlines() if line.startswith("data: ")]
+    assert events.count("[DONE]") == 1 and events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def deltas(chunks: list[Any]) -> tuple[str, list[Any], list[str]]:
+    text, calls, reasons = "", [], []
+    for chunk in chunks:
+        for choice in chunk.get("choices") or []:
+            text += choice.get("delta", {}).get("content") or ""
+            calls += choice.get("delta", {}).get("tool_calls") or []
+            reasons += [choice["finish_reason"]] if choice.get("finish_reason") else []
+    return text, calls, reasons
+
+
+def test_a_streamed_drop_is_swallowed_and_the_stream_goes_on(client: TestClient, fake: FakeUpstream) -> None:
+    usage = {"prompt_tokens": 50, "completion_tokens": 5, "total_tokens": 55}
+    fake.enqueue(Reply(sse=stream_tool_answer(("context_drop", {"handles": ["call_1"]}), content="Let me tidy.",
+                                              usage=usage)))
+    fake.enqueue(Reply(sse=stream_chunks("All done.", usage={"prompt_tokens": 40, "completion_tokens": 3,
+                                                             "total_tokens": 43})))
+    chunks = ask_streamed(client, history())
+    text, calls, reasons = deltas(chunks)
+    assert text == "Let me tidy. All done. " and calls == [] and reasons == ["stop"]
+    assert [c["usage"]["prompt_tokens"] for c in chunks if c.get("usage")] == [40]  # the final answer's only
+    follow_up = fake.chats[-1].json()["messages"]
+    assert next(m for m in follow_up if m.get("tool_call_id") == "call_1")["content"].startswith("[overflow id=")
+
+
+def test_a_streamed_mixed_answer_gives_the_agent_only_its_calls(client: TestClient, fake: FakeUpstream) -> None:
+    fake.enqueue(Reply(sse=stream_tool_answer(("context_pin", {"handles": ["call_2"]}),
+                                              ("read_file", {"path": "b.py"}))))
+    _, calls, reasons = deltas(ask_streamed(client, history()))
+    assert {c["index"] for c in calls} == {0} and calls[0]["function"]["name"] == "read_file"
+    assert "".join(c["function"].get("arguments", "") for c in calls) == '{"path": "b.py"}'
+    assert reasons == ["tool_calls"] and len(fake.chats) == 1
+
+
+def test_a_streamed_model_that_never_stops_calling_is_cut_off(client: TestClient, fake: FakeUpstream) -> None:
+    for _ in range(10):
+        fake.enqueue(Reply(sse=stream_tool_answer(("context_status", {}), content="hmm")))
+    text, calls, reasons = deltas(ask_streamed(client, history()))
+    assert calls == [] and reasons == ["stop"] and text.count("hmm") == 5 and len(fake.chats) == 5

@@ -22,7 +22,7 @@ import pytest
 from config import Settings, load_settings
 from proxy.app import create_app
 from store import Journal
-from tests.fakes import FakeUpstream, Reply, serve_in_thread, stream_chunks
+from tests.fakes import FakeUpstream, Reply, completion, serve_in_thread, stream_chunks, stream_tool_answer, tool_answer
 
 pytestmark = pytest.mark.e2e
 CTXPROXY = str(Path(sys.executable).with_name("ctxproxy"))
@@ -186,3 +186,31 @@ def test_ctxproxy_serve_refuses_a_public_bind_without_a_token(tmp_path: Path) ->
     result = subprocess.run([CTXPROXY, "serve", "--host", "0.0.0.0", "--data-dir", str(tmp_path)], env=env,
                             capture_output=True, text=True, timeout=30)
     assert result.returncode == 2 and "CTXPROXY_ADMIN_TOKEN" in result.stderr
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("call", [("context_status", {}), ("context_pin", {"handles": ["call_1"]}),
+                                  ("context_unpin", {"all": True}), ("context_drop", {"handles": ["call_1"]}),
+                                  ("context_note", {"handles": ["call_1"], "note": "the log is fine"}),
+                                  ("read_overflow", {"id": "0" * 64})])
+def test_the_sdk_never_sees_a_context_tool_call(stack: Stack, call: tuple[str, dict[str, Any]],
+                                                 stream: bool) -> None:
+    history = [*MESSAGES[:1], {"role": "user", "content": "Free up your context window, please."},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function", "function": {"name": "sh", "arguments": "{}"}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "log line\n" * 300}]
+    tools = [{"type": "function", "function": {"name": "sh", "parameters": {"type": "object", "properties": {}}}}]
+    if stream:
+        stack.fake.enqueue(Reply(sse=stream_tool_answer(call)))
+        stack.fake.enqueue(Reply(sse=stream_chunks("done")))
+        chunks = list(stack.sdk().chat.completions.create(model="m", messages=history, tools=tools, stream=True))
+        assert not any(c.choices and c.choices[0].delta.tool_calls for c in chunks)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).strip() == "done"
+    else:
+        stack.fake.enqueue(Reply(body=tool_answer(call)))
+        stack.fake.enqueue(Reply(body=completion("done")))
+        answer = stack.sdk().chat.completions.create(model="m", messages=history, tools=tools)
+        assert answer.choices[0].message.tool_calls is None and answer.choices[0].message.content == "done"
+    assert len(stack.fake.chats) == 2  # the proxy answered the call and asked again
+    spliced = stack.fake.chats[-1].json()["messages"][-1]
+    assert spliced["role"] == "tool" and spliced["tool_call_id"].startswith("ctx_0_")

@@ -1,0 +1,130 @@
+"""Relaying a streamed answer while taking out the model's context-tool calls, chunk by chunk.
+
+An OpenAI stream sends a tool call in pieces: the first delta of a call carries its ``index``, ``id`` and
+``function.name``, later ones only argument fragments. ``StreamFilter`` forwards text as it comes and each agent
+tool-call delta as soon as its call's name shows it is the agent's (renumbering indexes so the agent sees 0, 1, …
+with no gap); it swallows the deltas of context-tool calls and assembles them for the proxy to execute. The
+``finish_reason`` chunk, the usage chunk and ``[DONE]`` are held back: whether this answer is the last one of the
+client's stream is only known once it has ended.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from proxy.tools.schemas import TOOL_NAMES
+
+__all__ = ["StreamFilter"]
+
+
+@dataclass
+class _Call:
+    id: str = ""
+    name: str = ""
+    arguments: str = ""
+    ours: bool | None = None
+    held: list[dict[str, Any]] = field(default_factory=list)
+
+
+class StreamFilter:
+    def __init__(self, agent_tools: frozenset[str]) -> None:
+        self._ours_names = TOOL_NAMES - agent_tools
+        self._calls: dict[int, _Call] = {}
+        self._agent_index: dict[int, int] = {}
+        self._buffer = b""
+        self.finish: dict[str, Any] | None = None
+        """The held finish_reason chunk of this answer."""
+        self.usage: dict[str, Any] | None = None
+        """The held usage chunk of this answer (``stream_options.include_usage``)."""
+        self.text = ""
+        """The answer's text so far (spliced back with its context calls in a follow-up round)."""
+
+    @property
+    def context_calls(self) -> list[dict[str, Any]]:
+        return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for _, c in sorted(self._calls.items()) if c.ours]
+
+    @property
+    def agent_calls(self) -> int:
+        return len(self._agent_index)
+
+    def closing(self, final_reason: str | None = None) -> Iterator[bytes]:
+        """The held tail of the client's stream: the finish chunk (its reason replaced when the context calls it
+        announced were taken out), the usage chunk, then ``[DONE]``."""
+        if self.finish is not None:
+            finish = self.finish
+            if final_reason is not None:
+                choice = finish["choices"][0]
+                finish = {**finish, "choices": [{**choice, "finish_reason": final_reason}]}
+            yield b"data: " + orjson.dumps(finish) + b"\n\n"
+        if self.usage is not None:
+            yield b"data: " + orjson.dumps(self.usage) + b"\n\n"
+        yield b"data: [DONE]\n\n"
+
+    def feed(self, data: bytes) -> Iterator[bytes]:
+        """The bytes to forward for ``data`` (any slice of the upstream's stream)."""
+        self._buffer += data
+        while b"\n\n" in self._buffer:
+            event, self._buffer = self._buffer.split(b"\n\n", 1)
+            out = self._event(event)
+            if out is not None:
+                yield out + b"\n\n"
+
+    def _event(self, event: bytes) -> bytes | None:
+        if not event.startswith(b"data:"):
+            return event  # comments, named events: not ours to judge
+        payload = event[5:].strip()
+        if payload == b"[DONE]":
+            return None
+        try:
+            chunk = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            return event
+        return self._chunk(chunk, event)
+
+    def _chunk(self, chunk: Any, raw: bytes) -> bytes | None:
+        choices = chunk.get("choices") if isinstance(chunk, dict) else None
+        if not choices:
+            if isinstance(chunk, dict) and chunk.get("usage"):
+                self.usage = chunk
+                return None
+            return raw
+        choice = choices[0]
+        delta = choice.get("delta") or {}
+        self.text += str(delta.get("content") or "")
+        calls = delta.get("tool_calls")
+        if not calls and not choice.get("finish_reason"):
+            return raw  # text, role, reasoning: as it came
+        kept = [d for call in calls or [] for d in self._tool_delta(call)]
+        if choice.get("finish_reason"):
+            self.finish = {**chunk, "choices": [{**choice, "delta": {}}]}
+        rest = {k: v for k, v in delta.items() if k != "tool_calls"}
+        if kept:
+            rest["tool_calls"] = kept
+        if not rest:
+            return None
+        return b"data: " + orjson.dumps({**chunk, "choices": [{**choice, "delta": rest, "finish_reason": None}]})
+
+    def _tool_delta(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
+        """The agent's deltas this one releases (itself, or the held ones of its call once its name is known)."""
+        index = int(delta.get("index", 0))
+        call = self._calls.setdefault(index, _Call())
+        function = delta.get("function") or {}
+        call.id = call.id or str(delta.get("id") or "")
+        call.name += str(function.get("name") or "")
+        call.arguments += str(function.get("arguments") or "")
+        if call.ours is None and call.name:
+            call.ours = call.name in self._ours_names
+            if not call.ours:
+                self._agent_index[index] = len(self._agent_index)
+        if call.ours is None:
+            call.held.append(delta)
+            return []
+        if call.ours:
+            return []
+        released, call.held = [*call.held, delta], []
+        return [{**d, "index": self._agent_index[index]} for d in released]
