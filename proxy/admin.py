@@ -18,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from proxy.errors import BadRequest, NotFound, Unauthorized
+from proxy.metrics import aggregate
 from proxy.rewrite import message_hash, message_ids
 from proxy.state import AppState
 from store import Journal
@@ -71,6 +72,13 @@ async def show_request(request: Request, request_id: int) -> JSONResponse:
     if row is None:
         raise NotFound(f"No request {request_id} in the journal.")
     return JSONResponse(row)
+
+
+@router.get("/scorecard")
+async def scorecard(request: Request) -> JSONResponse:
+    """Per session: input/total tokens, tokens per round and per tool call, the model's context ops; and means."""
+    rows = await _state(request).journal.call(Journal.scorecard)
+    return JSONResponse({"rows": rows, "aggregate": aggregate(rows)})
 
 
 @router.get("/events")

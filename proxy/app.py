@@ -49,6 +49,7 @@ def create_app(settings: Settings, upstream_transport: httpx.AsyncBaseTransport 
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/{path:path}", passthrough, methods=["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]),
         Route("/healthz", healthz, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
         Mount("/ctx", app=admin),
     ]
     handlers = {CtxError: render_ctx_error, HTTPException: render_http_error, Exception: render_unexpected}
@@ -97,6 +98,12 @@ async def _relayed(upstream: httpx.Response) -> AsyncIterator[bytes]:
             yield chunk
     except httpx.TransportError as exc:
         log.warning("upstream answer to a passthrough request broke off: %s", exc or type(exc).__name__)
+
+
+async def metrics(request: Request) -> Response:
+    """Prometheus text exposition of the proxy's counters."""
+    state: AppState = request.app.state.ctx
+    return Response(state.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 async def healthz(request: Request) -> JSONResponse:

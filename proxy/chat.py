@@ -293,6 +293,7 @@ class Exchange:
         self._finished = True
         try:
             self._calibrate(usage)
+            self.state.metrics.answered(outcome, usage)
             await self.writer.call(Journal.record_response, ResponseRecord(
                 self.recorded.request_id, self.attempt, outcome, status,
                 body.decode("utf-8", "replace") if body else None, usage, self.ttfb_ms, self._elapsed(), _now()))

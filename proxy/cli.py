@@ -31,6 +31,9 @@ _JOURNAL_COLUMNS = [("request_id", "req"), ("received_at", "received"), ("model"
                     ("ttfb_ms", "ttfb ms"), ("total_ms", "total ms")]
 
 
+_SCORE_COLUMNS = [("session_id", "session"), ("rounds", "rounds"), ("tool_calls", "tool calls"),
+                  ("input_tokens", "input tok"), ("total_tokens", "total tok"), ("tokens_per_round", "tok/round"),
+                  ("tokens_per_tool_call", "tok/call"), ("ops", "context ops")]
 _REPLAY_COLUMNS = [("request", "req"), ("messages", "msgs"), ("tokens_in", "tokens in"), ("tokens_out", "tokens out"),
                    ("decisions", "decisions"), ("prefix", "prefix"), ("chars_reused", "reused chars"),
                    ("chars_sent", "sent chars"), ("refused", "")]
@@ -55,6 +58,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port to bind (default 4141)")
     _command(commands, "sessions", "list the journal's sessions", _sessions)
+    _command(commands, "scorecard", "tokens per session, per round and per tool call; the model's context ops",
+             _scorecard)
     show = _command(commands, "show", "show one session and its journal", _show)
     show.add_argument("session_id")
     show.add_argument("--limit", type=int, default=200, help="journal entries to print (default 200)")
@@ -128,6 +133,24 @@ def _sessions(settings: Settings, args: argparse.Namespace) -> int:
         return 1
     rows = journal.sessions()
     print(json.dumps(rows, indent=2) if args.json else render_table(rows, _SESSION_COLUMNS))
+    return 0
+
+
+def _scorecard(settings: Settings, args: argparse.Namespace) -> int:
+    from proxy.metrics import aggregate
+
+    journal = _open_journal(settings)
+    if journal is None:
+        return 1
+    rows = journal.scorecard()
+    if args.json:
+        print(json.dumps({"rows": rows, "aggregate": aggregate(rows)}, indent=2))
+        return 0
+    table = [r | {"ops": ", ".join(f"{k} {v}" for k, v in (r.get("context_ops") or {}).items() if v) or "-"}
+             for r in rows]
+    print(render_table(table, _SCORE_COLUMNS))
+    means = aggregate(rows)
+    print("\nmeans: " + ", ".join(f"{k.removeprefix('avg_')} {v}" for k, v in means.items() if v is not None))
     return 0
 
 

@@ -32,6 +32,7 @@ class ContextRunner:
         self.session_id, self.request_id = session_id, request_id
         self.messages, self.hashes = messages, hashes
         self.round = 0
+        self._pending: dict[str, Any] = {}
 
     async def execute(self, calls: list[dict[str, Any]], rules: Rules, model: str | None) -> list[dict[str, Any]]:
         """Run the calls in order; each sees the effect of the ones before it."""
@@ -39,7 +40,12 @@ class ContextRunner:
         results = []
         for call in calls:
             function = call.get("function") or {}
+            self._pending = {}
             text = await self._one(str(function.get("name")), function.get("arguments"), rules, model)
+            await self.writer.call(Journal.record_context_op, self._pending | {
+                "request_id": self.request_id, "arguments": str(function.get("arguments") or ""), "result": text,
+                "created_at": _now()})
+            self.app.metrics.context_op(self._pending["op"], self._pending["ok"], self._pending["tokens_freed"])
             results.append({"role": "tool", "tool_call_id": call.get("id"), "content": text})
         return results
 
@@ -83,11 +89,13 @@ class ContextRunner:
 
     def _event(self, op: str, ok: bool, text: str, outcome: Outcome | None = None,
                overflow_ids: tuple[str, ...] = ()) -> str:
-        self.app.events.publish({
-            "type": "context_op", "session": self.session_id, "round": self.round,
-            "op": op.removeprefix("context_"), "ok": ok, "handles": list(outcome.handles if outcome else ()),
-            "tokens_freed": outcome.tokens_freed if outcome else 0,
-            "overflow_ids": list(outcome.overflow_ids if outcome else overflow_ids)})
+        event = {"type": "context_op", "session": self.session_id, "round": self.round,
+                 "op": op.removeprefix("context_"), "ok": ok, "handles": list(outcome.handles if outcome else ()),
+                 "tokens_freed": outcome.tokens_freed if outcome else 0,
+                 "overflow_ids": list(outcome.overflow_ids if outcome else overflow_ids)}
+        self.app.events.publish(event)
+        self._pending = {k: v for k, v in event.items() if k not in ("type", "session")} | {
+            "session_id": self.session_id}
         return text
 
 

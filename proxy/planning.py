@@ -75,6 +75,7 @@ async def plan_forward(app: AppState, writer: JournalWriter, ctx: SessionContext
     record = _forward_record(recorded, incoming, ctx, p, attempt, k, sent, hashes, changed)
     list_id = await writer.call(Journal.record_forward, record)
     ctx.decisions += p.new
+    app.metrics.decided([d.kind for d in p.new])
     ctx.state = p.state
     ctx.sent_list = (list_id, hashes)
     return Plan(orjson.dumps(payload) if changed else raw, p.report.estimate, k, p, rules, offered)

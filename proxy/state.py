@@ -13,6 +13,7 @@ from config import Settings
 from proxy.context import SessionContexts
 from proxy.events import EventBus
 from proxy.hashing import MessageHasher
+from proxy.metrics import Metrics
 from proxy.rewrite.tokens import MessageCounter
 from proxy.upstream import Upstream
 from proxy.window import WindowDetector
@@ -66,6 +67,7 @@ class AppState:
     counter: MessageCounter = field(default_factory=MessageCounter)
     contexts: SessionContexts = field(default_factory=SessionContexts)
     events: EventBus = field(default_factory=EventBus)
+    metrics: Metrics = field(default_factory=Metrics)
     own_headers: frozenset[str] = frozenset()
 
     def journal_for(self, incognito: bool) -> JournalWriter:

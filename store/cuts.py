@@ -104,6 +104,23 @@ class CutsMixin:
              rec.length])
         return int(cursor.lastrowid or 0)
 
+    def record_context_op(self, op: Mapping[str, Any]) -> None:
+        """One context-tool call the proxy executed (``op``: the columns of ``context_ops`` but ``id``)."""
+        with self.conn:
+            self.conn.execute(
+                "INSERT INTO context_ops (session_id, request_id, round, op, ok, arguments, result, handles,"
+                " tokens_freed, overflow_ids, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [op["session_id"], op["request_id"], op["round"], op["op"], int(op["ok"]), op["arguments"],
+                 op["result"], json.dumps(op["handles"]), op["tokens_freed"], json.dumps(op["overflow_ids"]),
+                 op["created_at"]])
+
+    def scorecard(self) -> list[dict[str, Any]]:
+        """One row per session: tokens in and out, per round and per tool call, and the model's context ops."""
+        rows = self.conn.execute(_SCORECARD).fetchall()
+        keys = ("session_id", "rounds", "tool_calls", "input_tokens", "output_tokens", "status", "pins", "unpins",
+                "drops", "notes", "tokens_freed")
+        return [_score(dict(zip(keys, row, strict=True))) for row in rows]
+
     # --- reads ------------------------------------------------------------------------------------------------
     def decisions(self, session_id: str) -> list[dict[str, Any]]:
         """The session's decisions in order, after those it inherited from its ancestors up to each fork."""
@@ -162,3 +179,35 @@ class CutsMixin:
             " WHERE r.session_id = ? AND r.model IS ? AND f.estimate > 0 AND p.prompt_tokens > 0"
             " ORDER BY f.id DESC LIMIT ?", [session_id, model, limit]).fetchall()
         return [(int(e), int(p)) for e, p in reversed(rows)]
+
+
+def _score(row: dict[str, Any]) -> dict[str, Any]:
+    total = row["input_tokens"] + row["output_tokens"]
+    ops = {k: row.pop(k) for k in ("status", "pins", "unpins", "drops", "notes", "tokens_freed")}
+    out = {**row, "total_tokens": total,
+           "tokens_per_round": round(total / row["rounds"], 1) if row["rounds"] and total else None,
+           "tokens_per_tool_call": round(total / row["tool_calls"], 1) if row["tool_calls"] and total else None}
+    if any(ops.values()):
+        out["context_ops"] = ops
+    return out
+
+
+_SCORECARD = """
+SELECT s.id,
+       (SELECT COUNT(*) FROM requests r WHERE r.session_id = s.id) AS rounds,
+       (SELECT COUNT(*) FROM requests r, json_each((SELECT added FROM message_lists WHERE id = r.list_id)) j
+          JOIN blobs b ON b.hash = j.value WHERE r.session_id = s.id AND json_extract(b.body, '$.role') = 'tool')
+         AS tool_calls,
+       (SELECT COALESCE(SUM(p.prompt_tokens), 0) FROM requests r JOIN responses p ON p.request_id = r.id
+         WHERE r.session_id = s.id) AS input_tokens,
+       (SELECT COALESCE(SUM(p.completion_tokens), 0) FROM requests r JOIN responses p ON p.request_id = r.id
+         WHERE r.session_id = s.id) AS output_tokens,
+       (SELECT COUNT(*) FROM context_ops c WHERE c.session_id = s.id AND c.op = 'status') AS status,
+       (SELECT COUNT(*) FROM context_ops c WHERE c.session_id = s.id AND c.op = 'pin' AND c.ok) AS pins,
+       (SELECT COUNT(*) FROM context_ops c WHERE c.session_id = s.id AND c.op = 'unpin' AND c.ok) AS unpins,
+       (SELECT COUNT(*) FROM context_ops c WHERE c.session_id = s.id AND c.op = 'drop' AND c.ok) AS drops,
+       (SELECT COUNT(*) FROM context_ops c WHERE c.session_id = s.id AND c.op = 'note' AND c.ok) AS notes,
+       (SELECT COALESCE(SUM(c.tokens_freed), 0) FROM context_ops c WHERE c.session_id = s.id) AS tokens_freed
+  FROM sessions s
+ ORDER BY s.updated_at DESC
+"""

@@ -146,3 +146,28 @@ def m002_decisions_and_overflow(db: Database) -> None:
         ALTER TABLE forwards ADD COLUMN k REAL;
         """
     )
+
+
+@migrations()
+def m003_context_ops(db: Database) -> None:
+    db.executescript(
+        """
+        -- Every context-tool call the proxy executed for the model, with what actually happened. The calls and
+        -- their results never reach the agent; this is where they are kept.
+        CREATE TABLE context_ops (
+            id INTEGER PRIMARY KEY,
+            session_id TEXT NOT NULL REFERENCES sessions(id),
+            request_id INTEGER NOT NULL REFERENCES requests(id),
+            round INTEGER NOT NULL,          -- the proxy's internal round within the client request
+            op TEXT NOT NULL,                -- status | pin | unpin | drop | note | read_overflow
+            ok INTEGER NOT NULL,             -- 0 when nothing was applied
+            arguments TEXT NOT NULL,         -- the call's arguments as the model sent them
+            result TEXT NOT NULL,            -- what the model was told
+            handles TEXT NOT NULL,           -- JSON array of the handles acted on
+            tokens_freed INTEGER NOT NULL,
+            overflow_ids TEXT NOT NULL,      -- JSON array
+            created_at TEXT NOT NULL
+        );
+        CREATE INDEX context_ops_by_session ON context_ops(session_id, id);
+        """
+    )

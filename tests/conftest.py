@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
+import jsonschema
 import pytest
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck
@@ -14,12 +17,28 @@ from hypothesis import settings as hypothesis_settings
 
 from config import Settings, load_settings
 from proxy.app import create_app
+from proxy.events import EventBus
 from tests.fakes import FakeUpstream
 
 # A noisy 2-core machine: no per-example deadline, and Hypothesis's one-time start-up (building its Unicode tables
 # on a fresh clone takes ~2 s) must not count as "input generation is slow".
 hypothesis_settings.register_profile("ctxproxy", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 hypothesis_settings.load_profile("ctxproxy")
+
+
+CATALOGUE = json.loads((Path(__file__).resolve().parents[1] / "docs" / "api" / "sse_events.json").read_text())
+
+
+@pytest.fixture(autouse=True)
+def events_follow_the_catalogue(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every event any test makes the proxy emit must validate against docs/api/sse_events.json."""
+    publish = EventBus.publish
+
+    def checked(self: EventBus, event: dict[str, Any]) -> None:
+        jsonschema.validate(event, CATALOGUE["events"][event["type"]])
+        publish(self, event)
+
+    monkeypatch.setattr(EventBus, "publish", checked)
 
 
 @pytest.fixture(autouse=True)

@@ -247,3 +247,70 @@ def test_a_streamed_model_that_never_stops_calling_is_cut_off(client: TestClient
         fake.enqueue(Reply(sse=stream_tool_answer(("context_status", {}), content="hmm")))
     text, calls, reasons = deltas(ask_streamed(client, history()))
     assert calls == [] and reasons == ["stop"] and text.count("hmm") == 5 and len(fake.chats) == 5
+
+
+def test_ops_are_journaled_and_counted_in_the_scorecard_and_metrics(client: TestClient, fake: FakeUpstream) -> None:
+    fake.enqueue(Reply(body=tool_answer(("context_status", {}), ("context_drop", {"handles": ["call_1"]}))))
+    fake.enqueue(Reply(body=completion("ok", prompt_tokens=200)))
+    session = ask(client, history()).headers["x-ctx-session"]
+    card = client.get("/ctx/scorecard").json()
+    (row,) = [r for r in card["rows"] if r["session_id"] == session]
+    assert row["context_ops"]["status"] == 1 and row["context_ops"]["drops"] == 1
+    assert row["context_ops"]["tokens_freed"] > 1000 and row["rounds"] == 1 and row["tool_calls"] == 3
+    assert row["input_tokens"] == 300 and card["aggregate"]["avg_input_tokens"] == 300  # both rounds' prompts
+    metrics = client.get("/metrics").text
+    assert 'ctxproxy_context_ops_total{ok="true",op="drop"} 1.0' in metrics
+    assert "ctxproxy_tokens_freed_total" in metrics and 'ctxproxy_requests_total{outcome="ok"} 1.0' in metrics
+
+
+def test_the_events_endpoint_streams_context_ops(tmp_path: Path) -> None:
+    import threading
+
+    from proxy.app import create_app
+    from tests.fakes import serve_in_thread
+
+    upstream = FakeUpstream()
+    with serve_in_thread(upstream) as direct:
+        settings = load_settings(env={"CTXPROXY_DATA_DIR": str(tmp_path), "CTXPROXY_UPSTREAM": direct + "/v1"})
+        with serve_in_thread(create_app(settings)) as proxy:
+            received: list[str] = []
+            ready = threading.Event()
+
+            def listen() -> None:
+                with httpx.stream("GET", proxy + "/ctx/events", timeout=10) as events:
+                    for line in events.iter_lines():
+                        ready.set()
+                        if line.startswith("data: "):
+                            received.append(line[6:])
+                            return
+
+            listener = threading.Thread(target=listen)
+            listener.start()
+            ready.wait(5)
+            upstream.enqueue(Reply(body=tool_answer(("context_status", {}))))
+            upstream.enqueue(Reply(body=completion("ok")))
+            httpx.post(proxy + "/v1/chat/completions", timeout=10,
+                       json={"model": "m", "tools": AGENT_TOOLS, "messages": history()})
+            listener.join(10)
+    (event,) = [json.loads(r) for r in received]
+    jsonschema.validate(event, CATALOGUE["events"]["context_op"])
+    assert event["op"] == "status"
+
+
+def test_a_model_pin_is_honoured_when_elision_comes(tmp_path: Path, fake: FakeUpstream) -> None:
+    settings = load_settings(env={"CTXPROXY_DATA_DIR": str(tmp_path), "CTXPROXY_UPSTREAM": "http://u.test/v1",
+                                  "CTXPROXY_CTX_WINDOW": "8192", "CTXPROXY_SPILL_CHARS": "100000"})
+    msgs = history(1)
+    msgs[3]["content"] = "keep me: " + "k" * 2500
+    with app_client(settings, httpx.ASGITransport(app=fake)) as client:
+        fake.enqueue(Reply(body=tool_answer(("context_pin", {"handles": ["call_0"]}))))
+        fake.enqueue(Reply(body=completion("pinned")))
+        ask(client, msgs)
+        for k in range(1, 12):  # enough results to cross the budget and force an elision
+            msgs += [{"role": "assistant", "content": None, "tool_calls": [
+                {"id": f"call_{k}", "type": "function", "function": {"name": "read_file", "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": f"call_{k}", "content": f"{k}" * 2500}]
+            ask(client, msgs)
+    sent = {m.get("tool_call_id"): m["content"] for m in fake.chats[-1].json()["messages"] if m["role"] == "tool"}
+    assert sent["call_0"] == msgs[3]["content"]  # pinned: whole
+    assert sent["call_1"].startswith("[overflow id=")  # its neighbour was elided

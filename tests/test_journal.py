@@ -146,7 +146,9 @@ def test_responses_keep_usage_and_timings(journal: Journal) -> None:
 def test_migrating_twice_is_a_noop(tmp_path: Path) -> None:
     Journal(tmp_path / "j.db").close()
     journal = Journal(tmp_path / "j.db")
-    assert [m.name for m in migrations.applied(journal.db)] == ["m001_journal", "m002_decisions_and_overflow"]
+    assert migrations.pending(journal.db) == []
+    assert [m.name for m in migrations.applied(journal.db)] == [
+        "m001_journal", "m002_decisions_and_overflow", "m003_context_ops"]
 
 
 def test_in_memory_journal_writes_no_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
