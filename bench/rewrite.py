@@ -111,7 +111,8 @@ def _upstream_report(upstream: CountingUpstream, messages: list[Any], ends: list
         reused += sum(map(len, encoded[:same])) + (tools if previous else 0)
         previous = encoded
     for body, end in zip(sent[-len(ends):], ends, strict=False):
-        broken += len(violations(messages[:end], body["messages"]))
+        own = [m for m in body["messages"] if not str(m.get("content") or "").startswith("[ctxproxy]")]
+        broken += len(violations(messages[:end], own))  # the proxy's notices to the model are additions
     return {"requests": len(ends), "answered_200": statuses.count(200), "upstream_calls": len(sent),
             "over_window": upstream.over_window, "over_window_at": [i for i, c in enumerate(upstream.counts)
                                                                     if c > upstream.window],

@@ -156,15 +156,12 @@ class Exchange:
 
     async def forward_fitting(self, raw: bytes, splice: list[dict[str, Any]],
                                offer: bool) -> tuple[httpx.Response, bytes | None, Plan]:
-        """Forward; if the upstream says the prompt is too long, learn its window and count, cut harder, retry
-        once. A retry that could cut nothing more is not sent: the client hears why at once."""
-        sent = b""
+        """Forward; if the upstream says the prompt is too long, learn its window and count, cut harder and retry
+        once (the same bytes if nothing more can be cut: the refusal may have been the upstream's hiccup)."""
         for attempt in range(ATTEMPTS):
             assert self.context is not None
             plan = await plan_forward(self.state, self.writer, self.context, self.recorded, self.body, raw,
                                       self.incoming, self.attempt, self.incognito, splice, offer)
-            if attempt and plan.body == sent:
-                break
             self.estimate = 0 if splice else plan.estimate  # usage with a splice does not measure the estimate
             upstream = await self._open(plan.body)
             first, overflow = await self._inspect(upstream)
@@ -174,7 +171,7 @@ class Exchange:
             if attempt == ATTEMPTS - 1:
                 break
             await self._record_overflow(overflow, upstream.status_code)
-            self.attempt, sent = self.attempt + 1, plan.body
+            self.attempt += 1
         raise ContextTooLarge(self._refusal(plan, overflow))
 
     def _learn(self, plan: Plan, overflow: Overflow) -> None:
@@ -192,8 +189,8 @@ class Exchange:
         largest = sorted(zip(state.ids, state.counts, strict=True), key=lambda p: -p[1])[:5]
         room = what_takes_room(largest, cast(list[Any], self.body["messages"]), state.ids)
         said = f" The upstream said: {overflow.message}" if overflow else ""
-        return (f"The upstream refused the prompt as too long, and ctxproxy could not cut it further (about "
-                f"{plan.rules.scaled(plan.estimate)} tokens as it counts them). What takes the room: {room}.{said} "
+        return (f"The upstream refused the prompt as too long twice, the second time after ctxproxy cut it to about "
+                f"{plan.rules.scaled(plan.estimate)} tokens as it counts them. What takes the room: {room}.{said} "
                 "Set ctx_window to the model's real window, or start a new session.")
 
     def agent_tools(self) -> frozenset[str]:
