@@ -38,7 +38,7 @@ from proxy.sse import last_usage
 from proxy.state import AppState
 from proxy.upstream import client_headers, redact, response_headers, with_headers
 from proxy.wire import ChatBody
-from store import IncomingRequest, Journal, JournalWriter, RecordedRequest, ResponseRecord
+from store import ForwardRecord, IncomingRequest, Journal, JournalWriter, RecordedRequest, ResponseRecord
 
 __all__ = ["chat_completions", "incoming_request"]
 
@@ -103,6 +103,7 @@ class Exchange:
         self.totals = {"prompt_tokens": 0, "completion_tokens": 0}
         self.context: SessionContext | None = None
         self._chunks: AsyncIterator[bytes] = _nothing()
+        self.deferred: ForwardRecord | None = None
         self._locked = False
         self._finished = False
 
@@ -163,6 +164,7 @@ class Exchange:
             plan = await plan_forward(self.state, self.writer, self.context, self.recorded, self.body, raw,
                                       self.incoming, self.attempt, self.incognito, splice, offer)
             self.estimate = 0 if splice else plan.estimate  # usage with a splice does not measure the estimate
+            self.deferred = plan.deferred
             upstream = await self._open(plan.body)
             first, overflow = await self._inspect(upstream)
             if overflow is None:
@@ -214,7 +216,7 @@ class Exchange:
         self._add_usage(usage)
         await self.writer.call(Journal.record_response, ResponseRecord(
             self.recorded.request_id, self.attempt, "context_round", status, content.decode("utf-8", "replace"),
-            usage, self.ttfb_ms, self._elapsed(), _now()))
+            usage, self.ttfb_ms, self._elapsed(), _now()), self._take_deferred())
         self.attempt += 1
 
     async def _open(self, body: bytes) -> httpx.Response:
@@ -242,7 +244,7 @@ class Exchange:
     async def _record_overflow(self, overflow: Overflow, status: int) -> None:
         await self.writer.call(Journal.record_response, ResponseRecord(
             self.recorded.request_id, self.attempt, "context_overflow", status, overflow.message, None,
-            self.ttfb_ms, self._elapsed(), _now()))
+            self.ttfb_ms, self._elapsed(), _now()), self._take_deferred())
 
     async def _respond(self, upstream: httpx.Response, first: bytes | None) -> Response:
         if self.body.get("stream") and upstream.status_code == 200:
@@ -293,7 +295,8 @@ class Exchange:
             self.state.metrics.answered(outcome, usage)
             await self.writer.call(Journal.record_response, ResponseRecord(
                 self.recorded.request_id, self.attempt, outcome, status,
-                body.decode("utf-8", "replace") if body else None, usage, self.ttfb_ms, self._elapsed(), _now()))
+                body.decode("utf-8", "replace") if body else None, usage, self.ttfb_ms, self._elapsed(), _now()),
+                self._take_deferred())
         finally:
             if self._locked:
                 self.state.locks.release(self.recorded.session_id)
@@ -305,6 +308,11 @@ class Exchange:
         model = self.body.get("model")
         calibration = self.context.calibration(model).observe(self.estimate, prompt)
         self.context.calibrations[model] = self.state.contexts.models[model] = calibration
+
+    def _take_deferred(self) -> ForwardRecord | None:
+        """The current attempt's forward row if it waits for its answer (then it is written with it, once)."""
+        deferred, self.deferred = self.deferred, None
+        return deferred
 
     def _elapsed(self) -> float:
         return round((time.perf_counter() - self.started) * 1000, 3)

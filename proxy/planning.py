@@ -41,6 +41,8 @@ class Plan:
     rules: Rules
     offered: bool
     """The context tools are in this request's tool list."""
+    deferred: ForwardRecord | None = None
+    """The forward row, when it is to be journaled with its answer."""
 
 
 async def plan_forward(app: AppState, writer: JournalWriter, ctx: SessionContext, recorded: RecordedRequest,
@@ -73,12 +75,18 @@ async def plan_forward(app: AppState, writer: JournalWriter, ctx: SessionContext
     changed = p.changed or len(sent) != len(p.messages) or offered
     hashes = p.hashes + [message_hash(m) for m in sent[len(p.messages):]]
     record = _forward_record(recorded, incoming, ctx, p, attempt, k, sent, hashes, changed)
-    list_id = await writer.call(Journal.record_forward, record)
+    deferred = None
+    if record.verbatim and not record.decisions and not record.overflow:
+        # Nothing of it is new: the request's own row already says what goes upstream. The forward row is
+        # journaled with its answer, off the request's path.
+        deferred, list_id = record, recorded.list_id
+    else:
+        list_id = await writer.call(Journal.record_forward, record)
     ctx.decisions += p.new
     app.metrics.decided([d.kind for d in p.new])
     ctx.state = p.state
     ctx.sent_list = (list_id, hashes)
-    return Plan(orjson.dumps(payload) if changed else raw, p.report.estimate, k, p, rules, offered)
+    return Plan(orjson.dumps(payload) if changed else raw, p.report.estimate, k, p, rules, offered, deferred)
 
 
 def _offered(ctx: SessionContext, settings: Settings, body: ChatBody, messages: list[dict[str, Any]],

@@ -59,13 +59,19 @@ class CutsMixin:
     def record_forward(self, rec: ForwardRecord) -> int:
         """Journal one forward with its decisions and cut bodies; returns the id of the list that went upstream."""
         with self.conn:
+            return self.write_forward(rec)
+
+    def write_forward(self, rec: ForwardRecord) -> int:
+        """``record_forward`` inside the caller's transaction."""
+        if rec.overflow:
             self._insert_overflow(rec.session_id, rec.overflow, rec.created_at)
+        if rec.decisions:
             self.insert_decisions(rec.session_id, rec.request_id, rec.decisions, rec.created_at)
-            list_id = self._forward_list(rec)
-            self.conn.execute(
-                "INSERT INTO forwards (request_id, attempt, list_id, params_hash, verbatim, estimate, k)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?)",
-                [rec.request_id, rec.attempt, list_id, rec.params_hash, int(rec.verbatim), rec.estimate, rec.k])
+        list_id = self._forward_list(rec)
+        self.conn.execute(
+            "INSERT INTO forwards (request_id, attempt, list_id, params_hash, verbatim, estimate, k)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?)",
+            [rec.request_id, rec.attempt, list_id, rec.params_hash, int(rec.verbatim), rec.estimate, rec.k])
         return list_id
 
     def add_decisions(self, session_id: str, decisions: Sequence[Mapping[str, Any]], created_at: str,

@@ -23,7 +23,7 @@ from typing import Any
 
 from sqlite_utils import Database
 
-from store.cuts import CutsMixin
+from store.cuts import CutsMixin, ForwardRecord
 from store.migrations import migrations
 
 __all__ = ["IncomingRequest", "Journal", "RecordedRequest", "ResponseRecord", "prefix_digest"]
@@ -133,9 +133,13 @@ class Journal(CutsMixin):
         return RecordedRequest(request_id, place.session.id, place.parent_id, forked, len(req.hashes) - place.common,
                                list_id, place.common)
 
-    def record_response(self, rec: ResponseRecord) -> None:
+    def record_response(self, rec: ResponseRecord, forward: ForwardRecord | None = None) -> None:
+        """The answer to one attempt; with ``forward``, the forward row it answers (a verbatim forward with nothing
+        new is journaled with its answer, so the request's path waits for one transaction, not two)."""
         usage = rec.usage or {}
         with self.conn:
+            if forward is not None:
+                self.write_forward(forward)
             self.conn.execute(
                 "INSERT INTO responses (request_id, attempt, outcome, status, body, prompt_tokens, completion_tokens,"
                 " usage, ttfb_ms, total_ms, finished_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
