@@ -36,6 +36,7 @@ from proxy.responses import FinallyResponse
 from proxy.rewrite import canonical_json, content_hash, fingerprint
 from proxy.sse import last_usage
 from proxy.state import AppState
+from proxy.tools.offer import turn_of
 from proxy.upstream import client_headers, redact, response_headers, with_headers
 from proxy.wire import ChatBody
 from store import ForwardRecord, IncomingRequest, Journal, JournalWriter, RecordedRequest, ResponseRecord
@@ -80,11 +81,12 @@ def incoming_request(request: Request, raw: bytes, body: ChatBody, state: AppSta
     opening = fingerprint(messages)
     hashed = state.hasher.hash(session_name or opening, messages)
     params = canonical_json({k: v for k, v in body.items() if k != "messages"})
+    turn = turn_of(cast(list[dict[str, Any]], messages))
     return IncomingRequest(
         received_at=_now(), path=request.url.path, model=body.get("model"), stream=bool(body.get("stream")),
         session_name=session_name, fingerprint=opening, hashes=hashed.hashes, bodies=hashed.bodies,
         params_hash=content_hash(params), params_body=params, headers=redact(request.headers.raw),
-        body_bytes=len(raw),
+        body_bytes=len(raw), turn=hashed.hashes[turn.start] if messages[turn.start].get("role") == "user" else "",
     )
 
 

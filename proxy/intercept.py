@@ -32,11 +32,14 @@ class ContextRunner:
         self.session_id, self.request_id = session_id, request_id
         self.messages, self.hashes = messages, hashes
         self.round = 0
+        self.events: list[dict[str, Any]] = []
+        """The events of the latest ``execute`` (a stream also carries them as SSE comments)."""
         self._pending: dict[str, Any] = {}
 
     async def execute(self, calls: list[dict[str, Any]], rules: Rules, model: str | None) -> list[dict[str, Any]]:
         """Run the calls in order; each sees the effect of the ones before it."""
         self.round += 1
+        self.events = []
         results = []
         for call in calls:
             function = call.get("function") or {}
@@ -94,6 +97,7 @@ class ContextRunner:
                  "tokens_freed": outcome.tokens_freed if outcome else 0,
                  "overflow_ids": list(outcome.overflow_ids if outcome else overflow_ids)}
         self.app.events.publish(event)
+        self.events.append(event)
         self._pending = {k: v for k, v in event.items() if k not in ("type", "session")} | {
             "session_id": self.session_id}
         return text

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import httpx
+import orjson
 from starlette.responses import Response, StreamingResponse
 
 from proxy.errors import CtxError, envelope
@@ -59,6 +60,8 @@ def intercepting_stream(exchange: Exchange, upstream: httpx.Response, first: byt
             await exchange.record_round(200, b"".join(record["chunks"]))
             yield KEEP_ALIVE
             results = await runner.execute(calls, plan.rules, exchange.body.get("model"))
+            for event in runner.events:  # SSE comments: clients ignore them, a person tailing the stream sees them
+                yield b": context_op " + orjson.dumps(event) + b"\n\n"
             splice += [{"role": "assistant", "content": filtered.text or None, "tool_calls": calls}, *results]
             exchange.internal_rounds = internal + 1
             try:

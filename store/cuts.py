@@ -121,10 +121,11 @@ class CutsMixin:
                  op["created_at"]])
 
     def scorecard(self) -> list[dict[str, Any]]:
-        """One row per session: tokens in and out, per round and per tool call, and the model's context ops."""
+        """One row per turn (a person's message and the rounds it started): tokens in and out, per round and per
+        tool call, and the model's context ops."""
         rows = self.conn.execute(_SCORECARD).fetchall()
-        keys = ("session_id", "rounds", "tool_calls", "input_tokens", "output_tokens", "status", "pins", "unpins",
-                "drops", "notes", "tokens_freed")
+        keys = ("session_id", "turn", "rounds", "tool_calls", "input_tokens", "output_tokens", "status", "pins",
+                "unpins", "drops", "notes", "tokens_freed")
         return [_score(dict(zip(keys, row, strict=True))) for row in rows]
 
     # --- reads ------------------------------------------------------------------------------------------------
@@ -199,21 +200,29 @@ def _score(row: dict[str, Any]) -> dict[str, Any]:
 
 
 _SCORECARD = """
-SELECT s.id,
-       (SELECT COUNT(*) FROM requests r WHERE r.session_id = s.id) AS rounds,
-       (SELECT COUNT(*) FROM requests r, json_each((SELECT added FROM message_lists WHERE id = r.list_id)) j
-          JOIN blobs b ON b.hash = j.value WHERE r.session_id = s.id AND json_extract(b.body, '$.role') = 'tool')
-         AS tool_calls,
-       (SELECT COALESCE(SUM(p.prompt_tokens), 0) FROM requests r JOIN responses p ON p.request_id = r.id
-         WHERE r.session_id = s.id) AS input_tokens,
-       (SELECT COALESCE(SUM(p.completion_tokens), 0) FROM requests r JOIN responses p ON p.request_id = r.id
-         WHERE r.session_id = s.id) AS output_tokens,
-       (SELECT COUNT(*) FROM context_ops c WHERE c.session_id = s.id AND c.op = 'status') AS status,
-       (SELECT COUNT(*) FROM context_ops c WHERE c.session_id = s.id AND c.op = 'pin' AND c.ok) AS pins,
-       (SELECT COUNT(*) FROM context_ops c WHERE c.session_id = s.id AND c.op = 'unpin' AND c.ok) AS unpins,
-       (SELECT COUNT(*) FROM context_ops c WHERE c.session_id = s.id AND c.op = 'drop' AND c.ok) AS drops,
-       (SELECT COUNT(*) FROM context_ops c WHERE c.session_id = s.id AND c.op = 'note' AND c.ok) AS notes,
-       (SELECT COALESCE(SUM(c.tokens_freed), 0) FROM context_ops c WHERE c.session_id = s.id) AS tokens_freed
-  FROM sessions s
- ORDER BY s.updated_at DESC
+WITH turns AS (
+    SELECT session_id, turn, MIN(id) AS first_request, COUNT(*) AS rounds, MAX(received_at) AS last_seen
+      FROM requests GROUP BY session_id, turn
+), per_request AS (
+    SELECT r.session_id, r.turn, r.id,
+           (SELECT COUNT(*) FROM json_each((SELECT added FROM message_lists WHERE id = r.list_id)) j
+              JOIN blobs b ON b.hash = j.value WHERE json_extract(b.body, '$.role') = 'tool') AS tool_results,
+           (SELECT COALESCE(SUM(p.prompt_tokens), 0) FROM responses p WHERE p.request_id = r.id) AS input_tokens,
+           (SELECT COALESCE(SUM(p.completion_tokens), 0) FROM responses p WHERE p.request_id = r.id) AS output_tokens
+      FROM requests r
+), ops AS (
+    SELECT r.session_id, r.turn,
+           SUM(c.op = 'status') AS status, SUM(c.op = 'pin' AND c.ok) AS pins, SUM(c.op = 'unpin' AND c.ok) AS unpins,
+           SUM(c.op = 'drop' AND c.ok) AS drops, SUM(c.op = 'note' AND c.ok) AS notes,
+           SUM(c.tokens_freed) AS tokens_freed
+      FROM context_ops c JOIN requests r ON r.id = c.request_id GROUP BY r.session_id, r.turn
+)
+SELECT t.session_id, t.first_request, t.rounds,
+       (SELECT SUM(q.tool_results) FROM per_request q WHERE q.session_id = t.session_id AND q.turn = t.turn),
+       (SELECT SUM(q.input_tokens) FROM per_request q WHERE q.session_id = t.session_id AND q.turn = t.turn),
+       (SELECT SUM(q.output_tokens) FROM per_request q WHERE q.session_id = t.session_id AND q.turn = t.turn),
+       COALESCE(o.status, 0), COALESCE(o.pins, 0), COALESCE(o.unpins, 0), COALESCE(o.drops, 0),
+       COALESCE(o.notes, 0), COALESCE(o.tokens_freed, 0)
+  FROM turns t LEFT JOIN ops o ON o.session_id = t.session_id AND o.turn = t.turn
+ ORDER BY t.last_seen DESC
 """

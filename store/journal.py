@@ -50,6 +50,8 @@ class IncomingRequest:
     params_body: bytes
     headers: Mapping[str, str | None]
     body_bytes: int
+    turn: str = ""
+    """Hash of the person's latest message in the request: the turn it belongs to."""
 
 
 @dataclass(frozen=True)
@@ -231,9 +233,9 @@ class Journal(CutsMixin):
     def _insert_request(self, req: IncomingRequest, session_id: str, list_id: int) -> int:
         cursor = self.conn.execute(
             "INSERT INTO requests (session_id, received_at, path, model, stream, list_id, params_hash, headers,"
-            " body_bytes) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            " body_bytes, turn) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             [session_id, req.received_at, req.path, req.model, int(req.stream), list_id, req.params_hash,
-             json.dumps(dict(req.headers)), req.body_bytes],
+             json.dumps(dict(req.headers)), req.body_bytes, req.turn],
         )
         return int(cursor.lastrowid or 0)
 

@@ -171,3 +171,15 @@ def m003_context_ops(db: Database) -> None:
         CREATE INDEX context_ops_by_session ON context_ops(session_id, id);
         """
     )
+
+
+@migrations()
+def m004_request_turns(db: Database) -> None:
+    db.executescript(
+        """
+        -- The turn a request belongs to: the hash of the person's latest message in it ('' when none). The
+        -- scorecard counts tokens and context ops per turn.
+        ALTER TABLE requests ADD COLUMN turn TEXT NOT NULL DEFAULT '';
+        CREATE INDEX requests_by_turn ON requests(session_id, turn);
+        """
+    )

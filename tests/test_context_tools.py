@@ -253,14 +253,16 @@ def test_ops_are_journaled_and_counted_in_the_scorecard_and_metrics(client: Test
     fake.enqueue(Reply(body=tool_answer(("context_status", {}), ("context_drop", {"handles": ["call_1"]}))))
     fake.enqueue(Reply(body=completion("ok", prompt_tokens=200)))
     session = ask(client, history()).headers["x-ctx-session"]
+    ask(client, [*history(), {"role": "assistant", "content": "ok"}, {"role": "user", "content": "a new turn"}])
     card = client.get("/ctx/scorecard").json()
-    (row,) = [r for r in card["rows"] if r["session_id"] == session]
+    second, row = [r for r in card["rows"] if r["session_id"] == session]  # newest turn first
+    assert second["rounds"] == 1 and "context_ops" not in second
     assert row["context_ops"]["status"] == 1 and row["context_ops"]["drops"] == 1
     assert row["context_ops"]["tokens_freed"] > 1000 and row["rounds"] == 1 and row["tool_calls"] == 3
-    assert row["input_tokens"] == 300 and card["aggregate"]["avg_input_tokens"] == 300  # both rounds' prompts
+    assert row["input_tokens"] == 300  # both internal rounds' prompts
     metrics = client.get("/metrics").text
     assert 'ctxproxy_context_ops_total{ok="true",op="drop"} 1.0' in metrics
-    assert "ctxproxy_tokens_freed_total" in metrics and 'ctxproxy_requests_total{outcome="ok"} 1.0' in metrics
+    assert "ctxproxy_tokens_freed_total" in metrics and 'ctxproxy_requests_total{outcome="ok"} 2.0' in metrics
 
 
 def test_the_events_endpoint_streams_context_ops(tmp_path: Path) -> None:
@@ -314,3 +316,30 @@ def test_a_model_pin_is_honoured_when_elision_comes(tmp_path: Path, fake: FakeUp
     sent = {m.get("tool_call_id"): m["content"] for m in fake.chats[-1].json()["messages"] if m["role"] == "tool"}
     assert sent["call_0"] == msgs[3]["content"]  # pinned: whole
     assert sent["call_1"].startswith("[overflow id=")  # its neighbour was elided
+
+
+def test_a_stream_carries_its_context_ops_as_comments(client: TestClient, fake: FakeUpstream) -> None:
+    fake.enqueue(Reply(sse=stream_tool_answer(("context_status", {}))))
+    fake.enqueue(Reply(sse=stream_chunks("ok")))
+    answer = client.post("/v1/chat/completions", json={"model": "m", "tools": AGENT_TOOLS, "messages": history(),
+                                                       "stream": True})
+    comments = [line for line in answer.text.splitlines() if line.startswith(": context_op ")]
+    assert [json.loads(c.removeprefix(": context_op "))["op"] for c in comments] == ["status"]
+    assert ": ctxproxy internal_rounds=1" in answer.text
+
+
+def test_the_reminder_comes_once_per_turn_at_the_soft_ceiling(tmp_path: Path, fake: FakeUpstream) -> None:
+    settings = load_settings(env={"CTXPROXY_DATA_DIR": str(tmp_path), "CTXPROXY_UPSTREAM": "http://u.test/v1",
+                                  "CTXPROXY_CTX_WINDOW": "16384", "CTXPROXY_SPILL_CHARS": "100000",
+                                  "CTXPROXY_SOFT_CEILING_PCT": "0.5"})
+    msgs = history(1, ask="Fix the bug.")
+    with app_client(settings, httpx.ASGITransport(app=fake)) as client:
+        for k in range(1, 15):  # about 1000 tokens a result: offered at 45% of the window, reminded at 50%
+            msgs += [{"role": "assistant", "content": None, "tool_calls": [
+                {"id": f"call_{k}", "type": "function", "function": {"name": "read_file", "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": f"call_{k}", "content": f"{k}" * 3000}]
+            ask(client, msgs)
+    reminders = [i for i, r in enumerate(fake.chats)
+                 if any("Your context is nearly full" in str(m.get("content")) for m in r.json()["messages"])]
+    assert len(reminders) == 1 and "context_drop" in sent_names(fake, reminders[0])
+    assert "context_drop" in sent_names(fake, -1)  # still offered, the reminder not repeated
