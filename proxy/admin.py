@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from proxy.errors import BadRequest, NotFound, Unauthorized
 from proxy.metrics import aggregate
 from proxy.rewrite import message_hash, message_ids
+from proxy.rewrite.identity import content_text
 from proxy.state import AppState
 from store import Journal
 
@@ -166,17 +167,11 @@ async def _resolve(state: AppState, session_id: str, pin: PinRequest, must_exist
             raise NotFound(f"No message {target!r} in the session's latest request.")
         return target
     hits = [i for i, m in enumerate(messages)
-            if m.get("role") not in ("system", "developer") and str(pin.snippet) in _text(m.get("content"))]
+            if m.get("role") not in ("system", "developer") and str(pin.snippet) in content_text(m.get("content"))]
     if len(hits) != 1:
         raise BadRequest(f"The snippet appears in {len(hits)} non-system messages of the session's latest request;"
                          " it must name exactly one.", param="snippet")
     return ids[hits[0]]
-
-
-def _text(content: Any) -> str:
-    if isinstance(content, list):
-        return " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
-    return content if isinstance(content, str) else ""
 
 
 async def _pins(state: AppState, session_id: str) -> set[str]:

@@ -14,7 +14,8 @@ from typing import Any
 import orjson
 
 __all__ = [
-    "canonical_json", "content_hash", "fingerprint", "identity_base", "message_hash", "message_ids", "next_identity",
+    "canonical_json", "content_hash", "content_text", "fingerprint", "identity_base", "message_hash", "message_ids",
+    "next_identity",
 ]
 
 _SYSTEM_ROLES = ("system", "developer")
@@ -37,6 +38,13 @@ def fingerprint(messages: Sequence[Mapping[str, Any]]) -> str:
     system = next((m.get("content") for m in messages if m.get("role") in _SYSTEM_ROLES), None)
     user = next((m.get("content") for m in messages if m.get("role") == "user"), None)
     return content_hash(canonical_json([system, user]))
+
+
+def content_text(content: Any) -> str:
+    """A message content's text: the string, or the text parts of a list of parts."""
+    if isinstance(content, list):
+        return " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return content if isinstance(content, str) else ""
 
 
 def identity_base(message: Mapping[str, Any], message_hash: str) -> str:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.rewrite.decisions import Decision, OverflowWrite
+from proxy.rewrite.identity import content_text
 from proxy.rewrite.state import Counter, Rules, State, sha256_text
 from proxy.rewrite.stubs import stub_line
 from proxy.tools.intents import Drop, Intent, Note, Pin, Status, Unpin
@@ -91,10 +92,7 @@ def _snippet_index(view: View, snippet: str) -> int | str:
 
 
 def _text(message: dict[str, Any]) -> str:
-    content = message.get("content")
-    if isinstance(content, list):
-        return " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
-    return content if isinstance(content, str) else ""
+    return content_text(message.get("content"))
 
 
 def _current(view: View, i: int) -> str:
