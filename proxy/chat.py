@@ -118,7 +118,7 @@ class Exchange:
                         "X-Ctx-Total-Completion-Tokens": str(self.totals["completion_tokens"])}
         return headers
 
-    def _add_usage(self, usage: dict[str, object] | None) -> None:
+    def add_usage(self, usage: dict[str, object] | None) -> None:
         for key in self.totals:
             value = (usage or {}).get(key)
             self.totals[key] += value if isinstance(value, int) else 0
@@ -137,9 +137,14 @@ class Exchange:
                                list(self.incoming.hashes))
         rounds = self.state.settings.for_model(model).max_context_rounds
         splice: list[dict[str, Any]] = []
+        last: tuple[httpx.Response, bytes] | None = None
         for internal in range(rounds + 1):
-            upstream, first, plan = await self.forward_fitting(raw, splice, offer=internal < rounds)
-            if self.body.get("stream") and upstream.status_code == 200 and plan.offered:
+            try:
+                upstream, first, plan = await self.forward_fitting(raw, splice, offer=internal < rounds)
+            except FollowUpTooLong:
+                assert last is not None  # a follow-up only exists after an answer
+                return self._buffered_response(*last)
+            if self.body.get("stream") and upstream.status_code == 200:
                 return intercepting_stream(self, upstream, first or b"", plan, runner, raw, rounds)
             if self.body.get("stream") or upstream.status_code >= 400:
                 return await self._respond(upstream, first)
@@ -152,6 +157,7 @@ class Exchange:
             if _has_agent_calls(answer) or internal == rounds:
                 return self._buffered_response(upstream, stripped)
             await self.record_round(upstream.status_code, content)
+            last = (upstream, stripped)
             splice += [{"role": "assistant", "content": _message(answer).get("content"), "tool_calls": calls},
                        *results]
             self.internal_rounds = internal + 1
@@ -171,6 +177,10 @@ class Exchange:
             first, overflow = await self._inspect(upstream)
             if overflow is None:
                 return upstream, first, plan
+            if splice:  # the spliced tool results made it too long, not the conversation: learn nothing from it
+                await self._record_overflow(overflow, upstream.status_code)
+                self.attempt += 1
+                raise FollowUpTooLong("The follow-up with the context tools' results did not fit.")
             self._learn(plan, overflow)
             if attempt == ATTEMPTS - 1:
                 break
@@ -215,7 +225,8 @@ class Exchange:
     async def record_round(self, status: int, content: bytes) -> None:
         """Journal an answer that only called context tools (the agent never gets it)."""
         usage = _usage_of(content) or last_usage(content.decode("utf-8", "replace"))
-        self._add_usage(usage)
+        self.add_usage(usage)
+        self.state.metrics.answered("context_round", usage)
         await self.writer.call(Journal.record_response, ResponseRecord(
             self.recorded.request_id, self.attempt, "context_round", status, content.decode("utf-8", "replace"),
             usage, self.ttfb_ms, self._elapsed(), _now()), self._take_deferred())
@@ -237,7 +248,15 @@ class Exchange:
         if not self.body.get("stream"):
             return None, None
         self._chunks = upstream.aiter_raw()
-        first = await anext(self._chunks, b"")
+        try:
+            first = await anext(self._chunks, b"")
+        except httpx.TimeoutException:
+            await upstream.aclose()
+            raise UpstreamTimeout("The upstream did not start its answer in time.") from None
+        except httpx.TransportError as exc:
+            await upstream.aclose()
+            raise UpstreamUnreachable(f"The upstream broke off before its answer: {exc or type(exc).__name__}.") \
+                from None
         if first:
             return first, None
         await upstream.aclose()
@@ -256,7 +275,7 @@ class Exchange:
 
     def _buffered_response(self, upstream: httpx.Response, content: bytes) -> Response:
         outcome = "ok" if upstream.status_code < 400 else "upstream_error"
-        self._add_usage(_usage_of(content))
+        self.add_usage(_usage_of(content))
         response = with_headers(Response(content, upstream.status_code, headers=self.headers),
                                 response_headers(upstream))
         usage = _usage_of(content) if outcome == "ok" else None
@@ -334,6 +353,12 @@ async def _read(upstream: httpx.Response) -> bytes:
         raise UpstreamUnreachable(f"The upstream broke off its answer: {exc or type(exc).__name__}.") from None
     finally:
         await upstream.aclose()
+
+
+class FollowUpTooLong(CtxError):
+    """A follow-up round (the conversation plus the context tools' results) was refused as too long."""
+
+    status, type, code = 400, "invalid_request_error", "context_length_exceeded"
 
 
 def _context_calls(content: bytes, agent_tools: frozenset[str]) -> tuple[dict[str, Any], list[Any]]:

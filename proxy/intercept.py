@@ -65,13 +65,15 @@ class ContextRunner:
         outcome = apply_intent(intent, self._view(rules, settings.max_pins, settings.approval_pattern))
         if outcome.decisions:
             await self._journal(outcome)
-        self.ctx.confirmations.append(outcome.text)
+        if outcome.ok and outcome.op != "status":  # the next request hears what changed, not what was looked at
+            self.ctx.confirmations.append(outcome.text)
         return self._event(outcome.op, outcome.ok, outcome.text, outcome)
 
     def _view(self, rules: Rules, max_pins: int, approval_pattern: str) -> View:
         state = self.ctx.state
         if state is None or state.absorbed != len(self.ctx.decisions):  # decisions changed since: see them applied
-            state = project(self.messages, self.hashes, self.ctx.decisions, rules, self.app.counter).state
+            state = project(self.messages, self.hashes, self.ctx.decisions, rules, self.app.counter,
+                            seen=len(self.messages)).state  # every result here has arrived before
             self.ctx.state = None  # the next projection recomputes from the decisions, which now include these
         model_pins = sum(1 for source in state.pins.values() if source == "model")
         return View(self.messages, state, rules, self.app.counter, max_pins, approval_pattern, model_pins)

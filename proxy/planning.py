@@ -56,8 +56,11 @@ async def plan_forward(app: AppState, writer: JournalWriter, ctx: SessionContext
     window = settings.ctx_window or (await app.windows.window_for(model)).tokens
     window = min(window, app.contexts.window_limits.get(model, window))
     k = ctx.calibration(model).k
-    rules = Rules(budget_for(settings, window), k, INCOGNITO_STORAGE if incognito else "disk",
-                  app.counter.count_tools(body.get("tools")))
+    may_offer = settings.tools_enabled and bool(body.get("tools") or settings.native_tools)
+    # The context tools' schemas are budgeted whenever they may be offered: the budget must hold the moment they
+    # are, and the cuts must not shift when they start to be.
+    tools = app.counter.count_tools(body.get("tools")) + (app.context_tools_tokens() if may_offer else 0)
+    rules = Rules(budget_for(settings, window), k, INCOGNITO_STORAGE if incognito else "disk", tools)
     messages = cast(list[dict[str, Any]], body["messages"])
     previous, ctx.state = ctx.state, None  # consumed by project(); only a journaled projection gives it back
     p = project(messages, incoming.hashes, ctx.decisions, rules, app.counter, previous, recorded.seen)
@@ -74,7 +77,9 @@ async def plan_forward(app: AppState, writer: JournalWriter, ctx: SessionContext
         payload["tools"] = with_context_tools(body.get("tools"))
     changed = p.changed or len(sent) != len(p.messages) or offered
     hashes = p.hashes + [message_hash(m) for m in sent[len(p.messages):]]
-    record = _forward_record(recorded, incoming, ctx, p, attempt, k, sent, hashes, changed)
+    estimate = p.report.estimate - (app.context_tools_tokens() if may_offer and not offered else 0)
+    record = _forward_record(recorded, incoming, ctx, p, attempt, k, sent, hashes, changed,
+                             None if splice else estimate)  # a splice's tokens are not in the estimate
     deferred = None
     if record.verbatim and not record.decisions and not record.overflow:
         # Nothing of it is new: the request's own row already says what goes upstream. The forward row is
@@ -86,7 +91,7 @@ async def plan_forward(app: AppState, writer: JournalWriter, ctx: SessionContext
     app.metrics.decided([d.kind for d in p.new])
     ctx.state = p.state
     ctx.sent_list = (list_id, hashes)
-    return Plan(orjson.dumps(payload) if changed else raw, p.report.estimate, k, p, rules, offered, deferred)
+    return Plan(orjson.dumps(payload) if changed else raw, estimate, k, p, rules, offered, deferred)
 
 
 def _offered(ctx: SessionContext, settings: Settings, body: ChatBody, messages: list[dict[str, Any]],
@@ -96,7 +101,7 @@ def _offered(ctx: SessionContext, settings: Settings, body: ChatBody, messages: 
         return False
     turn = turn_of(messages)
     key = p.state.ids[turn.start] if p.state.ids else ""
-    usage = p.report.scaled / rules.budget.window
+    usage = p.report.scaled / rules.budget.budget  # after cuts the window is never reached: judge by the budget
     if ctx.offered_turn == key or usage >= settings.offer_pct or person_asked(messages, turn, settings.offer_phrases) \
             or (settings.offer_round and turn.rounds >= settings.offer_round):
         ctx.offered_turn = key
@@ -112,7 +117,7 @@ def _notices(ctx: SessionContext, settings: Settings, p: Projection, rules: Rule
         out.append({"role": "system", "content": "[ctxproxy] Applied since your last request: "
                     + " ".join(ctx.confirmations)})
         ctx.confirmations = []
-    if offered and p.report.scaled >= settings.soft_ceiling_pct * rules.budget.window \
+    if offered and p.report.scaled >= settings.soft_ceiling_pct * rules.budget.budget \
             and ctx.reminded_turn != ctx.offered_turn:
         ctx.reminded_turn = ctx.offered_turn
         out.append({"role": "system", "content": REMINDER})
@@ -131,9 +136,9 @@ def _broken(messages: list[Any], p: Projection) -> bool:
 
 def _forward_record(recorded: RecordedRequest, incoming: IncomingRequest, ctx: SessionContext, p: Projection,
                     attempt: int, k: float, sent: list[dict[str, Any]], hashes: list[str],
-                    changed: bool) -> ForwardRecord:
+                    changed: bool, estimate: int | None) -> ForwardRecord:
     record = ForwardRecord(recorded.request_id, attempt, recorded.session_id, _now(), incoming.params_hash,
-                           verbatim=not changed, estimate=p.report.estimate, k=k,
+                           verbatim=not changed, estimate=estimate, k=k,
                            decisions=[asdict(d) for d in p.new],
                            overflow=[OverflowBody(w.overflow_id, w.body, w.tool, w.call_id) for w in p.writes])
     if not changed:

@@ -1,15 +1,18 @@
 """A streamed answer whose model may call the context tools: one coherent SSE stream to the agent.
 
 Text reaches the agent as it arrives; the agent's own tool calls too (``proxy.streaming.StreamFilter``). When the
-model's answer ends and it called context tools only, the proxy runs them (an SSE comment keeps the client's
-connection alive meanwhile), asks the upstream again with the calls and their results spliced in, and goes on
-relaying the new answer in the same stream: the agent sees one answer, one finish, one usage chunk (the final
-answer's) and one ``[DONE]``. The totals over the internal rounds travel in a closing SSE comment, the journal
-and the metrics.
+model's answer ends having called context tools, the proxy runs them (always: in a mixed answer, and on the last
+round too). If the model called only context tools, the proxy asks the upstream again with the calls and their
+results spliced in — SSE comments keep the client's connection alive while it waits — and goes on relaying the
+new answer in the same stream: the agent sees one answer, one finish, one usage chunk (the final answer's) and
+one ``[DONE]``. The totals over the internal rounds travel in a closing SSE comment, the journal and the metrics.
+A follow-up the upstream cannot take (too long, an error) ends the stream cleanly with what the agent already has.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -31,15 +34,15 @@ if TYPE_CHECKING:
 __all__ = ["intercepting_stream"]
 
 KEEP_ALIVE = b": ctxproxy is running context tools\n\n"
+KEEP_ALIVE_SECONDS = 5.0
 
 
 def intercepting_stream(exchange: Exchange, upstream: httpx.Response, first: bytes, plan: Plan,
                         runner: ContextRunner, raw: bytes, rounds: int) -> Response:
-    record: dict[str, Any] = {"outcome": "client_disconnected", "chunks": [], "upstream": upstream}
+    record: dict[str, Any] = {"outcome": "client_disconnected", "chunks": [], "upstream": upstream, "status": 200}
 
     async def forward() -> AsyncIterator[bytes]:
-        nonlocal plan
-        current, head, splice = upstream, first, []
+        current, head, rules, splice = upstream, first, plan.rules, []
         for internal in range(rounds + 1):
             filtered = StreamFilter(exchange.agent_tools())
             record["upstream"], record["chunks"] = current, []
@@ -51,36 +54,34 @@ def intercepting_stream(exchange: Exchange, upstream: httpx.Response, first: byt
                 yield _sse_error(f"The upstream stream broke off: {type(exc).__name__}.")
                 return
             calls = filtered.context_calls
+            if calls:
+                results = await runner.execute(calls, rules, exchange.body.get("model"))
+                for event in runner.events:  # SSE comments: clients skip them, a person tailing a stream reads them
+                    yield b": context_op " + orjson.dumps(event) + b"\n\n"
             if not calls or filtered.agent_calls or internal == rounds:
-                for out in filtered.closing("stop" if calls and not filtered.agent_calls else None):
+                async for out in _close(exchange, filtered, record, calls):
                     yield out
-                yield exchange.totals_comment()
-                record["outcome"] = "ok"
                 return
             await exchange.record_round(200, b"".join(record["chunks"]))
-            yield KEEP_ALIVE
-            results = await runner.execute(calls, plan.rules, exchange.body.get("model"))
-            for event in runner.events:  # SSE comments: clients ignore them, a person tailing the stream sees them
-                yield b": context_op " + orjson.dumps(event) + b"\n\n"
             splice += [{"role": "assistant", "content": filtered.text or None, "tool_calls": calls}, *results]
             exchange.internal_rounds = internal + 1
-            try:
-                current, maybe_head, plan = await exchange.forward_fitting(raw, splice, internal + 1 < rounds)
-            except CtxError as exc:
-                record["outcome"] = "error"
-                yield b"data: " + envelope(exc.message, exc.type, exc.param, exc.code) + b"\n\n"
+            followed = None
+            async for item in _follow_up(exchange, raw, splice, internal + 1 < rounds):
+                if isinstance(item, bytes):
+                    yield item
+                else:
+                    followed = item
+            if followed is None or isinstance(followed, CtxError):
+                async for out in _end_early(exchange, filtered, record, followed):
+                    yield out
                 return
-            if current.status_code != 200 or not maybe_head:
-                record["outcome"] = "upstream_error"
-                yield _sse_error(f"The upstream answered the proxy's follow-up with {current.status_code}.")
-                await current.aclose()
-                return
-            head = maybe_head
+            current, head, rules = followed[0], followed[1], followed[2].rules
 
     async def done() -> None:
         await record["upstream"].aclose()
         text = b"".join(record["chunks"])
-        await exchange.finish(record["outcome"], 200, text, last_usage(text.decode("utf-8", "replace")))
+        await exchange.finish(record["outcome"], record["status"], text,
+                              last_usage(text.decode("utf-8", "replace")))
 
     inner = with_headers(StreamingResponse(forward(), 200, headers=exchange.headers), response_headers(upstream))
     return FinallyResponse(inner, done)
@@ -96,7 +97,59 @@ async def _relay(exchange: Exchange, upstream: httpx.Response, head: bytes, filt
         chunks.append(chunk)
         for out in filtered.feed(chunk):
             yield out
+    for out in filtered.flush():
+        yield out
     await upstream.aclose()
+
+
+async def _close(exchange: Exchange, filtered: StreamFilter, record: dict[str, Any],
+                 calls: list[Any]) -> AsyncIterator[bytes]:
+    exchange.add_usage(filtered.usage.get("usage") if filtered.usage else None)
+    for out in filtered.closing("stop" if calls and not filtered.agent_calls else None):
+        yield out
+    yield exchange.totals_comment()
+    record["outcome"] = "ok"
+
+
+async def _end_early(exchange: Exchange, filtered: StreamFilter, record: dict[str, Any],
+                     failure: CtxError | None) -> AsyncIterator[bytes]:
+    """The follow-up failed: the agent keeps the text it has, and the stream ends with the reason."""
+    if failure is not None:
+        yield b"data: " + envelope(failure.message, failure.type, failure.param, failure.code) + b"\n\n"
+        record["status"] = failure.status
+    record["outcome"] = "follow_up_failed"
+    record["chunks"] = [failure.message.encode() if failure else b""]
+    for out in filtered.closing("stop"):
+        yield out
+
+
+async def _follow_up(exchange: Exchange, raw: bytes, splice: list[dict[str, Any]],
+                     offer: bool) -> AsyncIterator[bytes | tuple[httpx.Response, bytes, Plan] | CtxError]:
+    """Ask again, yielding keep-alive comments while waiting; then the new answer, or why there is none."""
+    task = asyncio.ensure_future(exchange.forward_fitting(raw, splice, offer))  # kept, awaited or cancelled below
+    try:
+        yield KEEP_ALIVE
+        while not task.done():
+            await asyncio.wait({task}, timeout=KEEP_ALIVE_SECONDS)
+            if not task.done():
+                yield KEEP_ALIVE
+        try:
+            current, head, plan = task.result()
+        except CtxError as exc:
+            yield exc
+            return
+        if current.status_code != 200 or not head:
+            await current.aclose()
+            detail = (head or b"").decode("utf-8", "replace")[:300]
+            yield CtxError(f"The upstream answered the proxy's follow-up with {current.status_code}: {detail}",
+                           code="upstream_follow_up_failed")
+            return
+        yield current, head, plan
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
 
 
 def _sse_error(message: str) -> bytes:

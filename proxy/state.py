@@ -14,7 +14,9 @@ from proxy.context import SessionContexts
 from proxy.events import EventBus
 from proxy.hashing import MessageHasher
 from proxy.metrics import Metrics
+from proxy.rewrite import canonical_json
 from proxy.rewrite.tokens import MessageCounter
+from proxy.tools.schemas import CONTEXT_TOOLS
 from proxy.upstream import Upstream
 from proxy.window import WindowDetector
 from store import JournalWriter
@@ -69,6 +71,13 @@ class AppState:
     events: EventBus = field(default_factory=EventBus)
     metrics: Metrics = field(default_factory=Metrics)
     own_headers: frozenset[str] = frozenset()
+    _context_tools_tokens: int | None = None
+
+    def context_tools_tokens(self) -> int:
+        """What the context tools' schemas cost when offered (counted once)."""
+        if self._context_tools_tokens is None:
+            self._context_tools_tokens = self.counter.count_text(canonical_json(list(CONTEXT_TOOLS)).decode())
+        return self._context_tools_tokens
 
     def journal_for(self, incognito: bool) -> JournalWriter:
         return self.incognito_journal if incognito or self.settings.incognito else self.journal

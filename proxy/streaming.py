@@ -33,6 +33,7 @@ class _Call:
 class StreamFilter:
     def __init__(self, agent_tools: frozenset[str]) -> None:
         self._ours_names = TOOL_NAMES - agent_tools
+        self._all_names = self._ours_names | agent_tools
         self._calls: dict[int, _Call] = {}
         self._agent_index: dict[int, int] = {}
         self._buffer = b""
@@ -66,13 +67,25 @@ class StreamFilter:
         yield b"data: [DONE]\n\n"
 
     def feed(self, data: bytes) -> Iterator[bytes]:
-        """The bytes to forward for ``data`` (any slice of the upstream's stream)."""
-        self._buffer += data
+        """The bytes to forward for ``data`` (any slice of the upstream's stream; CRLF or LF line endings)."""
+        self._buffer += data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
         while b"\n\n" in self._buffer:
             event, self._buffer = self._buffer.split(b"\n\n", 1)
             out = self._event(event)
             if out is not None:
                 yield out + b"\n\n"
+
+    def flush(self) -> Iterator[bytes]:
+        """At the end of the upstream's stream: a last event without its blank line, and any call still held."""
+        if self._buffer.strip():
+            out = self._event(self._buffer.strip())
+            if out is not None:
+                yield out + b"\n\n"
+        self._buffer = b""
+        released = self._settle()
+        if released:
+            yield b"data: " + orjson.dumps({"object": "chat.completion.chunk", "choices": [
+                {"index": 0, "delta": {"tool_calls": released}, "finish_reason": None}]}) + b"\n\n"
 
     def _event(self, event: bytes) -> bytes | None:
         if not event.startswith(b"data:"):
@@ -101,6 +114,7 @@ class StreamFilter:
             return raw  # text, role, reasoning: as it came
         kept = [d for call in calls or [] for d in self._tool_delta(call)]
         if choice.get("finish_reason"):
+            kept += self._settle()
             self.finish = {**chunk, "choices": [{**choice, "delta": {}}]}
         rest = {k: v for k, v in delta.items() if k != "tool_calls"}
         if kept:
@@ -111,20 +125,43 @@ class StreamFilter:
 
     def _tool_delta(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
         """The agent's deltas this one releases (itself, or the held ones of its call once its name is known)."""
-        index = int(delta.get("index", 0))
+        index = int(delta.get("index", len(self._calls) if delta.get("id") else max(self._calls, default=0)))
         call = self._calls.setdefault(index, _Call())
         function = delta.get("function") or {}
         call.id = call.id or str(delta.get("id") or "")
         call.name += str(function.get("name") or "")
         call.arguments += str(function.get("arguments") or "")
-        if call.ours is None and call.name:
-            call.ours = call.name in self._ours_names
-            if not call.ours:
-                self._agent_index[index] = len(self._agent_index)
-        if call.ours is None:
-            call.held.append(delta)
-            return []
-        if call.ours:
-            return []
-        released, call.held = [*call.held, delta], []
-        return [{**d, "index": self._agent_index[index]} for d in released]
+        call.held.append(delta)
+        for other in self._calls.values():  # a new call started: the ones before it have their whole names
+            if other is not call and other.ours is None:
+                self._decide(other)
+        if call.ours is None and call.name and (call.arguments or not self._may_grow(call.name)):
+            self._decide(call)
+        return self._release()
+
+    def _may_grow(self, name: str) -> bool:
+        """A name that is still the start of a longer known tool name may be only its first piece."""
+        return any(n != name and n.startswith(name) for n in self._all_names)
+
+    def _decide(self, call: _Call) -> None:
+        call.ours = call.name in self._ours_names
+        if not call.ours:
+            index = next(i for i, c in self._calls.items() if c is call)
+            self._agent_index[index] = len(self._agent_index)
+
+    def _settle(self) -> list[dict[str, Any]]:
+        """Decide every call still undecided (the answer ended) and release what is the agent's."""
+        for call in self._calls.values():
+            if call.ours is None:
+                self._decide(call)
+        return self._release()
+
+    def _release(self) -> list[dict[str, Any]]:
+        released = []
+        for index, call in sorted(self._calls.items()):
+            if call.ours is False and call.held:
+                released += [{**d, "index": self._agent_index[index]} for d in call.held]
+                call.held = []
+            elif call.ours:
+                call.held = []
+        return released

@@ -66,7 +66,7 @@ def test_tools_are_offered_when_the_person_asks_after_the_agents_own(client: Tes
 
 def test_tools_are_not_offered_to_a_quiet_small_request(client: TestClient, fake: FakeUpstream) -> None:
     ask(client, history(ask="Fix the bug."))
-    assert sent_names(fake) == ["read_file"] and fake.chats[-1].body == fake.chats[-1].body
+    assert fake.chats[-1].json() == {"model": "m", "tools": AGENT_TOOLS, "messages": history(ask="Fix the bug.")}
 
 
 def test_a_drop_is_executed_the_agent_never_sees_it_and_the_result_is_restorable(
@@ -237,6 +237,8 @@ def test_a_streamed_mixed_answer_gives_the_agent_only_its_calls(client: TestClie
     fake.enqueue(Reply(sse=stream_tool_answer(("context_pin", {"handles": ["call_2"]}),
                                               ("read_file", {"path": "b.py"}))))
     _, calls, reasons = deltas(ask_streamed(client, history()))
+    session = client.get("/ctx/sessions").json()["sessions"][0]["id"]
+    assert client.get(f"/ctx/sessions/{session}/pins").json()["pins"] == ["tool:call_2"]  # the pin ran too
     assert {c["index"] for c in calls} == {0} and calls[0]["function"]["name"] == "read_file"
     assert "".join(c["function"].get("arguments", "") for c in calls) == '{"path": "b.py"}'
     assert reasons == ["tool_calls"] and len(fake.chats) == 1
@@ -343,3 +345,29 @@ def test_the_reminder_comes_once_per_turn_at_the_soft_ceiling(tmp_path: Path, fa
                  if any("Your context is nearly full" in str(m.get("content")) for m in r.json()["messages"])]
     assert len(reminders) == 1 and "context_drop" in sent_names(fake, reminders[0])
     assert "context_drop" in sent_names(fake, -1)  # still offered, the reminder not repeated
+
+
+def test_a_follow_up_that_does_not_fit_ends_with_the_answer_so_far(client: TestClient, fake: FakeUpstream) -> None:
+    fake.enqueue(Reply(body=tool_answer(("context_status", {}), content="Checking my context.")))
+    fake.enqueue(Reply(status=400, body={"error": {"type": "exceed_context_size_error", "n_prompt_tokens": 9000,
+                                                   "n_ctx": 8192, "message": "exceeds the available context size"}}))
+    answer = ask(client, history())
+    assert answer.status_code == 200
+    assert answer.json()["choices"][0]["message"] == {"role": "assistant", "content": "Checking my context."}
+    assert client.app.state.ctx.contexts.window_limits == {}  # type: ignore[attr-defined]  # learned nothing
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_read_overflow_after_a_drop_returns_the_original(client: TestClient, fake: FakeUpstream, stream: bool) -> None:
+    import hashlib
+
+    oid = hashlib.sha256(BIG.encode()).hexdigest()
+    calls = (("context_drop", {"handles": ["call_1"]}), ("read_overflow", {"id": oid, "limit": 20000}))
+    fake.enqueue(Reply(sse=stream_tool_answer(*calls)) if stream else Reply(body=tool_answer(*calls)))
+    fake.enqueue(Reply(sse=stream_chunks("ok")) if stream else Reply(body=completion("ok")))
+    if stream:
+        ask_streamed(client, history())
+    else:
+        ask(client, history())
+    read = next(m for m in fake.chats[-1].json()["messages"] if m.get("tool_call_id") == "ctx_1_read_overflow")
+    assert read["content"].startswith(BIG[:20000]) and f"{len(BIG) - 20000} more characters" in read["content"]

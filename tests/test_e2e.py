@@ -212,5 +212,15 @@ def test_the_sdk_never_sees_a_context_tool_call(stack: Stack, call: tuple[str, d
         answer = stack.sdk().chat.completions.create(model="m", messages=history, tools=tools)
         assert answer.choices[0].message.tool_calls is None and answer.choices[0].message.content == "done"
     assert len(stack.fake.chats) == 2  # the proxy answered the call and asked again
-    spliced = stack.fake.chats[-1].json()["messages"][-1]
-    assert spliced["role"] == "tool" and spliced["tool_call_id"].startswith("ctx_0_")
+    follow_up = stack.fake.chats[-1].json()["messages"]
+    assert follow_up[-1]["role"] == "tool" and follow_up[-1]["tool_call_id"].startswith("ctx_0_")
+    result = next(m for m in follow_up if m.get("tool_call_id") == "call_1")["content"]
+    effect = {"context_drop": result.startswith("[overflow id="),
+              "context_note": result.startswith("the log is fine") and "[overflow id=" in result,
+              "context_pin": '"tool:call_1"' in httpx.get(f"{stack.proxy}/ctx/sessions/"
+                                                          f"{_session_of(stack)}/pins").text}
+    assert effect.get(call[0], True)
+
+
+def _session_of(stack: Stack) -> str:
+    return str(httpx.get(stack.proxy + "/ctx/sessions").json()["sessions"][0]["id"])

@@ -26,7 +26,7 @@ from proxy.tools.intents import Drop, Intent, Note, Pin, Status, Unpin
 
 __all__ = ["Outcome", "View", "apply_intent", "render_overflow"]
 
-_STUB = re.compile(r"^\[(?:overflow|folded) id=([0-9a-f]{64})")
+_STUB = re.compile(r"\[(?:overflow|folded) id=([0-9a-f]{64})")
 _URL = re.compile(r"https?://[^\s\"'<>)\]]+")
 _PATH = re.compile(r"(?<![\w/.-])(?:/|\./|\w[\w.-]*/)[\w./-]*\.\w{1,8}\b")
 _KEPT = 20
@@ -100,6 +100,11 @@ def _current(view: View, i: int) -> str:
     return _text(out) if out is not None else ""
 
 
+def _is_cut(view: View, i: int) -> bool:
+    """Result ``i`` goes out changed: spilled, elided, dropped, noted or folded."""
+    return view.state.out[i] is None or view.state.out_hashes[i] != view.state.hashes[i]
+
+
 # --- pins --------------------------------------------------------------------------------------------------------
 def _pin(intent: Pin, view: View) -> Outcome:
     targets, refused = _targets(view, intent.handles, intent.snippet, any_role=True)
@@ -109,8 +114,8 @@ def _pin(intent: Pin, view: View) -> Outcome:
         mid = view.state.ids[i]
         if mid in view.state.pins:
             refused.append(f"{handle}: already pinned")
-        elif _STUB.match(_current(view, i)):
-            refused.append(f"{handle}: already a stub; read_overflow it instead")
+        elif _is_cut(view, i):
+            refused.append(f"{handle}: already cut (a stub or a note); read_overflow restores it")
         elif room <= 0:
             refused.append(f"{handle}: you hold {view.max_pins} pins, the most allowed; unpin one first")
         else:
@@ -165,7 +170,7 @@ def _cuttable(view: View, handle: str, i: int, drop: bool) -> str | None:
         return f"{handle}: only tool results can be cut; the dialogue is never touched"
     if view.state.ids[i] in view.state.pins:
         return f"{handle}: pinned; unpin it first"
-    if _STUB.match(_current(view, i)) or view.state.out[i] is None:
+    if _is_cut(view, i):
         return f"{handle}: already a stub"
     if drop and re.search(view.approval_pattern, _text(view.messages[i]), flags=re.I):
         return f"{handle}: carries a pending approval id; use context_note to keep it"
@@ -229,7 +234,7 @@ def _preserved(bodies: Sequence[str], approval_pattern: str) -> list[str]:
 
 def _stub(view: View, i: int, body: str) -> str:
     call_id = str(view.messages[i].get("tool_call_id"))
-    tool = view.state.calls.get(call_id, ("?", ""))[0]
+    tool = view.state.result_calls.get(i, ("?", ""))[0]
     return stub_line(sha256_text(body), tool, len(body.encode()), call_id, view.rules.storage)
 
 
@@ -240,7 +245,7 @@ def _restore(view: View, overflow_id: str) -> str:
 
 def _write(view: View, i: int, body: str) -> OverflowWrite:
     call_id = str(view.messages[i].get("tool_call_id"))
-    return OverflowWrite(sha256_text(body), body, view.state.calls.get(call_id, ("?", ""))[0], call_id)
+    return OverflowWrite(sha256_text(body), body, view.state.result_calls.get(i, ("?", ""))[0], call_id)
 
 
 def _freed(view: View, i: int, replacement: str) -> int:
@@ -265,18 +270,22 @@ def status_text(view: View, top: int) -> str:
     used = rules.scaled(state.total + rules.tools_tokens)
     lines = [f"Context: about {used} of {rules.budget.window} tokens ({100 * used // rules.budget.window}%); "
              f"budget {rules.budget.budget}, cuts stop at {rules.budget.target}."]
-    whole = [(state.counts[i], i) for i in state.tool_indices
-             if state.out[i] is not None and not _STUB.match(_current(view, i))]
+    whole = [(state.counts[i], i) for i in state.tool_indices if not _is_cut(view, i)]
     lines.append("Largest results in context (handle: tokens):")
-    largest = [f"- {view.messages[i].get('tool_call_id')}: {n}" for n, i in sorted(whole, reverse=True)[:top]]
+    largest = [f"- {_handle(view, i)}: {n}" for n, i in sorted(whole, reverse=True)[:top]]
     lines += largest or ["- none"]
     pinned = [f"- {mid} ({source})" for mid, source in sorted(state.pins.items())]
     lines += ["Pinned:", *(pinned or ["- none"])]
-    cut = [(view.messages[i].get("tool_call_id"), m.group(1)) for i in state.tool_indices
-           if (m := _STUB.match(_current(view, i)))]
+    cut = [(_handle(view, i), m.group(1)) for i in state.tool_indices if (m := _STUB.search(_current(view, i)))]
     lines += ["Cut, restorable with read_overflow (handle: id):", *([f"- {h}: {oid}" for h, oid in cut] or ["- none"])]
     lines.append(f"Model pins: {view.model_pins}/{view.max_pins}.")
     return "\n".join(lines)
+
+
+def _handle(view: View, i: int) -> str:
+    """The result's tool_call_id, or its identity (``tool:call_0#1``) when the id names more than one result."""
+    mid = view.state.ids[i]
+    return mid if "#" in mid or view.state.seen.get(mid, 1) > 1 else str(view.messages[i].get("tool_call_id"))
 
 
 def render_overflow(body: str, offset: int, limit: int, grep: str | None) -> str:
@@ -287,9 +296,11 @@ def render_overflow(body: str, offset: int, limit: int, grep: str | None) -> str
         except re.error as exc:
             return f"read_overflow: `grep` is not a valid regular expression ({exc})."
         hits = [f"{n}: {line}" for n, line in enumerate(body.splitlines(), start=1) if pattern.search(line)]
-        text = "\n".join(hits)
-        more = f"\n[… {len(text) - limit} more characters of matches]" if len(text) > limit else ""
-        return (text[:limit] + more) if hits else f"read_overflow: no line matches {grep!r}."
+        if not hits:
+            return f"read_overflow: no line matches {grep!r}."
+        body = "\n".join(hits)  # then paged like any body: offset and limit count characters of the matches
+    if offset >= len(body) and body:
+        return f"read_overflow: offset {offset} is past the end ({len(body)} characters)."
     page = body[offset:offset + limit]
     rest = len(body) - offset - len(page)
     tail = f"\n[… {rest} more characters: read_overflow with offset={offset + len(page)}]" if rest > 0 else ""

@@ -67,8 +67,11 @@ def parse_call(name: str, arguments: str | dict[str, Any] | None) -> Intent:
     if name == "context_pin":
         return Pin(*_target(args))
     if name == "context_unpin":
-        handles, snippet = _target(args, required=not args.get("all"))
-        return Unpin(handles, snippet, bool(args.get("all")))
+        every = args.get("all", False)
+        if not isinstance(every, bool):
+            raise ToolError("`all` must be true or false.")
+        handles, snippet = _target(args, required=not every)
+        return Unpin(handles, snippet, every)
     if name == "context_drop":
         return Drop(_handles(args, required=True))
     if name == "context_note":
