@@ -104,7 +104,8 @@ class Settings:
     offer_round: int = _opt(12, parse_int(0), "mid-turn round from which tools are offered; 0 = usage only")
     offer_phrases: tuple[str, ...] = _opt(DEFAULT_PHRASES, parse_str_list, "phrases of the person that offer them")
     max_pins: int = _opt(20, parse_int(0), "model pins per session")
-    soft_ceiling_pct: float = _opt(0.85, parse_float(0.0, 1.0), "usage (share of the budget) at which a one-line reminder is added")
+    soft_ceiling_pct: float = _opt(0.85, parse_float(0.0, 1.0),
+                                   "usage (share of the budget) at which a one-line reminder is added")
     keep_tool_rounds: int = _opt(3, parse_int(0), "fenced route: newest rounds never spilled for age")
     max_context_rounds: int = _opt(4, parse_int(1, 32), "internal re-asks per client request")
     paste_chars: int = _opt(20000, parse_int(0), "a pasted attachment above this goes to overflow")
