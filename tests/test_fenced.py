@@ -1,0 +1,88 @@
+"""Finding tool results in text-protocol histories: every shared fenced trajectory, and what must never match."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from proxy.rewrite.fenced import PRESETS, find_results, parse_preset, route_of
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "trajectories"
+FENCED = sorted(SHARED.glob("*.fenced.json"))
+
+
+def messages_of(path: Path) -> list[Any]:
+    return list(json.loads(path.read_text())["messages"])
+
+
+def test_the_shared_fenced_trajectories_are_there() -> None:
+    assert len(FENCED) == 15
+
+
+@pytest.mark.parametrize("path", FENCED, ids=[p.name for p in FENCED])
+def test_every_results_message_of_a_real_run_is_found_and_only_those(path: Path) -> None:
+    messages = messages_of(path)
+    found = find_results(messages)
+    answers = [i for i, m in enumerate(messages)
+               if m["role"] == "user" and i and messages[i - 1]["role"] == "assistant"]
+    assert {r.index for r in found} <= set(answers)  # never the task, the demonstration, a person's opening
+    assert len(found) >= len(answers) - 1  # mini-swe-agent's last user message is the submitted diff, not a result
+    for result in found:
+        content = messages[result.index]["content"]
+        assert result.round == sum(1 for m in messages[: result.index] if m["role"] == "assistant")
+        for segment in result.segments:
+            assert 0 <= segment.start <= segment.end <= len(content)
+    assert route_of(messages, None, "auto") == "fenced"
+
+
+def test_the_presets_cut_exactly_the_result_and_keep_the_wrapper() -> None:
+    mini = "<returncode>0</returncode>\n<output>\nline 1\nline 2\n</output>"
+    swe = "big output here\n(Open file: n/a)\n(Current directory: /repo)\n(Interactive session: n/a)\nbash-$"
+    cline = "[read_file for 'a.py'] Result:\nprint(1)\n[execute_command for 'ls'] Result:\na.py b.py\n"
+    generic = "Tool execution results:\nexit 0, 3 files"
+    history: list[Any] = [{"role": "user", "content": "task"}]
+    for content in (mini, swe, cline, generic):
+        history += [{"role": "assistant", "content": "```\ncmd\n```"}, {"role": "user", "content": content}]
+    found = find_results(history)
+    bodies = [[history[r.index]["content"][s.start:s.end] for s in r.segments] for r in found]
+    assert [r.preset for r in found] == ["mini-swe-agent", "swe-agent", "cline", "generic"]
+    assert bodies == [["line 1\nline 2"], ["big output here"], ["print(1)\n", "a.py b.py\n"], ["exit 0, 3 files"]]
+    assert [r.round for r in found] == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("content", [
+    "Please look at the output again, it said <output>nothing</output>.",
+    "Can you also check (Open file: n/a)? bash-$ seems stuck.",
+    "[read_file for 'a.py'] Result: is what I expected, but go on.",
+    "My observation: the tests are flaky.",
+])
+def test_a_person_typing_like_a_result_is_still_the_person(content: str) -> None:
+    history = [{"role": "user", "content": "task"}, {"role": "assistant", "content": "done?"},
+               {"role": "user", "content": content}]
+    assert find_results(history) == []
+
+
+def test_results_only_count_right_after_the_assistant() -> None:
+    result = "<returncode>0</returncode>\n<output>\nok\n</output>"
+    history = [{"role": "user", "content": result}, {"role": "user", "content": result}]
+    assert find_results(history) == []
+
+
+def test_a_preset_from_the_settings_needs_a_body_group() -> None:
+    preset = parse_preset("mine", r"RESULT>>\n(?P<body>.*)\n<<END")
+    assert preset.segments("RESULT>>\nabc\n<<END") and preset.segments("other") is None
+    with pytest.raises(ValueError, match="named group"):
+        parse_preset("bad", r"RESULT (.*)")
+
+
+def test_the_route_is_native_with_tools_and_can_be_forced() -> None:
+    history = [{"role": "user", "content": "t"}, {"role": "assistant", "content": "x"},
+               {"role": "user", "content": "<returncode>0</returncode>\n<output>\nok\n</output>"}]
+    assert route_of(history, [{"type": "function"}], "auto") == "native"
+    assert route_of(history, None, "auto") == "fenced"
+    assert route_of([{"role": "user", "content": "hi"}], None, "auto") == "native"
+    assert route_of([{"role": "user", "content": "hi"}], None, "fenced") == "fenced"
+    assert len(PRESETS) == 4
