@@ -37,6 +37,7 @@ class StreamFilter:
         self._calls: dict[int, _Call] = {}
         self._agent_index: dict[int, int] = {}
         self._buffer = b""
+        self._cr = b""
         self.finish: dict[str, Any] | None = None
         """The held finish_reason chunk of this answer."""
         self.usage: dict[str, Any] | None = None
@@ -68,6 +69,9 @@ class StreamFilter:
 
     def feed(self, data: bytes) -> Iterator[bytes]:
         """The bytes to forward for ``data`` (any slice of the upstream's stream; CRLF or LF line endings)."""
+        data = self._cr + data
+        self._cr = b"\r" if data.endswith(b"\r") else b""  # a CRLF may be cut between two chunks: wait for its LF
+        data = data[:-1] if self._cr else data
         self._buffer += data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
         while b"\n\n" in self._buffer:
             event, self._buffer = self._buffer.split(b"\n\n", 1)
@@ -77,6 +81,8 @@ class StreamFilter:
 
     def flush(self) -> Iterator[bytes]:
         """At the end of the upstream's stream: a last event without its blank line, and any call still held."""
+        self._buffer += self._cr.replace(b"\r", b"\n")
+        self._cr = b""
         if self._buffer.strip():
             out = self._event(self._buffer.strip())
             if out is not None:

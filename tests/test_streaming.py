@@ -6,7 +6,7 @@ import itertools
 import json
 from typing import Any
 
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from proxy.streaming import StreamFilter
@@ -32,6 +32,7 @@ def agent_calls(events: list[Any]) -> list[Any]:
     return [c for e in events for ch in e.get("choices", []) for c in ch.get("delta", {}).get("tool_calls") or []]
 
 
+@example(cuts=[598], crlf=True)  # a CRLF cut between two chunks once made a blank line of it
 @given(st.lists(st.integers(0, 5000), max_size=12), st.booleans())
 def test_any_slicing_and_either_line_ending_gives_the_same_result(cuts: list[int], crlf: bool) -> None:
     data = sse(stream_tool_answer(("context_drop", {"handles": ["c1"]}), ("read_file", {"path": "a.py"}),
