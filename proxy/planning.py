@@ -21,6 +21,7 @@ from config import Settings
 from proxy.context import SessionContext
 from proxy.errors import ContextTooLarge
 from proxy.rewrite import Projection, Report, Rules, budget_for, canonical_json, message_hash, project, violations
+from proxy.rewrite.fenced import PRESETS, route_of
 from proxy.state import AppState
 from proxy.tools.offer import REMINDER, person_asked, turn_of, with_context_tools
 from proxy.wire import ChatBody
@@ -60,7 +61,9 @@ async def plan_forward(app: AppState, writer: JournalWriter, ctx: SessionContext
     # The context tools' schemas are budgeted whenever they may be offered: the budget must hold the moment they
     # are, and the cuts must not shift when they start to be.
     tools = app.counter.count_tools(body.get("tools")) + (app.context_tools_tokens() if may_offer else 0)
-    rules = Rules(budget_for(settings, window), k, INCOGNITO_STORAGE if incognito else "disk", tools)
+    messages = cast(list[dict[str, Any]], body["messages"])
+    fenced = PRESETS if route_of(messages, body.get("tools"), settings.route) == "fenced" else ()
+    rules = Rules(budget_for(settings, window), k, INCOGNITO_STORAGE if incognito else "disk", tools, fenced)
     messages = cast(list[dict[str, Any]], body["messages"])
     previous, ctx.state = ctx.state, None  # consumed by project(); only a journaled projection gives it back
     p = project(messages, incoming.hashes, ctx.decisions, rules, app.counter, previous, recorded.seen)
@@ -128,7 +131,9 @@ def _broken(messages: list[Any], p: Projection) -> bool:
     """Check the invariants; a violation is our bug: log it and forward the agent's request as it came."""
     steady = p.report.reused > 0 and not (p.report.elided or p.report.folded)
     pinned = {i for i, mid in enumerate(p.state.ids) if mid in p.state.pins} if p.state.pins else set()
-    problems = violations(messages, p.messages, pinned, start=p.report.reused if steady else 0, pairs=not steady)
+    fenced = {i: r.segments for i, r in p.state.fenced.items()}
+    problems = violations(messages, p.messages, pinned, start=p.report.reused if steady else 0, pairs=not steady,
+                          fenced=fenced)
     if problems:
         log.error("projection broke its invariants, forwarding the request unchanged: %s", "; ".join(problems))
     return bool(problems)

@@ -21,6 +21,7 @@ import orjson
 
 from config import Settings
 from proxy.rewrite import Decision, Rules, State, budget_for, message_hash, project, violations
+from proxy.rewrite.fenced import PRESETS, route_of
 from proxy.rewrite.tokens import MessageCounter
 
 __all__ = ["ReplayStep", "Summary", "agent_requests", "replay", "summarize"]
@@ -73,7 +74,8 @@ def replay(conversation: dict[str, Any], settings: Settings, window: int,
     counter = counter or MessageCounter()
     messages, tools = conversation["messages"], conversation.get("tools")
     model_settings = settings.for_model(conversation.get("model"))
-    rules = Rules(budget_for(model_settings, window), tools_tokens=counter.count_tools(tools))
+    fenced = PRESETS if route_of(messages, tools, model_settings.route) == "fenced" else ()
+    rules = Rules(budget_for(model_settings, window), tools_tokens=counter.count_tools(tools), fenced=fenced)
     hashes = [message_hash(m) for m in messages]
     decisions: list[Decision] = []
     state: State | None = None
@@ -84,7 +86,8 @@ def replay(conversation: dict[str, Any], settings: Settings, window: int,
         p = project(messages[:end], hashes[:end], decisions, rules, counter, state, seen)
         sent = [orjson.dumps(m) for m in p.messages]
         reused = _reused(previous, sent) + (tools_chars if n else 0)
-        problems = tuple(violations(messages[:end], p.messages))
+        problems = tuple(violations(messages[:end], p.messages,
+                                    fenced={i: r.segments for i, r in p.state.fenced.items()}))
         yield ReplayStep(n, end, sum(counter.count(m, h) for m, h in zip(messages[:end], hashes[:end], strict=True))
                          + rules.tools_tokens, p.report.estimate, sum(map(len, sent)) + tools_chars, reused,
                          sent[: len(previous)] == previous, p.report.over_budget,

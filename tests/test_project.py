@@ -291,3 +291,46 @@ def test_a_spill_never_makes_a_result_bigger() -> None:
     content = "z" * 610
     p = run(history([content]), Rules(budget(4096)))  # spill_chars 600: the stub would be longer than 610
     assert p.messages[-1]["content"] == content
+
+
+# --- text-protocol (fenced) histories ----------------------------------------------------------------------------
+
+def fenced_history(outputs: Sequence[str]) -> list[Any]:
+    msgs: list[Any] = [{"role": "system", "content": "Reply with one ```bash``` block."},
+                       {"role": "user", "content": "Fix the failing test."}]
+    for k, out in enumerate(outputs):
+        msgs.append({"role": "assistant", "content": f"Step {k}.\n```bash\npytest -k case{k}\n```"})
+        msgs.append({"role": "user", "content": f"<returncode>0</returncode>\n<output>\n{out}\n</output>"})
+    return msgs
+
+
+def fenced_rules(window: int = 8192, **overrides: Any) -> Rules:
+    from proxy.rewrite.fenced import PRESETS
+
+    return Rules(budget(window, **overrides), fenced=PRESETS)
+
+
+def test_a_huge_fenced_result_is_spilled_inside_its_wrapper() -> None:
+    big = "x" * 30_000
+    msgs = fenced_history(["ok", big])
+    p = run(msgs, fenced_rules(32768))
+    content = p.messages[-1]["content"]
+    assert content.startswith("<returncode>0</returncode>\n<output>\n[overflow id=")
+    assert content.endswith("\n</output>") and "call_id=r2.1" in content and "tool=pytest -k case1" in content
+    assert [(w.overflow_id, w.body) for w in p.writes] == [(sha256_text(big), big)]
+    fenced = {i: r.segments for i, r in p.state.fenced.items()}
+    assert violations(msgs, p.messages, fenced=fenced) == []
+    assert violations(msgs, p.messages) != []  # without knowing the segments, a changed user message is flagged
+
+
+def test_old_fenced_results_are_elided_and_the_newest_rounds_kept() -> None:
+    rules = fenced_rules(8192, spill_chars=100_000, keep_tool_rounds=3)
+    msgs = fenced_history([f"{k}" * 2000 for k in range(14)])
+    projections, decisions = session([msgs[: 2 * n + 4] for n in range(1, 14)], rules)
+    last = projections[-1]
+    assert any(d.kind == "elide" and "@0" in d.target for d in decisions)
+    fenced = {i: r.segments for i, r in last.state.fenced.items()}
+    assert violations(msgs[: len(last.state.ids)], last.messages, fenced=fenced) == []
+    tail = [m["content"] for m in last.messages[-6:] if m["role"] == "user"]
+    assert all("[overflow id=" not in c for c in tail)  # the newest three rounds are whole
+    assert last.report.estimate <= rules.budget.budget

@@ -27,6 +27,8 @@ class Budget:
     keep_results: int
     spill_chars: int
     fold_history: bool
+    keep_tool_rounds: int = 3
+    """Text-protocol agents: the newest rounds whose results auto-elision never touches."""
 
     @property
     def preview_head(self) -> int:
@@ -46,4 +48,5 @@ def budget_for(settings: Settings, window: int) -> Budget:
     target = min(settings.context_target or budget * 7 // 10, budget)
     # "about a tenth of the budget in characters": one result can never take more than that on ingest.
     spill = settings.spill_chars or max(MIN_CUT_CHARS, budget // 10)
-    return Budget(window, budget, target, reserve, settings.keep_results, spill, settings.fold_history)
+    return Budget(window, budget, target, reserve, settings.keep_results, spill, settings.fold_history,
+                  settings.keep_tool_rounds)

@@ -16,12 +16,14 @@ result and round — losing the newer results (restorably) is better than a requ
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
 from proxy.rewrite.budget import MIN_CUT_CHARS
 from proxy.rewrite.decisions import Decision, OverflowWrite
 from proxy.rewrite.identity import canonical_json, message_hash
+from proxy.rewrite.segments import compose, segment_target
 from proxy.rewrite.state import READ_OVERFLOW, Counter, Rules, State, sha256_text
 from proxy.rewrite.stubs import elision_marker, fold_stub
 
@@ -34,10 +36,16 @@ _FOLD_STUB_TOKENS = 120
 def elide(state: State, messages: Sequence[dict[str, Any]], rules: Rules, counter: Counter,
           new: list[Decision], writes: list[OverflowWrite], keep_results: int) -> None:
     keep = set(state.tool_indices[-keep_results:]) if keep_results else set()
-    for i in state.tool_indices:
+    newest_round = max((r.round for r in state.fenced.values()), default=0)
+    for i in sorted([*state.tool_indices, *state.fenced]):
         if rules.scaled(state.total + rules.tools_tokens) <= rules.budget.target:
             return
         if i in keep or state.out[i] is None or state.ids[i] in state.pins:
+            continue
+        if i in state.fenced:
+            if state.fenced[i].round > newest_round - rules.budget.keep_tool_rounds:
+                continue  # the newest rounds of a text-protocol agent, as keep_results for native ones
+            _elide_fenced(state, i, messages[i], rules, counter, new, writes)
             continue
         decision = _elision(state, i, messages[i], rules)
         if decision is None:
@@ -50,6 +58,35 @@ def elide(state: State, messages: Sequence[dict[str, Any]], rules: Rules, counte
         state.decided[state.ids[i]] = decision
         new.append(decision)
         _replace(state, i, {**messages[i], "content": decision.replacement}, counter)
+
+
+def _elide_fenced(state: State, i: int, message: dict[str, Any], rules: Rules, counter: Counter,
+                  new: list[Decision], writes: list[OverflowWrite]) -> None:
+    """Each result body of a results message that is not cut yet becomes a marker; the wrapper stays."""
+    result, content, mid = state.fenced[i], str(message.get("content")), state.ids[i]
+    replacements: dict[int, str] = {}
+    for k, segment in enumerate(result.segments):
+        body, target = content[segment.start:segment.end], segment_target(mid, k)
+        decided = state.decided.get(target)
+        if decided is not None and decided.message_hash == state.hashes[i] and decided.kind != "spill":
+            replacements[k] = decided.replacement
+            continue
+        call_id, tool = f"r{result.round}.{k + 1}", result.command or "fenced"
+        marker = elision_marker(sha256_text(body), tool, call_id, rules.storage, body,
+                                json.dumps({"command": result.command}))
+        current = decided.replacement if decided is not None and decided.message_hash == state.hashes[i] else body
+        if len(body) < MIN_CUT_CHARS or len(marker) >= len(current):
+            replacements[k] = current
+            continue
+        if decided is None or decided.message_hash != state.hashes[i]:
+            writes.append(OverflowWrite(sha256_text(body), body, tool, call_id))
+        decision = Decision("elide", target, state.hashes[i], marker, sha256_text(body))
+        state.decided[target] = decision
+        new.append(decision)
+        replacements[k] = marker
+    changed = {k: v for k, v in replacements.items() if v != content[result.segments[k].start:result.segments[k].end]}
+    if changed:
+        _replace(state, i, {**message, "content": compose(content, result.segments, changed)}, counter)
 
 
 def _elision(state: State, i: int, message: dict[str, Any], rules: Rules) -> Decision | None:

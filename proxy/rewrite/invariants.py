@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
+
+from proxy.rewrite.fenced import Segment
+from proxy.rewrite.segments import wrapper_intact
 
 __all__ = ["broken_pairs", "violations"]
 
@@ -41,10 +44,12 @@ def broken_pairs(messages: Sequence[dict[str, Any]]) -> Counter[str]:
 
 
 def violations(incoming: Sequence[dict[str, Any]], outgoing: Sequence[dict[str, Any]],
-               pinned: Collection[int] = (), start: int = 0, pairs: bool = True) -> list[str]:
+               pinned: Collection[int] = (), start: int = 0, pairs: bool = True,
+               fenced: Mapping[int, Sequence[Segment]] | None = None) -> list[str]:
     """``pinned``: incoming indices of pinned messages; ``start``: check from this incoming index on (the
     messages before it were checked on an earlier request and have not changed since); ``pairs=False`` skips the
-    pairing walk when nothing but contents changed since it last held."""
+    pairing walk when nothing but contents changed since it last held; ``fenced``: the text-protocol results
+    messages (index → segments), whose result bodies may be cut as long as their wrapper stays."""
     problems: list[str] = []
     # Before ``start`` nothing changed since the last check: any fold lies before it, so the lists line up from
     # there with a constant offset.
@@ -58,7 +63,9 @@ def violations(incoming: Sequence[dict[str, Any]], outgoing: Sequence[dict[str, 
             i, j = i + folded, j + 1
             continue
         if i >= start:
-            problems += _compare(i, incoming[i], outgoing[j], i in pinned)
+            segments = (fenced or {}).get(i)
+            problems += _compare(i, incoming[i], outgoing[j], i in pinned) if segments is None else \
+                _compare_fenced(i, incoming[i], outgoing[j], segments)
         i, j = i + 1, j + 1
     if i != len(incoming) or j != len(outgoing):
         problems.append(f"lengths do not line up: {len(incoming)} in, {len(outgoing)} out")
@@ -71,6 +78,19 @@ def _folded_count(message: dict[str, Any]) -> int:
     content = message.get("content")
     match = _FOLD.match(content) if message.get("role") == "user" and isinstance(content, str) else None
     return int(match.group(1)) if match else 0
+
+
+def _compare_fenced(i: int, before: dict[str, Any], after: dict[str, Any], segments: Sequence[Segment]) -> list[str]:
+    if after is before or after == before:
+        return []
+    intact = wrapper_intact(str(before.get("content")), str(after.get("content")), segments)
+    if _without_content(after) != _without_content(before) or not intact:
+        return [f"message {i} (results) changed outside its result bodies"]
+    return []
+
+
+def _without_content(message: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in message.items() if k != "content"}
 
 
 def _compare(i: int, before: dict[str, Any], after: dict[str, Any], pinned: bool) -> list[str]:

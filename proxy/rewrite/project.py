@@ -25,6 +25,7 @@ from proxy.rewrite.cuts import apply_fold, elide, fold
 from proxy.rewrite.decisions import CUTS, Decision, OverflowWrite
 from proxy.rewrite.identity import identity_base, next_identity
 from proxy.rewrite.identity import message_hash as _hash
+from proxy.rewrite.segments import FencedResult, compose, fenced_command, segment_target
 from proxy.rewrite.state import READ_OVERFLOW, Counter, Rules, State, sha256_text
 from proxy.rewrite.stubs import looks_binary, spill_stub
 
@@ -68,7 +69,7 @@ def project(messages: Sequence[dict[str, Any]], hashes: Sequence[str], decisions
     new: list[Decision] = []
     writes: list[OverflowWrite] = []
     for i in range(reused, len(messages)):
-        _ingest(state, i, messages[i], hashes[i], rules, counter, new, writes, seen)
+        _ingest(state, i, messages, hashes[i], rules, counter, new, writes, seen)
     if reused == 0 and state.fold is not None:
         apply_fold(state, state.fold, messages, counter)
     _cut_to_fit(state, messages, rules, counter, new, writes)
@@ -114,8 +115,9 @@ def _fresh(decisions: Sequence[Decision]) -> State:
     return state
 
 
-def _ingest(state: State, i: int, message: dict[str, Any], message_hash: str, rules: Rules, counter: Counter,
-            new: list[Decision], writes: list[OverflowWrite], seen: int) -> None:
+def _ingest(state: State, i: int, messages: Sequence[dict[str, Any]], message_hash: str, rules: Rules,
+            counter: Counter, new: list[Decision], writes: list[OverflowWrite], seen: int) -> None:
+    message = messages[i]
     mid = next_identity(identity_base(message, message_hash), state.seen)
     state.hashes.append(message_hash)
     state.ids.append(mid)
@@ -123,10 +125,13 @@ def _ingest(state: State, i: int, message: dict[str, Any], message_hash: str, ru
         function = call.get("function") or {}
         state.calls[call.get("id", "")] = (str(function.get("name", "?")), str(function.get("arguments") or ""))
     out = message
+    state.rounds += message.get("role") == "assistant"
     if message.get("role") == "tool":
         state.tool_indices.append(i)
         state.result_calls[i] = state.calls.get(str(message.get("tool_call_id")), ("?", ""))
         out = _cut_tool_result(state, mid, message, message_hash, rules, new, writes, spill=i >= seen)
+    elif rules.fenced and i and messages[i - 1].get("role") == "assistant":
+        out = _cut_fenced(state, i, mid, messages, message_hash, rules, new, writes, spill=i >= seen)
     count = counter.count(out, message_hash if out is message else None)
     state.out.append(out)
     state.out_hashes.append(message_hash if out is message else _hash(out))
@@ -159,6 +164,37 @@ def _cut_tool_result(state: State, mid: str, message: dict[str, Any], message_ha
     new.append(decision)
     writes.append(OverflowWrite(overflow_id, content, tool, call_id))
     return {**message, "content": stub}
+
+
+def _cut_fenced(state: State, i: int, mid: str, messages: Sequence[dict[str, Any]], message_hash: str, rules: Rules,
+                new: list[Decision], writes: list[OverflowWrite], spill: bool) -> dict[str, Any]:
+    """A text-protocol results message as it goes out: each result body cut as a native result would be."""
+    message = messages[i]
+    content = message.get("content")
+    segments = next((p.segments(content) for p in rules.fenced if isinstance(content, str) and p.segments(content)),
+                    None)
+    if not segments or not isinstance(content, str):
+        return message
+    result = FencedResult(state.rounds, tuple(segments), fenced_command(messages[i - 1]))
+    state.fenced[i] = result
+    if mid in state.pins:  # a pin covers the whole round's message
+        return message
+    replacements = {}
+    for k, segment in enumerate(segments):
+        body, target, call_id = content[segment.start:segment.end], segment_target(mid, k), f"r{result.round}.{k + 1}"
+        decided = state.decided.get(target)
+        if decided is not None and decided.message_hash == message_hash:
+            replacements[k] = decided.replacement
+        elif spill and _should_spill(body, "", rules.budget):
+            stub = spill_stub(sha256_text(body), result.command or "fenced", call_id, rules.storage, body,
+                              rules.budget.preview_head, rules.budget.preview_tail)
+            if len(stub) < len(body):
+                decision = Decision("spill", target, message_hash, stub, sha256_text(body))
+                state.decided[target] = decision
+                new.append(decision)
+                writes.append(OverflowWrite(decision.overflow_id, body, result.command or "fenced", call_id))
+                replacements[k] = stub
+    return {**message, "content": compose(content, segments, replacements)} if replacements else message
 
 
 def _should_spill(content: Any, tool: str, budget: Budget) -> bool:

@@ -9,6 +9,8 @@ from typing import Any, Protocol
 
 from proxy.rewrite.budget import Budget
 from proxy.rewrite.decisions import Decision
+from proxy.rewrite.fenced import Preset
+from proxy.rewrite.segments import FencedResult
 
 __all__ = ["READ_OVERFLOW", "Counter", "Rules", "State", "sha256_text"]
 
@@ -26,6 +28,8 @@ class Rules:
     k: float = 1.0
     storage: str = "disk"
     tools_tokens: int = 0
+    fenced: tuple[Preset, ...] = ()
+    """The text-protocol presets in force (empty on the native route)."""
 
     def scaled(self, estimate: int) -> int:
         return math.ceil(round(estimate * self.k, 9))  # 50 × 1.1 is 55, not 55.000000000000007 → 56
@@ -48,6 +52,10 @@ class State:
     result_calls: dict[int, tuple[str, str]] = field(default_factory=dict)
     """The call each result answers (index → name, arguments), fixed when the result arrives: ids get reused."""
     tool_indices: list[int] = field(default_factory=list)
+    fenced: dict[int, FencedResult] = field(default_factory=dict)
+    """Text-protocol results messages (index → round, segments, command): cut result by result."""
+    rounds: int = 0
+    """Assistant messages ingested so far: the round a results message answers."""
     decided: dict[str, Decision] = field(default_factory=dict)
     pins: dict[str, str] = field(default_factory=dict)
     """Pinned identities and who pinned them (operator or model)."""
@@ -62,7 +70,8 @@ class State:
     def copy(self) -> State:
         return State(list(self.hashes), list(self.ids), list(self.out), list(self.out_hashes), list(self.counts),
                      self.total, dict(self.seen), dict(self.calls), dict(self.result_calls), list(self.tool_indices),
-                     dict(self.decided), dict(self.pins), self.fold, self.folded, self.cut, self.absorbed)
+                     dict(self.fenced), self.rounds, dict(self.decided), dict(self.pins), self.fold, self.folded,
+                     self.cut, self.absorbed)
 
 
 def sha256_text(text: str) -> str:
