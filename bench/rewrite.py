@@ -56,10 +56,10 @@ def generated(rounds: int) -> dict[str, Any]:
     return conversation
 
 
-def trajectories() -> list[dict[str, Any]]:
-    """Per native trajectory and window: what the core does with it."""
+def trajectories(variant: str = "native") -> list[dict[str, Any]]:
+    """Per trajectory of ``variant`` (native or fenced) and window: what the core does with it."""
     rows, counter, settings = [], MessageCounter(), load_settings(env={})
-    for path in sorted((SHARED / "trajectories").glob("*.native.json")):
+    for path in sorted((SHARED / "trajectories").glob(f"*.{variant}.json")):
         conversation = json.loads(path.read_text())
         for window in WINDOWS:
             s = summarize(list(replay(conversation, settings, window, counter)))
@@ -179,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "command": "python bench/rewrite.py",
         "trajectories": trajectories(),
+        "fenced_trajectories": trajectories("fenced"),
         "conversation_60_at_32k": through_the_app(sixty, 32768),
         "conversation_600_at_32k": through_the_app(six_hundred, 32768),
         "counts_1_3x_at_8k": through_the_app(sixty, 8192, ratio=1.3),
@@ -189,8 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=1))
-    print(json.dumps({k: v for k, v in report.items() if k != "trajectories"}, indent=1))
+    print(json.dumps({k: v for k, v in report.items() if "trajectories" not in k}, indent=1))
     _print_trajectories(report["trajectories"])
+    _print_trajectories(report["fenced_trajectories"])
     return 0
 
 
