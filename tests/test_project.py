@@ -334,3 +334,21 @@ def test_old_fenced_results_are_elided_and_the_newest_rounds_kept() -> None:
     tail = [m["content"] for m in last.messages[-6:] if m["role"] == "user"]
     assert all("[overflow id=" not in c for c in tail)  # the newest three rounds are whole
     assert last.report.estimate <= rules.budget.budget
+
+
+def test_a_persons_large_paste_goes_to_overflow_and_the_typed_words_stay() -> None:
+    pasted = "".join(f"2024-06-01 12:00:{i % 60:02d} ERROR worker {i} crashed\n" for i in range(1200))
+    typed = "Here is the log from last night:\n\n```\n" + pasted + "```\n\nWhat went wrong?"
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": typed}]
+    p = run(msgs, Rules(budget(131072, paste_chars=20_000)))
+    content = p.messages[1]["content"]
+    assert content.startswith("Here is the log from last night:\n\n```\n[overflow id=")
+    assert content.endswith("```\n\nWhat went wrong?") and "tool=paste" in content
+    assert [w.body for w in p.writes] == [pasted]
+    fenced = {i: r.segments for i, r in p.state.fenced.items()}
+    assert violations(msgs, p.messages, fenced=fenced) == []
+
+
+def test_one_long_paragraph_is_left_as_the_person_typed_it() -> None:
+    msgs = [{"role": "user", "content": "word " * 10_000}]
+    assert not run(msgs, Rules(budget(131072, paste_chars=20_000))).changed

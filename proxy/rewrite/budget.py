@@ -29,6 +29,8 @@ class Budget:
     fold_history: bool
     keep_tool_rounds: int = 3
     """Text-protocol agents: the newest rounds whose results auto-elision never touches."""
+    paste_chars: int = 20_000
+    """A person's pasted attachment above this goes to overflow like a tool result."""
 
     @property
     def preview_head(self) -> int:
@@ -49,4 +51,9 @@ def budget_for(settings: Settings, window: int) -> Budget:
     # "about a tenth of the budget in characters": one result can never take more than that on ingest.
     spill = settings.spill_chars or max(MIN_CUT_CHARS, budget // 10)
     return Budget(window, budget, target, reserve, settings.keep_results, spill, settings.fold_history,
-                  settings.keep_tool_rounds)
+                  settings.keep_tool_rounds, settings.paste_chars or len_max())
+
+
+def len_max() -> int:
+    """``paste_chars = 0``: no message is ever taken for a paste."""
+    return 2**62

@@ -25,11 +25,14 @@ from proxy.rewrite.cuts import apply_fold, elide, fold
 from proxy.rewrite.decisions import CUTS, Decision, OverflowWrite
 from proxy.rewrite.identity import identity_base, next_identity
 from proxy.rewrite.identity import message_hash as _hash
-from proxy.rewrite.segments import FencedResult, compose, fenced_command, segment_target
+from proxy.rewrite.segments import FencedResult, compose, fenced_command, paste_segment, segment_target
 from proxy.rewrite.state import READ_OVERFLOW, Counter, Rules, State, sha256_text
 from proxy.rewrite.stubs import looks_binary, spill_stub
 
-__all__ = ["Projection", "Report", "project"]
+__all__ = ["PASTE", "Projection", "Report", "project"]
+
+PASTE = "paste"
+"""The command name a person's pasted attachment is filed under, like a tool's."""
 
 @dataclass(frozen=True)
 class Report:
@@ -130,8 +133,11 @@ def _ingest(state: State, i: int, messages: Sequence[dict[str, Any]], message_ha
         state.tool_indices.append(i)
         state.result_calls[i] = state.calls.get(str(message.get("tool_call_id")), ("?", ""))
         out = _cut_tool_result(state, mid, message, message_hash, rules, new, writes, spill=i >= seen)
-    elif rules.fenced and i and messages[i - 1].get("role") == "assistant":
-        out = _cut_fenced(state, i, mid, messages, message_hash, rules, new, writes, spill=i >= seen)
+    elif message.get("role") == "user":
+        result = _results_of(state, i, messages, rules)
+        if result is not None:
+            state.fenced[i] = result
+            out = _cut_segments(state, mid, message, message_hash, result, rules, new, writes, spill=i >= seen)
     count = counter.count(out, message_hash if out is message else None)
     state.out.append(out)
     state.out_hashes.append(message_hash if out is message else _hash(out))
@@ -166,35 +172,43 @@ def _cut_tool_result(state: State, mid: str, message: dict[str, Any], message_ha
     return {**message, "content": stub}
 
 
-def _cut_fenced(state: State, i: int, mid: str, messages: Sequence[dict[str, Any]], message_hash: str, rules: Rules,
-                new: list[Decision], writes: list[OverflowWrite], spill: bool) -> dict[str, Any]:
-    """A text-protocol results message as it goes out: each result body cut as a native result would be."""
-    message = messages[i]
-    content = message.get("content")
-    segments = next((p.segments(content) for p in rules.fenced if isinstance(content, str) and p.segments(content)),
-                    None)
-    if not segments or not isinstance(content, str):
-        return message
-    result = FencedResult(state.rounds, tuple(segments), fenced_command(messages[i - 1]))
-    state.fenced[i] = result
-    if mid in state.pins:  # a pin covers the whole round's message
+def _results_of(state: State, i: int, messages: Sequence[dict[str, Any]], rules: Rules) -> FencedResult | None:
+    """What of a user message may be cut: the results of a text-protocol round, or a person's large paste."""
+    content = messages[i].get("content")
+    if not isinstance(content, str):
+        return None
+    if rules.fenced and i and messages[i - 1].get("role") == "assistant":
+        segments = next((found for p in rules.fenced if (found := p.segments(content))), None)
+        if segments:
+            return FencedResult(state.rounds, tuple(segments), fenced_command(messages[i - 1]))
+    paste = paste_segment(content, rules.budget.paste_chars)
+    return FencedResult(state.rounds, (paste,), PASTE) if paste else None
+
+
+def _cut_segments(state: State, mid: str, message: dict[str, Any], message_hash: str, result: FencedResult,
+                  rules: Rules, new: list[Decision], writes: list[OverflowWrite], spill: bool) -> dict[str, Any]:
+    """The message as it goes out: each cuttable body cut as a native result would be, the rest as it was."""
+    content = str(message.get("content"))
+    if mid in state.pins:  # a pin covers the whole message (a text-protocol round's results, a paste)
         return message
     replacements = {}
-    for k, segment in enumerate(segments):
-        body, target, call_id = content[segment.start:segment.end], segment_target(mid, k), f"r{result.round}.{k + 1}"
+    tool = result.command or "fenced"
+    for k, segment in enumerate(result.segments):
+        body, target = content[segment.start:segment.end], segment_target(mid, k)
+        call_id = f"paste.{result.round}" if result.command == PASTE else f"r{result.round}.{k + 1}"
         decided = state.decided.get(target)
         if decided is not None and decided.message_hash == message_hash:
             replacements[k] = decided.replacement
-        elif spill and _should_spill(body, "", rules.budget):
-            stub = spill_stub(sha256_text(body), result.command or "fenced", call_id, rules.storage, body,
-                              rules.budget.preview_head, rules.budget.preview_tail)
+        elif spill and (_should_spill(body, "", rules.budget) or result.command == PASTE):
+            stub = spill_stub(sha256_text(body), tool, call_id, rules.storage, body, rules.budget.preview_head,
+                              rules.budget.preview_tail)
             if len(stub) < len(body):
                 decision = Decision("spill", target, message_hash, stub, sha256_text(body))
                 state.decided[target] = decision
                 new.append(decision)
-                writes.append(OverflowWrite(decision.overflow_id, body, result.command or "fenced", call_id))
+                writes.append(OverflowWrite(decision.overflow_id, body, tool, call_id))
                 replacements[k] = stub
-    return {**message, "content": compose(content, segments, replacements)} if replacements else message
+    return {**message, "content": compose(content, result.segments, replacements)} if replacements else message
 
 
 def _should_spill(content: Any, tool: str, budget: Budget) -> bool:

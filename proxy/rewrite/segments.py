@@ -15,7 +15,7 @@ from typing import Any
 
 from proxy.rewrite.fenced import Segment
 
-__all__ = ["FencedResult", "compose", "fenced_command", "segment_target", "wrapper_intact"]
+__all__ = ["FencedResult", "compose", "fenced_command", "paste_segment", "segment_target", "wrapper_intact"]
 
 _FENCE = re.compile(r"```[^\n]*\n(.*?)```", re.S)
 
@@ -27,6 +27,23 @@ class FencedResult:
     round: int
     segments: tuple[Segment, ...]
     command: str
+
+
+def paste_segment(content: str, paste_chars: int) -> Segment | None:
+    """The pasted attachment in a person's message, if one is larger than ``paste_chars``: its largest fenced
+    block, or everything between the first and the last paragraph (the words typed around a paste). A message
+    that is one long paragraph gives no way to tell typed words from a paste: it stays the person's."""
+    if len(content) < paste_chars:
+        return None
+    blocks = [m.span(1) for m in _FENCE.finditer(content)]
+    if blocks:
+        start, end = max(blocks, key=lambda b: b[1] - b[0])
+        if end - start >= paste_chars:
+            return Segment(start, end)
+    first, last = content.find("\n\n"), content.rfind("\n\n")
+    if 0 <= first < last and last - first - 2 >= paste_chars:
+        return Segment(first + 2, last)
+    return None
 
 
 def segment_target(mid: str, k: int) -> str:
