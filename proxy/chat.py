@@ -36,6 +36,7 @@ from proxy.responses import FinallyResponse
 from proxy.rewrite import canonical_json, content_hash, fingerprint
 from proxy.sse import last_usage
 from proxy.state import AppState
+from proxy.tools.blocks import extract_blocks, has_command, results_message
 from proxy.tools.offer import turn_of
 from proxy.upstream import client_headers, redact, response_headers, with_headers
 from proxy.wire import ChatBody
@@ -149,17 +150,20 @@ class Exchange:
             if self.body.get("stream") or upstream.status_code >= 400:
                 return await self._respond(upstream, first)
             content = first if first is not None else await _read(upstream)
-            answer, calls = _context_calls(content, self.agent_tools())
+            fenced = bool(plan.rules.fenced)
+            answer, calls, said = _fenced_calls(content) if fenced else (*_context_calls(content, self.agent_tools()),
+                                                                        "")
             if not calls:
                 return self._buffered_response(upstream, content)
             results = await runner.execute(calls, plan.rules, model)
             stripped = orjson.dumps(answer)
-            if _has_agent_calls(answer) or internal == rounds:
+            if (has_command(_message(answer).get("content") or "") if fenced else _has_agent_calls(answer)) \
+                    or internal == rounds:
                 return self._buffered_response(upstream, stripped)
             await self.record_round(upstream.status_code, content)
             last = (upstream, stripped)
-            splice += [{"role": "assistant", "content": _message(answer).get("content"), "tool_calls": calls},
-                       *results]
+            splice += [{"role": "assistant", "content": said}, results_message(results)] if fenced else \
+                [{"role": "assistant", "content": _message(answer).get("content"), "tool_calls": calls}, *results]
             self.internal_rounds = internal + 1
         raise AssertionError("unreachable: the last round returns")
 
@@ -367,6 +371,21 @@ def _context_calls(content: bytes, agent_tools: frozenset[str]) -> tuple[dict[st
     except orjson.JSONDecodeError:
         return {}, []
     return strip_calls(answer, agent_tools)
+
+
+def _fenced_calls(content: bytes) -> tuple[dict[str, Any], list[Any], str]:
+    """A text-protocol answer: without its context blocks, their calls, and the text as the model wrote it."""
+    try:
+        answer = orjson.loads(content)
+        message = answer["choices"][0]["message"]
+    except (orjson.JSONDecodeError, KeyError, IndexError, TypeError):
+        return {}, [], ""
+    said = message.get("content") if isinstance(message.get("content"), str) else ""
+    text, calls = extract_blocks(said)
+    if not calls:
+        return answer, [], said
+    kept = {**message, "content": text}
+    return {**answer, "choices": [{**answer["choices"][0], "message": kept}, *answer["choices"][1:]]}, calls, said
 
 
 def _message(answer: dict[str, Any]) -> dict[str, Any]:

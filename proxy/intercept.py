@@ -20,6 +20,7 @@ from proxy.state import AppState
 from proxy.tools.apply import Outcome, View, apply_intent, render_overflow
 from proxy.tools.intents import ReadOverflow, ToolError, parse_call
 from proxy.tools.offer import split_calls
+from proxy.tools.schemas import TOOL_NAMES
 from store import Journal, JournalWriter, OverflowBody
 
 __all__ = ["ContextRunner", "strip_calls"]
@@ -59,7 +60,7 @@ class ContextRunner:
         try:
             intent = parse_call(name, arguments)
         except ToolError as exc:
-            return self._event(name, False, f"{name}: {exc}")
+            return self._event(name if name in TOOL_NAMES else "invalid", False, f"{name}: {exc}")
         if isinstance(intent, ReadOverflow):
             return await self._read_overflow(intent)
         outcome = apply_intent(intent, self._view(rules, settings.max_pins, settings.approval_pattern))

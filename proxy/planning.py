@@ -22,7 +22,9 @@ from proxy.context import SessionContext
 from proxy.errors import ContextTooLarge
 from proxy.rewrite import Projection, Report, Rules, budget_for, canonical_json, message_hash, project, violations
 from proxy.rewrite.fenced import PRESETS, route_of
+from proxy.rewrite.project import PASTE
 from proxy.state import AppState
+from proxy.tools.blocks import NOTE
 from proxy.tools.offer import REMINDER, person_asked, turn_of, with_context_tools
 from proxy.wire import ChatBody
 from store import ForwardRecord, IncomingRequest, Journal, JournalWriter, OverflowBody, RecordedRequest
@@ -57,7 +59,7 @@ async def plan_forward(app: AppState, writer: JournalWriter, ctx: SessionContext
     window = settings.ctx_window or (await app.windows.window_for(model)).tokens
     window = min(window, app.contexts.window_limits.get(model, window))
     k = ctx.calibration(model).k
-    may_offer = settings.tools_enabled and bool(body.get("tools") or settings.native_tools)
+    may_offer = settings.tools_enabled and bool(body.get("tools") or settings.native_tools)  # the schemas' cost
     # The context tools' schemas are budgeted whenever they may be offered: the budget must hold the moment they
     # are, and the cuts must not shift when they start to be.
     tools = app.counter.count_tools(body.get("tools")) + (app.context_tools_tokens() if may_offer else 0)
@@ -74,9 +76,10 @@ async def plan_forward(app: AppState, writer: JournalWriter, ctx: SessionContext
         p.state.absorbed = -1  # never resumed: the next request recomputes from the decisions
     offered = offer and _offered(ctx, settings, body, messages, p, rules)
     notices = [] if splice else _notices(ctx, settings, p, rules, offered)  # follow-ups carry the tool results
-    sent = p.messages + notices + list(splice or [])
+    syntax = [{"role": "system", "content": NOTE}] if offered and rules.fenced else []
+    sent = p.messages + syntax + notices + list(splice or [])
     payload: dict[str, Any] = {**body, "messages": sent}
-    if offered:
+    if offered and not rules.fenced:
         payload["tools"] = with_context_tools(body.get("tools"))
     changed = p.changed or len(sent) != len(p.messages) or offered
     hashes = p.hashes + [message_hash(m) for m in sent[len(p.messages):]]
@@ -100,9 +103,11 @@ async def plan_forward(app: AppState, writer: JournalWriter, ctx: SessionContext
 def _offered(ctx: SessionContext, settings: Settings, body: ChatBody, messages: list[dict[str, Any]],
              p: Projection, rules: Rules) -> bool:
     """The offer rule; an offer holds for the rest of the turn (``ctx.offered_turn``)."""
-    if not settings.tools_enabled or not (body.get("tools") or settings.native_tools):
+    if not settings.tools_enabled or not (body.get("tools") or settings.native_tools or rules.fenced):
         return False
-    turn = turn_of(messages)
+    if rules.fenced and body.get("stream"):
+        return False  # context blocks in streamed text are not taken out yet: not offered, nothing to leak
+    turn = turn_of(messages, {i for i, r in p.state.fenced.items() if r.command != PASTE})
     key = p.state.ids[turn.start] if p.state.ids else ""
     usage = p.report.scaled / rules.budget.budget  # after cuts the window is never reached: judge by the budget
     if ctx.offered_turn == key or usage >= settings.offer_pct or person_asked(messages, turn, settings.offer_phrases) \

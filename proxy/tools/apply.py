@@ -20,6 +20,7 @@ from typing import Any
 
 from proxy.rewrite.decisions import Decision, OverflowWrite
 from proxy.rewrite.identity import content_text
+from proxy.rewrite.segments import segment_target
 from proxy.rewrite.state import Counter, Rules, State, sha256_text
 from proxy.rewrite.stubs import stub_line
 from proxy.tools.intents import Drop, Intent, Note, Pin, Status, Unpin
@@ -73,6 +74,37 @@ def apply_intent(intent: Intent, view: View) -> Outcome:
 
 
 # --- handles -----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Unit:
+    """What a handle names: message ``i``, or result body ``k`` of a text-protocol results message (or paste)."""
+
+    handle: str
+    i: int
+    k: int | None = None
+
+
+_ROUND = re.compile(r"^r(\d+)(?:\.(\d+))?$")
+
+
+def _units(view: View, handle: str) -> list[_Unit] | str:
+    """The units a handle names, or why it names none. ``r<round>.<i>``, ``r<round>`` (every result of the round),
+    or a native result's tool_call_id (or identity)."""
+    match = _ROUND.match(handle)
+    if match:
+        wanted = int(match.group(1))
+        found = [(i, r) for i, r in view.state.fenced.items() if r.round == wanted and i < len(view.messages)]
+        if not found:
+            return f"{handle}: no text-protocol round {match.group(1)} in your context"
+        i, result = found[-1]
+        if match.group(2) is None:
+            return [_Unit(f"r{result.round}.{k + 1}", i, k) for k in range(len(result.segments))]
+        k = int(match.group(2)) - 1
+        return [_Unit(handle, i, k)] if 0 <= k < len(result.segments) else f"{handle}: round {result.round} has " \
+            f"{len(result.segments)} result(s)"
+    index = _index(view, handle)
+    return [_Unit(handle, index)] if index is not None else f"{handle}: no result with this handle in your context"
+
+
 def _index(view: View, handle: str) -> int | None:
     """The newest result named ``handle`` (its tool_call_id, or its identity ``tool:<id>[#n]``)."""
     state = view.state
@@ -105,16 +137,44 @@ def _is_cut(view: View, i: int) -> bool:
     return view.state.out[i] is None or view.state.out_hashes[i] != view.state.hashes[i]
 
 
+def _body(view: View, unit: _Unit) -> str:
+    if unit.k is None:
+        return _text(view.messages[unit.i])
+    segment = view.state.fenced[unit.i].segments[unit.k]
+    return _text(view.messages[unit.i])[segment.start:segment.end]
+
+
+def _target(view: View, unit: _Unit) -> str:
+    mid = view.state.ids[unit.i]
+    return mid if unit.k is None else segment_target(mid, unit.k)
+
+
+def _unit_cut(view: View, unit: _Unit) -> bool:
+    if unit.k is None or view.state.out[unit.i] is None:
+        return _is_cut(view, unit.i)
+    decided = view.state.decided.get(_target(view, unit))
+    return decided is not None and decided.message_hash == view.state.hashes[unit.i]
+
+
+def _call_of(view: View, unit: _Unit) -> tuple[str, str]:
+    """(tool, call id) as the stub names them."""
+    if unit.k is None:
+        call_id = str(view.messages[unit.i].get("tool_call_id"))
+        return view.state.result_calls.get(unit.i, ("?", ""))[0], call_id
+    result = view.state.fenced[unit.i]
+    return result.command or "fenced", f"r{result.round}.{unit.k + 1}"
+
+
 # --- pins --------------------------------------------------------------------------------------------------------
 def _pin(intent: Pin, view: View) -> Outcome:
     targets, refused = _targets(view, intent.handles, intent.snippet, any_role=True)
     decisions, acted = [], []
     room = view.max_pins - view.model_pins
-    for handle, i in targets:
-        mid = view.state.ids[i]
+    for unit in targets:
+        handle, i, mid = unit.handle, unit.i, view.state.ids[unit.i]
         if mid in view.state.pins:
             refused.append(f"{handle}: already pinned")
-        elif _is_cut(view, i):
+        elif _unit_cut(view, unit) or (unit.k is not None and _is_cut(view, i)):
             refused.append(f"{handle}: already cut (a stub or a note); read_overflow restores it")
         elif room <= 0:
             refused.append(f"{handle}: you hold {view.max_pins} pins, the most allowed; unpin one first")
@@ -135,8 +195,8 @@ def _unpin(intent: Unpin, view: View) -> Outcome:
         return _outcome("unpin", mine, [], decisions=decisions, extra="Operator pins were left in place.")
     targets, refused = _targets(view, intent.handles, intent.snippet, any_role=True)
     decisions, acted = [], []
-    for handle, i in targets:
-        mid = view.state.ids[i]
+    for unit in targets:
+        handle, mid = unit.handle, view.state.ids[unit.i]
         if pins.get(mid) == "model":
             decisions.append(Decision("unpin", mid, source="model"))
             acted.append(handle)
@@ -146,79 +206,81 @@ def _unpin(intent: Unpin, view: View) -> Outcome:
 
 
 def _targets(view: View, handles: Sequence[str], snippet: str | None,
-             any_role: bool = False) -> tuple[list[tuple[str, int]], list[str]]:
-    targets, refused = [], []
+             any_role: bool = False) -> tuple[list[_Unit], list[str]]:
+    targets: list[_Unit] = []
+    refused: list[str] = []
     for handle in handles:
-        i = _index(view, handle)
-        if i is None:
-            refused.append(f"{handle}: no result with this handle in your context")
-        else:
-            targets.append((handle, i))
-    if snippet:
-        found = _snippet_index(view, snippet)
+        found = _units(view, handle)
         if isinstance(found, str):
-            refused.append(f"snippet: {found}")
-        elif any_role or view.messages[found].get("role") == "tool":
-            targets.append((f"snippet:{snippet[:20]}", found))
+            refused.append(found)
+        else:
+            targets += found
+    if snippet:
+        index = _snippet_index(view, snippet)
+        if isinstance(index, str):
+            refused.append(f"snippet: {index}")
+        elif any_role or view.messages[index].get("role") == "tool":
+            targets.append(_Unit(f"snippet:{snippet[:20]}", index))
     return targets, refused
 
 
 # --- drop and note -----------------------------------------------------------------------------------------------
-def _cuttable(view: View, handle: str, i: int, drop: bool) -> str | None:
-    """Why result ``i`` may not be cut by the model, or None."""
-    if view.messages[i].get("role") != "tool":
-        return f"{handle}: only tool results can be cut; the dialogue is never touched"
-    if view.state.ids[i] in view.state.pins:
-        return f"{handle}: pinned; unpin it first"
-    if _is_cut(view, i):
-        return f"{handle}: already a stub"
-    if drop and re.search(view.approval_pattern, _text(view.messages[i]), flags=re.I):
-        return f"{handle}: carries a pending approval id; use context_note to keep it"
+def _cuttable(view: View, unit: _Unit, drop: bool) -> str | None:
+    """Why ``unit`` may not be cut by the model, or None."""
+    if unit.k is None and view.messages[unit.i].get("role") != "tool":
+        return f"{unit.handle}: only tool results can be cut; the dialogue is never touched"
+    if view.state.ids[unit.i] in view.state.pins:
+        cover = "; a pin covers the whole round's message" if unit.k is not None else ""
+        return f"{unit.handle}: pinned; unpin it first{cover}"
+    if _unit_cut(view, unit) or view.state.out[unit.i] is None:
+        return f"{unit.handle}: already a stub"
+    if drop and re.search(view.approval_pattern, _body(view, unit), flags=re.I):
+        return f"{unit.handle}: carries a pending approval id; use context_note to keep it"
     return None
 
 
 def _drop(intent: Drop, view: View) -> Outcome:
     targets, refused = _targets(view, intent.handles, None)
     decisions, writes, acted, freed = [], [], [], 0
-    for handle, i in targets:
-        reason = _cuttable(view, handle, i, drop=True)
+    for unit in targets:
+        reason = _cuttable(view, unit, drop=True)
         if reason:
             refused.append(reason)
             continue
-        body = _text(view.messages[i])
-        stub = _stub(view, i, body) + "\nDropped by you (context_drop). " + _restore(view, sha256_text(body))
-        decisions.append(Decision("drop", view.state.ids[i], view.state.hashes[i], stub, sha256_text(body),
+        body = _body(view, unit)
+        stub = _stub(view, unit, body) + "\nDropped by you (context_drop). " + _restore(view, sha256_text(body))
+        decisions.append(Decision("drop", _target(view, unit), view.state.hashes[unit.i], stub, sha256_text(body),
                                   source="model"))
-        writes.append(_write(view, i, body))
-        acted.append(handle)
-        freed += _freed(view, i, stub)
+        writes.append(_write(view, unit, body))
+        acted.append(unit.handle)
+        freed += _freed(view, unit, body, stub)
     return _outcome("drop", acted, refused, freed, decisions, writes)
 
 
 def _note(intent: Note, view: View) -> Outcome:
     targets, refused = _targets(view, intent.handles, None)
     chosen = []
-    for handle, i in targets:
-        reason = _cuttable(view, handle, i, drop=False)
+    for unit in targets:
+        reason = _cuttable(view, unit, drop=False)
         if reason:
             refused.append(reason)
         else:
-            chosen.append((handle, i))
+            chosen.append(unit)
     if not chosen:
         return _outcome("note", [], refused)
-    bodies = [_text(view.messages[i]) for _, i in chosen]
-    first_handle = chosen[0][0]
-    lines = [intent.note.strip(), ""] + [_stub(view, i, b) for (_, i), b in zip(chosen, bodies, strict=True)]
+    bodies = [_body(view, unit) for unit in chosen]
+    first = chosen[0].handle
+    lines = [intent.note.strip(), ""] + [_stub(view, u, b) for u, b in zip(chosen, bodies, strict=True)]
     lines += _preserved(bodies, view.approval_pattern)
-    texts = ["\n".join(lines)] + [f"{_stub(view, i, b)}\nSummarized in your note on {first_handle}. "
-                                  f"{_restore(view, sha256_text(b))}" for (_, i), b in zip(chosen[1:], bodies[1:],
-                                                                                         strict=True)]
-    decisions = [Decision("note", view.state.ids[i], view.state.hashes[i], text, sha256_text(body), source="model")
-                 for (_, i), text, body in zip(chosen, texts, bodies, strict=True)]
-    freed = sum(_freed(view, i, text) for (_, i), text in zip(chosen, texts, strict=True))
-    writes = [_write(view, i, b) for (_, i), b in zip(chosen, bodies, strict=True)]
-    return _outcome("note", [h for h, _ in chosen], refused, freed, decisions, writes,
-                    extra=f"The note now stands in the place of {first_handle}.")
+    texts = ["\n".join(lines)] + [f"{_stub(view, u, b)}\nSummarized in your note on {first}. "
+                                  f"{_restore(view, sha256_text(b))}" for u, b in zip(chosen[1:], bodies[1:],
+                                                                                     strict=True)]
+    decisions = [Decision("note", _target(view, u), view.state.hashes[u.i], text, sha256_text(body), source="model")
+                 for u, text, body in zip(chosen, texts, bodies, strict=True)]
+    freed = sum(_freed(view, u, b, text) for u, b, text in zip(chosen, bodies, texts, strict=True))
+    writes = [_write(view, u, b) for u, b in zip(chosen, bodies, strict=True)]
+    return _outcome("note", [u.handle for u in chosen], refused, freed, decisions, writes,
+                    extra=f"The note now stands in the place of {first}.")
 
 
 def _preserved(bodies: Sequence[str], approval_pattern: str) -> list[str]:
@@ -232,9 +294,8 @@ def _preserved(bodies: Sequence[str], approval_pattern: str) -> list[str]:
     return ["", "Preserved (compaction-safe):", *(f"- {item}" for item in kept)] if kept else []
 
 
-def _stub(view: View, i: int, body: str) -> str:
-    call_id = str(view.messages[i].get("tool_call_id"))
-    tool = view.state.result_calls.get(i, ("?", ""))[0]
+def _stub(view: View, unit: _Unit, body: str) -> str:
+    tool, call_id = _call_of(view, unit)
     return stub_line(sha256_text(body), tool, len(body.encode()), call_id, view.rules.storage)
 
 
@@ -243,13 +304,16 @@ def _restore(view: View, overflow_id: str) -> str:
            f"read_overflow id={overflow_id}."
 
 
-def _write(view: View, i: int, body: str) -> OverflowWrite:
-    call_id = str(view.messages[i].get("tool_call_id"))
-    return OverflowWrite(sha256_text(body), body, view.state.result_calls.get(i, ("?", ""))[0], call_id)
+def _write(view: View, unit: _Unit, body: str) -> OverflowWrite:
+    tool, call_id = _call_of(view, unit)
+    return OverflowWrite(sha256_text(body), body, tool, call_id)
 
 
-def _freed(view: View, i: int, replacement: str) -> int:
-    return max(0, view.state.counts[i] - view.counter.count({**view.messages[i], "content": replacement}))
+def _freed(view: View, unit: _Unit, body: str, replacement: str) -> int:
+    if unit.k is None:
+        return max(0, view.state.counts[unit.i] - view.counter.count({**view.messages[unit.i], "content": replacement}))
+    return max(0, view.counter.count({"role": "user", "content": body}) -
+               view.counter.count({"role": "user", "content": replacement}))
 
 
 def _outcome(op: str, acted: Sequence[str], refused: Sequence[str], freed: int = 0,

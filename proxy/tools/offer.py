@@ -8,7 +8,7 @@ A turn starts at the person's latest message; its rounds are the assistant tool-
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,8 +28,10 @@ class Turn:
     """Assistant tool-call rounds since then."""
 
 
-def turn_of(messages: Sequence[dict[str, Any]]) -> Turn:
-    start = next((i for i in range(len(messages) - 1, -1, -1) if messages[i].get("role") == "user"), 0)
+def turn_of(messages: Sequence[dict[str, Any]], results: Collection[int] = ()) -> Turn:
+    """``results``: indices of user messages that carry a text-protocol round's results (not the person's)."""
+    start = next((i for i in range(len(messages) - 1, -1, -1)
+                  if messages[i].get("role") == "user" and i not in results), 0)
     rounds = sum(1 for m in messages[start:] if m.get("role") == "assistant" and m.get("tool_calls"))
     return Turn(start, rounds)
 

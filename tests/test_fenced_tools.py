@@ -1,0 +1,96 @@
+"""The context tools on a text-protocol route: context blocks in the model's text, executed by the proxy, never
+seen by the agent; handles r<round>.<i> name results inside the agent's own results messages."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from config import load_settings
+from tests.conftest import app_client
+from tests.fakes import FakeUpstream, Reply, completion
+
+BIG = "".join(f"test_case_{i} PASSED\n" for i in range(2500))
+
+
+@pytest.fixture
+def fake() -> FakeUpstream:
+    return FakeUpstream()
+
+
+@pytest.fixture
+def client(tmp_path: Path, fake: FakeUpstream) -> Iterator[TestClient]:
+    settings = load_settings(env={"CTXPROXY_DATA_DIR": str(tmp_path), "CTXPROXY_UPSTREAM": "http://u.test/v1",
+                                  "CTXPROXY_CTX_WINDOW": "131072", "CTXPROXY_SPILL_CHARS": "100000"})
+    with app_client(settings, httpx.ASGITransport(app=fake)) as test_client:
+        yield test_client
+
+
+def history() -> list[dict[str, Any]]:
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": "Reply with one ```bash``` block."},
+                                  {"role": "user", "content": "Free up your context, then fix the test."}]
+    for k, out in enumerate(["setup ok", BIG, "collected 12 items"]):
+        msgs.append({"role": "assistant", "content": f"Step {k}.\n```bash\npytest -k step{k}\n```"})
+        msgs.append({"role": "user", "content": f"<returncode>0</returncode>\n<output>\n{out}\n</output>"})
+    return msgs
+
+
+def block(tool: str, **args: Any) -> str:
+    return "```context\n" + json.dumps({"tool": tool, **args}) + "\n```\n"
+
+
+def ask(client: TestClient) -> httpx.Response:
+    return client.post("/v1/chat/completions", json={"model": "m", "messages": history()})
+
+
+def test_the_syntax_is_offered_as_a_note_not_as_schemas(client: TestClient, fake: FakeUpstream) -> None:
+    ask(client)
+    sent = fake.chats[-1].json()
+    assert "tools" not in sent and "```context" in sent["messages"][-1]["content"]
+
+
+def test_a_drop_by_round_handle_cuts_inside_the_wrapper_and_the_agent_never_sees_the_block(
+        client: TestClient, fake: FakeUpstream) -> None:
+    fake.enqueue(Reply(body=completion("Tidying up.\n" + block("context_drop", handles=["r2.1"]))))
+    fake.enqueue(Reply(body=completion("Now the fix.\n```bash\nsed -i s/a/b/ x.py\n```")))
+    answer = ask(client).json()["choices"][0]["message"]["content"]
+    assert "```context" not in answer and answer.startswith("Now the fix.")
+    follow_up = fake.chats[-1].json()["messages"]
+    results = next(m for m in follow_up if str(m["content"]).startswith("<returncode>0</returncode>\n<output>\ntest_"
+                                                                      ) or "call_id=r2.1" in str(m["content"]))
+    assert results["content"].startswith("<returncode>0</returncode>\n<output>\n[overflow id=")
+    assert results["content"].endswith("\n</output>") and "call_id=r2.1" in results["content"]
+    assert "drop: applied to r2.1" in follow_up[-1]["content"]  # the blocks' results, as the next message
+    oid = re.search(r"id=([0-9a-f]{64})", results["content"]).group(1)  # type: ignore[union-attr]
+    session = client.get("/ctx/sessions").json()["sessions"][0]["id"]
+    assert client.get(f"/ctx/sessions/{session}/overflow/{oid}").content == BIG.encode()
+
+
+def test_status_pin_and_note_through_blocks(client: TestClient, fake: FakeUpstream) -> None:
+    fake.enqueue(Reply(body=completion(block("context_status") + block("context_pin", handles=["r1"]))))
+    fake.enqueue(Reply(body=completion(block("context_note", handles=["r1.1", "r2.1"], note="step 1 set up; "
+                                             "the big log only passed"))))
+    fake.enqueue(Reply(body=completion(block("context_note", handles=["r2.1"], note="the log passed"))))
+    fake.enqueue(Reply(body=completion("Done.\n```bash\necho ok\n```")))
+    answer = ask(client).json()["choices"][0]["message"]["content"]
+    assert answer == "Done.\n```bash\necho ok\n```"
+    replies = [m["content"] for m in fake.chats[-1].json()["messages"] if str(m["content"]).startswith("[ctxproxy] "
+                                                                                                     "Context tool")]
+    status_pin, first_note, second_note = replies
+    assert "Largest results in context" in status_pin and "pin: applied to r1" in status_pin
+    assert "r1.1: pinned; unpin it first; a pin covers the whole round's message" in first_note
+    assert "note: applied to r2.1" in first_note and "r2.1: already a stub" in second_note
+
+
+def test_a_broken_block_is_answered_with_what_to_fix(client: TestClient, fake: FakeUpstream) -> None:
+    fake.enqueue(Reply(body=completion("```context\n{not json\n```\n")))
+    fake.enqueue(Reply(body=completion("ok\n```bash\nls\n```")))
+    ask(client)
+    assert "not valid JSON" in fake.chats[-1].json()["messages"][-1]["content"]
