@@ -371,3 +371,24 @@ def test_read_overflow_after_a_drop_returns_the_original(client: TestClient, fak
         ask(client, history())
     read = next(m for m in fake.chats[-1].json()["messages"] if m.get("tool_call_id") == "ctx_1_read_overflow")
     assert read["content"].startswith(BIG[:20000]) and f"{len(BIG) - 20000} more characters" in read["content"]
+
+
+def test_ctx_clear_selects_then_the_masks_narrow_and_a_repeat_has_nothing_to_clear(
+        client: TestClient, fake: FakeUpstream) -> None:
+    msgs = history(6)
+    for k in range(6):
+        msgs[3 + 2 * k]["content"] = f"result {k} " * 100  # 1000 characters each: cuttable
+    msgs[4]["tool_calls"][0]["function"]["name"] = "grep"  # call_1 was a grep, the rest read_file
+    fake.enqueue(Reply(body=tool_answer(("ctx", {"action": "clear", "before": "call_5", "keep_last": 1,
+                                                  "tool": "read_file"}))))
+    fake.enqueue(Reply(body=tool_answer(("ctx", {"action": "clear", "call_ids": ["call_0", "call_2"]}))))
+    fake.enqueue(Reply(body=tool_answer(("ctx", {"action": "clear", "keep_last": 2}), ("ctx", {}))))
+    fake.enqueue(Reply(body=completion("ok")))
+    ask(client, msgs)
+    first, again, masks_alone, commit = results_of(fake)
+    assert "clear: applied to call_0, call_2, call_3." in first  # before call_5, read_file only, the newest spared
+    assert "nothing to clear" in again and "masks only" not in again
+    assert "nothing selected" in masks_alone and "no LIVE_CONTEXT.json mirror" in commit
+    sent = {m.get("tool_call_id"): m["content"] for m in fake.chats[-1].json()["messages"] if m["role"] == "tool"}
+    assert sent["call_0"].startswith("[overflow id=") and "Cleared by you (ctx clear)" in sent["call_0"]
+    assert not sent["call_1"].startswith("[overflow") and not sent["call_4"].startswith("[overflow")

@@ -94,3 +94,13 @@ def test_a_broken_block_is_answered_with_what_to_fix(client: TestClient, fake: F
     fake.enqueue(Reply(body=completion("ok\n```bash\nls\n```")))
     ask(client)
     assert "not valid JSON" in fake.chats[-1].json()["messages"][-1]["content"]
+
+
+def test_ctx_clear_through_a_block(client: TestClient, fake: FakeUpstream) -> None:
+    fake.enqueue(Reply(body=completion(block("ctx", action="clear", before="r3.1"))))
+    fake.enqueue(Reply(body=completion("ok\n```bash\nls\n```")))
+    ask(client)
+    reply = fake.chats[-1].json()["messages"][-1]["content"]
+    assert "clear: applied to r2.1." in reply and "r1.1: under 600 characters" in reply
+    results = [m["content"] for m in fake.chats[-1].json()["messages"] if "call_id=r2.1" in str(m["content"])]
+    assert results and results[0].startswith("<returncode>0</returncode>\n<output>\n[overflow id=")

@@ -18,12 +18,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from proxy.rewrite.budget import MIN_CUT_CHARS
 from proxy.rewrite.decisions import Decision, OverflowWrite
 from proxy.rewrite.identity import content_text
 from proxy.rewrite.segments import segment_target
 from proxy.rewrite.state import Counter, Rules, State, sha256_text
 from proxy.rewrite.stubs import stub_line
-from proxy.tools.intents import Drop, Intent, Note, Pin, Status, Unpin
+from proxy.tools.intents import Ctx, Drop, Intent, Note, Pin, Status, Unpin
 
 __all__ = ["Outcome", "View", "apply_intent", "render_overflow"]
 
@@ -70,6 +71,8 @@ def apply_intent(intent: Intent, view: View) -> Outcome:
         return _drop(intent, view)
     if isinstance(intent, Note):
         return _note(intent, view)
+    if isinstance(intent, Ctx):
+        return _ctx(intent, view)
     raise TypeError(f"read_overflow is served by the runner, not applied: {intent!r}")
 
 
@@ -236,6 +239,8 @@ def _cuttable(view: View, unit: _Unit, drop: bool) -> str | None:
         return f"{unit.handle}: already a stub"
     if drop and re.search(view.approval_pattern, _body(view, unit), flags=re.I):
         return f"{unit.handle}: carries a pending approval id; use context_note to keep it"
+    if drop and len(_body(view, unit)) < MIN_CUT_CHARS:
+        return f"{unit.handle}: under {MIN_CUT_CHARS} characters, its stub would not be smaller"
     return None
 
 
@@ -281,6 +286,51 @@ def _note(intent: Note, view: View) -> Outcome:
     writes = [_write(view, u, b) for u, b in zip(chosen, bodies, strict=True)]
     return _outcome("note", [u.handle for u in chosen], refused, freed, decisions, writes,
                     extra=f"The note now stands in the place of {first}.")
+
+
+def _ctx(intent: Ctx, view: View) -> Outcome:
+    if intent.action == "status":
+        return Outcome("status", status_text(view, 8), True)
+    if intent.action == "commit":
+        return Outcome("commit", "ctx commit: this proxy keeps no LIVE_CONTEXT.json mirror yet, so there is nothing "
+                       "to commit. Cut results with ctx clear or context_drop.", False)
+    return _clear(intent, view)
+
+
+def _results(view: View) -> list[_Unit]:
+    """Every tool result in context, in order: native results and the bodies of text-protocol rounds."""
+    units = [_Unit(str(view.messages[i].get("tool_call_id")), i) for i in view.state.tool_indices
+             if i < len(view.messages)]
+    for i, result in view.state.fenced.items():
+        if result.command != "paste" and i < len(view.messages):
+            units += [_Unit(f"r{result.round}.{k + 1}", i, k) for k in range(len(result.segments))]
+    return sorted(units, key=lambda u: (u.i, u.k or 0))
+
+
+def _clear(intent: Ctx, view: View) -> Outcome:
+    """Select by call_ids or ``before``; then the masks narrow: ``tool`` keeps that tool's results, ``keep_last``
+    spares the newest of them. Results already cut are skipped; if none is left, there is nothing to clear."""
+    every = _results(view)
+    if not intent.call_ids and intent.before is None:
+        return Outcome("clear", "ctx clear: nothing selected. Name call_ids, or before; keep_last and tool only "
+                       "narrow a selection.", False)
+    chosen = [u for u in every if u.handle in intent.call_ids or view.state.ids[u.i] in intent.call_ids]
+    if intent.before is not None:
+        cut_off = next((u for u in every if intent.before in (u.handle, view.state.ids[u.i])), None)
+        chosen += [u for u in every if cut_off is not None and (u.i, u.k or 0) < (cut_off.i, cut_off.k or 0)]
+    if intent.tool:
+        chosen = [u for u in chosen if _call_of(view, u)[0].split()[0:1] == [intent.tool]]
+    if intent.keep_last:
+        chosen = chosen[: max(0, len(chosen) - intent.keep_last)]
+    chosen = [u for u in dict.fromkeys(chosen) if not _unit_cut(view, u) and view.state.out[u.i] is not None]
+    if not chosen:
+        return Outcome("clear", "ctx clear: nothing to clear (the selection is already cut, or empty).", False)
+    outcome = _drop(Drop(tuple(u.handle for u in chosen)), view)
+    text = outcome.text.replace("drop:", "clear:", 1).replace("Dropped by you (context_drop)", "Cleared by you")
+    decisions = tuple(Decision("drop", d.target, d.message_hash, d.replacement.replace(
+        "Dropped by you (context_drop)", "Cleared by you (ctx clear)"), d.overflow_id, source="model")
+        for d in outcome.decisions)
+    return Outcome("clear", text, outcome.ok, outcome.handles, outcome.tokens_freed, decisions, outcome.writes)
 
 
 def _preserved(bodies: Sequence[str], approval_pattern: str) -> list[str]:

@@ -26,7 +26,8 @@ _FENCE = re.compile(r"```")
 NOTE = ("[ctxproxy] You can manage your own context. Write a fenced block tagged `context` holding one JSON call, "
         'e.g.\n```context\n{"tool": "context_status"}\n```\nTools: context_status {top}, context_pin {handles | '
         "snippet}, context_unpin {handles | snippet | all}, context_drop {handles}, context_note {handles, note}, "
-        "read_overflow {id, offset, limit, grep}. A handle is r<round>.<i> (the i-th result of that round) or "
+        "read_overflow {id, offset, limit, grep}, ctx {action: status | clear, call_ids, before, keep_last, tool}. "
+        "A handle is r<round>.<i> (the i-th result of that round) or "
         "r<round> (all of them). The block is taken out of your message and its result comes back to you.")
 
 

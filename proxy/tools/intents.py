@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Drop", "Intent", "Note", "Pin", "ReadOverflow", "Status", "ToolError", "Unpin", "parse_call"]
+__all__ = ["Ctx", "Drop", "Intent", "Note", "Pin", "ReadOverflow", "Status", "ToolError", "Unpin", "parse_call"]
 
 NOTE_LIMIT = 4000
 SNIPPET_MIN = 12
@@ -57,7 +57,18 @@ class ReadOverflow:
     grep: str | None = None
 
 
-Intent = Status | Pin | Unpin | Drop | Note | ReadOverflow
+@dataclass(frozen=True)
+class Ctx:
+    """The second seed's ``ctx``: ``status``, ``clear`` (a selection narrowed by masks) or ``commit``."""
+
+    action: str
+    call_ids: tuple[str, ...] = ()
+    before: str | None = None
+    keep_last: int | None = None
+    tool: str | None = None
+
+
+Intent = Status | Pin | Unpin | Drop | Note | ReadOverflow | Ctx
 
 
 def parse_call(name: str, arguments: str | dict[str, Any] | None) -> Intent:
@@ -81,6 +92,8 @@ def parse_call(name: str, arguments: str | dict[str, Any] | None) -> Intent:
         return Note(_handles(args, required=True), note)
     if name == "read_overflow":
         return _read_overflow(args)
+    if name == "ctx":
+        return _ctx(args)
     raise ToolError(f"Unknown context tool {name!r}.")
 
 
@@ -123,6 +136,18 @@ def _int(args: dict[str, Any], key: str, default: int, lo: int, hi: int | None =
         bound = f"{lo}–{hi}" if hi is not None else f"≥ {lo}"
         raise ToolError(f"`{key}` must be a whole number {bound}.")
     return value
+
+
+def _ctx(args: dict[str, Any]) -> Ctx:
+    action = args.get("action", "commit")  # an empty object means commit
+    if action not in ("status", "clear", "commit"):
+        raise ToolError("`action` must be status, clear or commit.")
+    before, tool = args.get("before"), args.get("tool")
+    if (before is not None and not isinstance(before, str)) or (tool is not None and not isinstance(tool, str)):
+        raise ToolError("`before` and `tool` must be strings.")
+    keep_last = _int(args, "keep_last", 0, 0) if "keep_last" in args else None
+    call_ids = _handles({"handles": args.get("call_ids", [])}, required=False)
+    return Ctx(action, call_ids, before, keep_last, tool)
 
 
 def _read_overflow(args: dict[str, Any]) -> ReadOverflow:

@@ -38,6 +38,11 @@ CONTEXT_TOOLS: tuple[dict[str, Any], ...] = (
               "stub: a page at a time, or the lines matching a regular expression.",
               {"id": {"type": "string"}, "offset": {"type": "integer", "minimum": 0},
                "limit": {"type": "integer", "minimum": 1, "maximum": 20000}, "grep": {"type": "string"}}, ["id"]),
+    _function("ctx", "status: your context's budget and what you cleared. clear: cut tool results — those in "
+              "call_ids, or every one before `before`; keep_last and tool only narrow that selection.",
+              {"action": {"type": "string", "enum": ["status", "clear", "commit"]},
+               "call_ids": {"type": "array", "items": {"type": "string"}}, "before": {"type": "string"},
+               "keep_last": {"type": "integer", "minimum": 0}, "tool": {"type": "string"}}, []),
 )
 
 TOOL_NAMES = frozenset(tool["function"]["name"] for tool in CONTEXT_TOOLS)
