@@ -15,6 +15,7 @@ again with the stricter ratio and retried once; if it still does not fit, the cl
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Any, cast
@@ -107,6 +108,9 @@ class Exchange:
         self.context: SessionContext | None = None
         self._chunks: AsyncIterator[bytes] = _nothing()
         self.deferred: ForwardRecord | None = None
+        self.compact = _compact_request(body)
+        self.runner_events: list[dict[str, Any]] = []
+        """``/compact [instruction]`` typed by the person: the instruction ("" without one), else None."""
         self._locked = False
         self._finished = False
 
@@ -136,6 +140,7 @@ class Exchange:
         runner = ContextRunner(self.state, self.writer, self.context, self.recorded.session_id,
                                self.recorded.request_id, cast(list[dict[str, Any]], self.body["messages"]),
                                list(self.incoming.hashes))
+        self.runner_events = runner.all_events
         rounds = self.state.settings.for_model(model).max_context_rounds
         splice: list[dict[str, Any]] = []
         last: tuple[httpx.Response, bytes] | None = None
@@ -174,7 +179,7 @@ class Exchange:
         for attempt in range(ATTEMPTS):
             assert self.context is not None
             plan = await plan_forward(self.state, self.writer, self.context, self.recorded, self.body, raw,
-                                      self.incoming, self.attempt, self.incognito, splice, offer)
+                                      self.incoming, self.attempt, self.incognito, splice, offer, self.compact)
             self.estimate = 0 if splice else plan.estimate  # usage with a splice does not measure the estimate
             self.deferred = plan.deferred
             upstream = await self._open(plan.body)
@@ -277,7 +282,26 @@ class Exchange:
         content = first if first is not None else await _read(upstream)
         return self._buffered_response(upstream, content)
 
+    def compaction_report(self) -> str:
+        """What /compact did, for the agent: the model's context ops over this request, summed."""
+        ops = [e for e in self.runner_events if e["ok"] and e["op"] in ("drop", "note", "clear")]
+        freed = sum(e["tokens_freed"] for e in ops)
+        kinds = ", ".join(f"{op} x{n}" for op, n in sorted(Counter(e["op"] for e in ops).items())) or "nothing cut"
+        return f"[ctxproxy] Context compacted: about {freed} tokens freed ({kinds}); everything cut is restorable."
+
+    def _with_report(self, content: bytes) -> bytes:
+        try:
+            answer = orjson.loads(content)
+            message = answer["choices"][0]["message"]
+        except (orjson.JSONDecodeError, KeyError, IndexError, TypeError):
+            return content
+        said = message.get("content") if isinstance(message.get("content"), str) else ""
+        message["content"] = self.compaction_report() + (f"\n{said}" if said else "")
+        return orjson.dumps(answer)
+
     def _buffered_response(self, upstream: httpx.Response, content: bytes) -> Response:
+        if self.compact is not None and upstream.status_code < 400:
+            content = self._with_report(content)
         outcome = "ok" if upstream.status_code < 400 else "upstream_error"
         self.add_usage(_usage_of(content))
         response = with_headers(Response(content, upstream.status_code, headers=self.headers),
@@ -371,6 +395,16 @@ def _context_calls(content: bytes, agent_tools: frozenset[str]) -> tuple[dict[st
     except orjson.JSONDecodeError:
         return {}, []
     return strip_calls(answer, agent_tools)
+
+
+def _compact_request(body: ChatBody) -> str | None:
+    """The person's ``/compact [instruction]``, if their latest message is one."""
+    last = body["messages"][-1]
+    content = last.get("content")
+    if last.get("role") != "user" or not isinstance(content, str) or not content.strip().startswith("/compact"):
+        return None
+    rest = content.strip()[len("/compact"):]
+    return rest.strip() if not rest or rest[0].isspace() else None
 
 
 def _fenced_calls(content: bytes) -> tuple[dict[str, Any], list[Any], str]:

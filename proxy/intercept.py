@@ -35,6 +35,8 @@ class ContextRunner:
         self.round = 0
         self.events: list[dict[str, Any]] = []
         """The events of the latest ``execute`` (a stream also carries them as SSE comments)."""
+        self.all_events: list[dict[str, Any]] = []
+        """Every event of this client request."""
         self._pending: dict[str, Any] = {}
 
     async def execute(self, calls: list[dict[str, Any]], rules: Rules, model: str | None) -> list[dict[str, Any]]:
@@ -101,6 +103,7 @@ class ContextRunner:
                  "overflow_ids": list(outcome.overflow_ids if outcome else overflow_ids)}
         self.app.events.publish(event)
         self.events.append(event)
+        self.all_events.append(event)
         self._pending = {k: v for k, v in event.items() if k not in ("type", "session")} | {
             "session_id": self.session_id}
         return text

@@ -33,6 +33,10 @@ __all__ = ["Plan", "plan_forward"]
 
 log = logging.getLogger("ctxproxy")
 INCOGNITO_STORAGE = "memory-only (incognito)"
+COMPACT = ("[ctxproxy] The person asked you to compact your context (/compact). Use your context tools now: "
+           "context_status shows what takes the room; context_drop and context_note cut what you no longer need "
+           "(everything stays restorable). Write your decisions in a note before you cut. Then answer with one "
+           "short line.")
 
 
 @dataclass(frozen=True)
@@ -50,7 +54,8 @@ class Plan:
 
 async def plan_forward(app: AppState, writer: JournalWriter, ctx: SessionContext, recorded: RecordedRequest,
                        body: ChatBody, raw: bytes, incoming: IncomingRequest, attempt: int, incognito: bool,
-                       splice: list[dict[str, Any]] | None = None, offer: bool = True) -> Plan:
+                       splice: list[dict[str, Any]] | None = None, offer: bool = True,
+                       compact: str | None = None) -> Plan:
     """Project the request and journal the forward. ``splice``: this request's context-tool exchanges so far,
     sent after the projection in the proxy's own follow-up rounds; ``offer=False``: the last round, without the
     context tools."""
@@ -74,9 +79,12 @@ async def plan_forward(app: AppState, writer: JournalWriter, ctx: SessionContext
     if _broken(messages, p):
         p = replace(p, messages=list(messages), hashes=list(incoming.hashes), new=(), writes=(), changed=False)
         p.state.absorbed = -1  # never resumed: the next request recomputes from the decisions
-    offered = offer and _offered(ctx, settings, body, messages, p, rules)
+    offered = offer and (_offered(ctx, settings, body, messages, p, rules) or (compact is not None and
+                                                                            settings.tools_enabled))
     notices = [] if splice else _notices(ctx, settings, p, rules, offered)  # follow-ups carry the tool results
     syntax = [{"role": "system", "content": NOTE}] if offered and rules.fenced else []
+    if compact is not None:
+        syntax.append({"role": "system", "content": COMPACT + (f" The person adds: {compact}" if compact else "")})
     sent = p.messages + syntax + notices + list(splice or [])
     payload: dict[str, Any] = {**body, "messages": sent}
     if offered and not rules.fenced:

@@ -105,6 +105,10 @@ async def _relay(exchange: Exchange, upstream: httpx.Response, head: bytes, filt
 async def _close(exchange: Exchange, filtered: StreamFilter, record: dict[str, Any],
                  calls: list[Any]) -> AsyncIterator[bytes]:
     exchange.add_usage(filtered.usage.get("usage") if filtered.usage else None)
+    if exchange.compact is not None:  # /compact: the agent reads what was freed, as the answer's last words
+        report = {"object": "chat.completion.chunk", "choices": [
+            {"index": 0, "delta": {"content": "\n" + exchange.compaction_report()}, "finish_reason": None}]}
+        yield b"data: " + orjson.dumps(report) + b"\n\n"
     for out in filtered.closing("stop" if calls and not filtered.agent_calls else None):
         yield out
     yield exchange.totals_comment()

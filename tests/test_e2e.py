@@ -224,3 +224,31 @@ def test_the_sdk_never_sees_a_context_tool_call(stack: Stack, call: tuple[str, d
 
 def _session_of(stack: Stack) -> str:
     return str(httpx.get(stack.proxy + "/ctx/sessions").json()["sessions"][0]["id"])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_compact_returns_a_report_and_the_next_request_is_smaller(stack: Stack, stream: bool) -> None:
+    tools = [{"type": "function", "function": {"name": "sh", "parameters": {"type": "object", "properties": {}}}}]
+    history: list[Any] = [*MESSAGES]
+    for k in range(3):
+        history += [{"role": "assistant", "content": None, "tool_calls": [
+            {"id": f"call_{k}", "type": "function", "function": {"name": "sh", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": f"call_{k}", "content": f"output {k}\n" * 400}]
+    compact = [*history, {"role": "user", "content": "/compact keep what you learned about the build"}]
+    drop = ("context_drop", {"handles": ["call_0", "call_1"]})
+    stack.fake.enqueue(Reply(sse=stream_tool_answer(drop)) if stream else Reply(body=tool_answer(drop)))
+    stack.fake.enqueue(Reply(sse=stream_chunks("Compacted.")) if stream else Reply(body=completion("Compacted.")))
+    client = stack.sdk()
+    if stream:
+        chunks = client.chat.completions.create(model="m", messages=compact, tools=tools, stream=True)
+        report = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    else:
+        report = client.chat.completions.create(model="m", messages=compact, tools=tools).choices[0].message.content
+    assert "Context compacted: about" in str(report) and "drop x1" in str(report)
+    first = stack.fake.chats[0]
+    assert "/compact" in first.body.decode() and "keep what you learned about the build" in first.body.decode()
+    after = [*compact, {"role": "assistant", "content": str(report)}, {"role": "user", "content": "go on"}]
+    client.chat.completions.create(model="m", messages=after, tools=tools)
+    old = sum(len(m["content"] or "") for m in first.json()["messages"] if m["role"] == "tool")
+    new = sum(len(m["content"] or "") for m in stack.fake.chats[-1].json()["messages"] if m["role"] == "tool")
+    assert new < old / 2  # the next upstream request carries stubs where the dropped results were
