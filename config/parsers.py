@@ -21,6 +21,7 @@ __all__ = [
     "parse_float",
     "parse_int",
     "parse_optional_secret",
+    "parse_presets",
     "parse_regex",
     "parse_str",
     "parse_str_list",
@@ -147,6 +148,28 @@ def parse_str_list(value: Any) -> tuple[str, ...]:
     if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
         raise ValueError('expected a list of strings, e.g. ["free up your context"]')
     return tuple(value)
+
+
+def parse_presets(value: Any) -> tuple[tuple[str, str], ...]:
+    """Text-protocol presets: ``[{name = "mine", pattern = "…(?P<body>…)…"}]`` in TOML (or that list as JSON).
+    The pattern must match a whole results message and name the result ``body``."""
+    if isinstance(value, str):
+        value = json.loads(value) if value.strip() else []
+    if not isinstance(value, list | tuple):
+        raise ValueError('expected a list of tables, e.g. [{name = "mine", pattern = "(?P<body>.*)\\n<<END"}]')
+    presets = []
+    for item in value:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not isinstance(
+                item.get("pattern"), str):
+            raise ValueError("each preset needs a `name` and a `pattern` (strings)")
+        try:
+            compiled = re.compile(item["pattern"])
+        except re.error as exc:
+            raise ValueError(f"preset {item['name']!r}: not a valid regular expression ({exc})") from None
+        if "body" not in compiled.groupindex:
+            raise ValueError(f"preset {item['name']!r}: the pattern needs a named group (?P<body>...)")
+        presets.append((item["name"], item["pattern"]))
+    return tuple(presets)
 
 
 def parse_optional_secret(value: Any) -> Secret | None:

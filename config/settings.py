@@ -32,6 +32,7 @@ from config.parsers import (
     parse_float,
     parse_int,
     parse_optional_secret,
+    parse_presets,
     parse_regex,
     parse_str,
     parse_str_list,
@@ -112,6 +113,8 @@ class Settings:
     approval_pattern: str = _opt(r"approval[_ ]id[=: ]+\S+", parse_regex, "what marks a pending approval")
     native_tools: bool = _opt(True, parse_bool, "upstream handles function calling (else fenced note only)")
     route: str = _opt("auto", parse_choice("auto", "native", "fenced"), "tool-call protocol of the agent")
+    fenced_presets: tuple[tuple[str, str], ...] = _opt((), parse_presets, "your own text-protocol formats: "
+                                                       "[{name, pattern with (?P<body>…)}], tried first")
     mirror_dir: str = _opt("", parse_str, 'where LIVE_CONTEXT.json is written; "" = <data_dir>/mirror')
     # --- not settable by key: built by load_settings ------------------------------------------------------------
     profiles: tuple[ModelProfile, ...] = field(default=(), metadata={"internal": True})

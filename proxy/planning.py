@@ -21,7 +21,7 @@ from config import Settings
 from proxy.context import SessionContext
 from proxy.errors import ContextTooLarge
 from proxy.rewrite import Projection, Report, Rules, budget_for, canonical_json, message_hash, project, violations
-from proxy.rewrite.fenced import PRESETS, route_of
+from proxy.rewrite.fenced import presets_for, route_of
 from proxy.rewrite.project import PASTE
 from proxy.state import AppState
 from proxy.tools.blocks import NOTE
@@ -69,7 +69,8 @@ async def plan_forward(app: AppState, writer: JournalWriter, ctx: SessionContext
     # are, and the cuts must not shift when they start to be.
     tools = app.counter.count_tools(body.get("tools")) + (app.context_tools_tokens() if may_offer else 0)
     messages = cast(list[dict[str, Any]], body["messages"])
-    fenced = PRESETS if route_of(messages, body.get("tools"), settings.route) == "fenced" else ()
+    presets = presets_for(settings.fenced_presets)
+    fenced = presets if route_of(messages, body.get("tools"), settings.route, presets) == "fenced" else ()
     rules = Rules(budget_for(settings, window), k, INCOGNITO_STORAGE if incognito else "disk", tools, fenced)
     messages = cast(list[dict[str, Any]], body["messages"])
     previous, ctx.state = ctx.state, None  # consumed by project(); only a journaled projection gives it back

@@ -21,7 +21,7 @@ import orjson
 
 from config import Settings
 from proxy.rewrite import Decision, Rules, State, budget_for, message_hash, project, violations
-from proxy.rewrite.fenced import PRESETS, route_of
+from proxy.rewrite.fenced import presets_for, route_of
 from proxy.rewrite.tokens import MessageCounter
 
 __all__ = ["ReplayStep", "Summary", "agent_requests", "replay", "summarize"]
@@ -74,7 +74,8 @@ def replay(conversation: dict[str, Any], settings: Settings, window: int,
     counter = counter or MessageCounter()
     messages, tools = conversation["messages"], conversation.get("tools")
     model_settings = settings.for_model(conversation.get("model"))
-    fenced = PRESETS if route_of(messages, tools, model_settings.route) == "fenced" else ()
+    presets = presets_for(model_settings.fenced_presets)
+    fenced = presets if route_of(messages, tools, model_settings.route, presets) == "fenced" else ()
     rules = Rules(budget_for(model_settings, window), tools_tokens=counter.count_tools(tools), fenced=fenced)
     hashes = [message_hash(m) for m in messages]
     decisions: list[Decision] = []

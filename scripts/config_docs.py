@@ -56,7 +56,7 @@ def readme_table() -> str:
     rows = []
     for name, field in SETTABLE.items():
         value = getattr(defaults, name)
-        shown = "the 5 phrases of DESIGN.md §5" if isinstance(value, tuple) else (
+        shown = "the 5 phrases of DESIGN.md §5" if name == "offer_phrases" else (
             "unset" if value is None else toml_value(name, value))
         meaning = str(field.metadata["help"]).replace("|", "\\|")
         rows.append(f"| `{name}` | `{shown}` | `CTXPROXY_{name.upper()}` | {meaning} |")

@@ -86,3 +86,20 @@ def test_the_route_is_native_with_tools_and_can_be_forced() -> None:
     assert route_of([{"role": "user", "content": "hi"}], None, "auto") == "native"
     assert route_of([{"role": "user", "content": "hi"}], None, "fenced") == "fenced"
     assert len(PRESETS) == 4
+
+
+def test_an_operators_preset_from_toml_is_tried_first(tmp_path: Path) -> None:
+    from config import SettingsError, load_settings
+    from proxy.rewrite.fenced import presets_for
+
+    path = tmp_path / "c.toml"
+    path.write_text('[[fenced_presets]]\nname = "mine"\npattern = "RESULT>>\\\\n(?P<body>.*)\\\\n<<END"\n')
+    settings = load_settings(path, {})
+    presets = presets_for(settings.fenced_presets)
+    assert presets[0].name == "mine" and len(presets) == 5
+    history = [{"role": "user", "content": "t"}, {"role": "assistant", "content": "x"},
+               {"role": "user", "content": "RESULT>>\nall good\n<<END"}]
+    assert [r.preset for r in find_results(history, presets)] == ["mine"]
+    path.write_text('[[fenced_presets]]\nname = "bad"\npattern = "no body group"\n')
+    with pytest.raises(SettingsError, match="named group"):
+        load_settings(path, {})

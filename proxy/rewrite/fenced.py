@@ -16,12 +16,13 @@ assistant message and matches a preset whole; when unsure, it is the person's. P
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["PRESETS", "Preset", "ResultsMessage", "Segment", "find_results", "parse_preset", "route_of"]
+__all__ = ["PRESETS", "Preset", "ResultsMessage", "Segment", "find_results", "parse_preset", "presets_for", "route_of"]
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,12 @@ def find_results(messages: Sequence[dict[str, Any]], presets: Sequence[Preset] =
                 found.append(ResultsMessage(i, round_, preset.name, tuple(segments)))
                 break
     return found
+
+
+@functools.lru_cache(maxsize=32)
+def presets_for(custom: tuple[tuple[str, str], ...]) -> tuple[Preset, ...]:
+    """The operator's presets (tried first), then the built-in ones. Compiled once per configuration."""
+    return (*(parse_preset(name, pattern) for name, pattern in custom), *PRESETS)
 
 
 def route_of(messages: Sequence[dict[str, Any]], tools: Any, setting: str,
