@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from proxy.rewrite import Decision, State
 from proxy.rewrite.tokens import Calibration
@@ -29,6 +30,9 @@ class SessionContext:
     offered_turn: str | None = None
     """Identity of the message that opened the turn in which the context tools were offered."""
     reminded_turn: str | None = None
+    mirror: Path | None = None
+    """Where LIVE_CONTEXT.json is written while the model manages its context through it."""
+    mirror_revision: int = 0
     confirmations: list[str] = field(default_factory=list)
     """What the model's context tools did, told to it as one system line in its next request."""
 

@@ -18,7 +18,8 @@ from proxy.rewrite import project
 from proxy.rewrite.state import Rules
 from proxy.state import AppState
 from proxy.tools.apply import Outcome, View, apply_intent, render_overflow
-from proxy.tools.intents import ReadOverflow, ToolError, parse_call
+from proxy.tools.intents import Ctx, ReadOverflow, ToolError, parse_call
+from proxy.tools.mirror import revise
 from proxy.tools.offer import split_calls
 from proxy.tools.schemas import TOOL_NAMES
 from store import Journal, JournalWriter, OverflowBody
@@ -65,6 +66,8 @@ class ContextRunner:
             return self._event(name if name in TOOL_NAMES else "invalid", False, f"{name}: {exc}")
         if isinstance(intent, ReadOverflow):
             return await self._read_overflow(intent)
+        if isinstance(intent, Ctx) and intent.action == "commit":
+            return await self._commit(rules)
         outcome = apply_intent(intent, self._view(rules, settings.max_pins, settings.approval_pattern))
         if outcome.decisions:
             await self._journal(outcome)
@@ -86,6 +89,24 @@ class ContextRunner:
         await self.writer.call(Journal.add_decisions, self.session_id, [asdict(d) for d in outcome.decisions],
                                _now(), self.request_id, overflow)
         self.ctx.decisions += outcome.decisions
+
+    async def _commit(self, rules: Rules) -> str:
+        """ctx commit: the model's edited LIVE_CONTEXT.json, validated and applied as a journaled revision."""
+        path = self.ctx.mirror
+        if path is None or not path.exists():
+            return self._event("commit", False, "ctx commit: there is no LIVE_CONTEXT.json to commit; it is written "
+                               "when the automatic cuts can no longer keep your context under its target.")
+        view = self._view(rules, 0, "")
+        state = view.state
+        revision = revise(path.read_text(), state.ids, state.hashes, self.messages, state.out, rules.storage)
+        if revision.ok and revision.decisions:
+            outcome = Outcome("commit", revision.text, True, tuple(d.target for d in revision.decisions),
+                              0, revision.decisions, revision.writes)
+            await self._journal(outcome)
+            self.ctx.mirror_revision += 1
+            self.ctx.confirmations.append(f"Mirror revision {self.ctx.mirror_revision} applied: {revision.text}")
+            return self._event("commit", True, revision.text, outcome)
+        return self._event("commit", revision.ok, revision.text)
 
     async def _read_overflow(self, intent: ReadOverflow) -> str:
         row = await self.writer.call(Journal.overflow_body, intent.id, self.session_id)

@@ -13,6 +13,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any, cast
 
 import orjson
@@ -25,6 +26,7 @@ from proxy.rewrite.fenced import presets_for, route_of
 from proxy.rewrite.project import PASTE
 from proxy.state import AppState
 from proxy.tools.blocks import NOTE
+from proxy.tools.mirror import PARAGRAPH, mirror_document
 from proxy.tools.offer import REMINDER, person_asked, turn_of, with_context_tools
 from proxy.wire import ChatBody
 from store import ForwardRecord, IncomingRequest, Journal, JournalWriter, OverflowBody, RecordedRequest
@@ -80,12 +82,15 @@ async def plan_forward(app: AppState, writer: JournalWriter, ctx: SessionContext
     if _broken(messages, p):
         p = replace(p, messages=list(messages), hashes=list(incoming.hashes), new=(), writes=(), changed=False)
         p.state.absorbed = -1  # never resumed: the next request recomputes from the decisions
-    offered = offer and (_offered(ctx, settings, body, messages, p, rules) or (compact is not None and
-                                                                            settings.tools_enabled))
+    mirror = None if incognito or splice else _mirror(ctx, settings, recorded.session_id, p)
+    offered = offer and (_offered(ctx, settings, body, messages, p, rules) or (
+        (compact is not None or ctx.mirror is not None) and settings.tools_enabled))
     notices = [] if splice else _notices(ctx, settings, p, rules, offered)  # follow-ups carry the tool results
     syntax = [{"role": "system", "content": NOTE}] if offered and rules.fenced else []
     if compact is not None:
         syntax.append({"role": "system", "content": COMPACT + (f" The person adds: {compact}" if compact else "")})
+    if mirror is not None:
+        syntax.append({"role": "system", "content": PARAGRAPH.format(path=mirror)})
     sent = p.messages + syntax + notices + list(splice or [])
     payload: dict[str, Any] = {**body, "messages": sent}
     if offered and not rules.fenced:
@@ -107,6 +112,21 @@ async def plan_forward(app: AppState, writer: JournalWriter, ctx: SessionContext
     ctx.state = p.state
     ctx.sent_list = (list_id, hashes)
     return Plan(orjson.dumps(payload) if changed else raw, estimate, k, p, rules, offered, deferred)
+
+
+def _mirror(ctx: SessionContext, settings: Settings, session_id: str, p: Projection) -> Path | None:
+    """When the automatic cuts could not reach the target, write the projection where the model can edit it; the
+    mirror stays on (rewritten on every request) until the context is back under the target."""
+    above = p.report.scaled > p.report.target
+    if (p.report.elided or p.report.folded) and above:
+        ctx.mirror = ctx.mirror or (Path(settings.mirror_dir) if settings.mirror_dir else
+                                    settings.data_path / "mirror" / session_id) / "LIVE_CONTEXT.json"
+    if ctx.mirror is None or not above:
+        return None
+    ids = [mid for mid, out in zip(p.state.ids, p.state.out, strict=True) if out is not None]
+    ctx.mirror.parent.mkdir(parents=True, exist_ok=True)
+    ctx.mirror.write_text(mirror_document(session_id, ctx.mirror_revision, ids, p.messages[: len(ids)]))
+    return ctx.mirror
 
 
 def _offered(ctx: SessionContext, settings: Settings, body: ChatBody, messages: list[dict[str, Any]],

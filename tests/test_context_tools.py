@@ -388,7 +388,71 @@ def test_ctx_clear_selects_then_the_masks_narrow_and_a_repeat_has_nothing_to_cle
     first, again, masks_alone, commit = results_of(fake)
     assert "clear: applied to call_0, call_2, call_3." in first  # before call_5, read_file only, the newest spared
     assert "nothing to clear" in again and "masks only" not in again
-    assert "nothing selected" in masks_alone and "no LIVE_CONTEXT.json mirror" in commit
+    assert "nothing selected" in masks_alone and "there is no LIVE_CONTEXT.json to commit" in commit
     sent = {m.get("tool_call_id"): m["content"] for m in fake.chats[-1].json()["messages"] if m["role"] == "tool"}
     assert sent["call_0"].startswith("[overflow id=") and "Cleared by you (ctx clear)" in sent["call_0"]
     assert not sent["call_1"].startswith("[overflow") and not sent["call_4"].startswith("[overflow")
+
+
+# --- the live mirror ---------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def mirrored(tmp_path: Path, fake: FakeUpstream) -> Iterator[tuple[TestClient, Path]]:
+    """Eight newest results protected and each about 1000 tokens: elision cannot reach the target alone."""
+    settings = load_settings(env={"CTXPROXY_DATA_DIR": str(tmp_path / "data"), "CTXPROXY_UPSTREAM": "http://u.test/v1",
+                                  "CTXPROXY_CTX_WINDOW": "16384", "CTXPROXY_SPILL_CHARS": "100000",
+                                  "CTXPROXY_KEEP_RESULTS": "8", "CTXPROXY_MIRROR_DIR": str(tmp_path / "ws")})
+    with app_client(settings, httpx.ASGITransport(app=fake)) as test_client:
+        yield test_client, tmp_path / "ws" / "LIVE_CONTEXT.json"
+
+
+def crowded() -> list[dict[str, Any]]:
+    msgs = history(1, ask="Fix the bug.")
+    for k in range(1, 14):
+        msgs += [{"role": "assistant", "content": None, "tool_calls": [
+            {"id": f"call_{k}", "type": "function", "function": {"name": "read_file", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": f"call_{k}", "content": f"{k % 10}" * 3000}]
+    return msgs
+
+
+def test_the_mirror_is_written_and_an_edit_that_removes_results_is_applied(
+        mirrored: tuple[TestClient, Path], fake: FakeUpstream) -> None:
+    client, path = mirrored
+    ask(client, crowded())
+    assert path.exists() and "You manage your context" in fake.chats[-1].json()["messages"][-1]["content"]
+    draft = json.loads(path.read_text())
+    draft["messages"] = [e for e in draft["messages"] if e.get("tool_call_id") not in ("call_8", "call_9")]
+    path.write_text(json.dumps(draft))  # what the agent's own edit tool would do
+    fake.enqueue(Reply(body=tool_answer(("ctx", {"action": "commit"}))))
+    fake.enqueue(Reply(body=completion("ok")))
+    ask(client, crowded())
+    assert "ctx commit: applied, 2 tool result(s) cut." in results_of(fake)[-1]
+    sent = {m.get("tool_call_id"): m["content"] for m in fake.chats[-1].json()["messages"] if m["role"] == "tool"}
+    assert sent["call_8"].startswith("[overflow id=") and "Cut by you in the mirror" in sent["call_8"]
+    assert not sent["call_10"].startswith("[overflow")
+    assert journaled_ops(path) == [("commit", 1, "ctx commit: applied, 2 tool result(s) cut.")]
+
+
+def test_a_mirror_edit_that_changes_the_person_is_refused_with_a_reason(
+        mirrored: tuple[TestClient, Path], fake: FakeUpstream) -> None:
+    client, path = mirrored
+    ask(client, crowded())
+    draft = json.loads(path.read_text())
+    person = next(e for e in draft["messages"] if e["role"] == "user")
+    person["content"] = "Never mind the bug."
+    path.write_text(json.dumps(draft))
+    fake.enqueue(Reply(body=tool_answer(("ctx", {}))))  # an empty object means commit
+    fake.enqueue(Reply(body=completion("ok")))
+    ask(client, crowded())
+    reply = results_of(fake)[-1]
+    assert "refused, nothing applied" in reply and f"the user message {person['id']} was changed" in reply
+    sent = [m["content"] for m in fake.chats[-1].json()["messages"] if m["role"] == "tool"]
+    assert sum(c.startswith("[overflow id=") and "mirror" in c for c in sent) == 0
+    assert [(op, ok) for op, ok, _ in journaled_ops(path)] == [("commit", 0)]
+
+
+def journaled_ops(mirror: Path) -> list[tuple[str, int, str]]:
+    from store import Journal
+
+    journal = Journal(mirror.parent.parent / "data" / "journal.db")
+    return [tuple(r) for r in journal.db.execute("SELECT op, ok, result FROM context_ops ORDER BY id")]  # type: ignore

@@ -292,8 +292,7 @@ def _ctx(intent: Ctx, view: View) -> Outcome:
     if intent.action == "status":
         return Outcome("status", status_text(view, 8), True)
     if intent.action == "commit":
-        return Outcome("commit", "ctx commit: this proxy keeps no LIVE_CONTEXT.json mirror yet, so there is nothing "
-                       "to commit. Cut results with ctx clear or context_drop.", False)
+        raise TypeError("ctx commit reads the mirror file: the runner serves it (proxy.tools.mirror)")
     return _clear(intent, view)
 
 

@@ -1,0 +1,96 @@
+"""The live mirror (the second seed): the projection as ``LIVE_CONTEXT.json``, edited by the model, committed.
+
+When auto-elision alone cannot bring a request under the target, the proxy writes what the model sees as a JSON
+file and tells it that it manages its context: it edits the file with its own tools — it may remove or shorten
+tool results, nothing else — and calls ``ctx`` with ``{"action": "commit"}``. ``revise`` validates the draft
+against the projection (a removed or changed user block, system message or assistant text is refused with the
+reason; a call and its result go together) and turns it into decisions: each removed result becomes a stub, each
+shortened one keeps the model's text and a stub line, all restorable. Pure: the runner reads and writes the file.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from proxy.rewrite.decisions import Decision, OverflowWrite
+from proxy.rewrite.identity import content_text
+from proxy.rewrite.state import sha256_text
+from proxy.rewrite.stubs import stub_line
+
+__all__ = ["PARAGRAPH", "Revision", "mirror_document", "revise"]
+
+PARAGRAPH = ("[ctxproxy] You manage your context: it no longer fits by the automatic rules alone. What you see is "
+             "mirrored in {path}. Before you cut anything, write the decisions you have made so far as a note "
+             "starting with DECIDED: (context_note): the rules protect the dialogue, not your memory. Then edit "
+             "the file with your own tools — remove or shorten tool results (entries with role \"tool\"); leave "
+             "every other entry as it is — and call ctx with {{\"action\": \"commit\"}}. The confirmation comes "
+             "as the next system line.")
+
+
+def mirror_document(session: str, revision: int, ids: Sequence[str], messages: Sequence[dict[str, Any]]) -> str:
+    """The projection as the model sees it, one entry per message, each with the identity a revision keys on."""
+    entries = [{"id": mid, **{k: v for k, v in m.items() if k in ("role", "content", "tool_call_id", "tool_calls")}}
+               for mid, m in zip(ids, messages, strict=True)]
+    return json.dumps({"session": session, "revision": revision, "messages": entries}, indent=1, ensure_ascii=False)
+
+
+@dataclass(frozen=True)
+class Revision:
+    ok: bool
+    text: str
+    decisions: tuple[Decision, ...] = ()
+    writes: tuple[OverflowWrite, ...] = ()
+
+
+def revise(draft_text: str, ids: Sequence[str], hashes: Sequence[str], originals: Sequence[dict[str, Any]],
+           current: Sequence[dict[str, Any] | None], storage: str) -> Revision:
+    """The draft's cuts as decisions, or the reason it is refused (nothing is applied then)."""
+    try:
+        draft = {e["id"]: e for e in json.loads(draft_text)["messages"] if isinstance(e, dict) and "id" in e}
+    except (ValueError, KeyError, TypeError) as exc:
+        return Revision(False, f"ctx commit: the mirror is not the JSON the proxy wrote ({exc}). Nothing applied.")
+    unknown = sorted(set(draft) - set(ids))
+    if unknown:
+        return Revision(False, f"ctx commit: refused, the draft names messages that are not in your context: "
+                               f"{', '.join(unknown[:5])}. Nothing applied.")
+    decisions, writes, problems = [], [], []
+    for mid, message_hash, original, now in zip(ids, hashes, originals, current, strict=True):
+        if now is None:
+            continue  # folded: not in the mirror
+        problem, decision, write = _one(mid, message_hash, original, now, draft.get(mid), storage)
+        problems += [problem] if problem else []
+        decisions += [decision] if decision else []
+        writes += [write] if write else []
+    if problems:
+        return Revision(False, "ctx commit: refused, nothing applied: " + "; ".join(problems[:5]) +
+                        ". Only tool results may be removed or shortened; restore the rest and commit again.")
+    if not decisions:
+        return Revision(True, "ctx commit: the draft cuts nothing; nothing to apply.")
+    return Revision(True, f"ctx commit: applied, {len(decisions)} tool result(s) cut.", tuple(decisions),
+                    tuple(writes))
+
+
+def _one(mid: str, message_hash: str, original: dict[str, Any], now: dict[str, Any], entry: dict[str, Any] | None,
+         storage: str) -> tuple[str | None, Decision | None, OverflowWrite | None]:
+    role = now.get("role")
+    if role != "tool":
+        if entry is None:
+            return f"the {role} message {mid} was removed", None, None
+        if content_text(entry.get("content")) != content_text(now.get("content")):
+            return f"the {role} message {mid} was changed", None, None
+        if entry.get("tool_calls", now.get("tool_calls")) != now.get("tool_calls"):
+            return f"the call arguments of {mid} were changed (not supported yet)", None, None
+        return None, None, None
+    before = content_text(now.get("content"))
+    after = None if entry is None else content_text(entry.get("content"))
+    if after == before:
+        return None, None, None
+    body = content_text(original.get("content"))
+    line = stub_line(sha256_text(body), "?", len(body.encode()), str(original.get("tool_call_id")), storage)
+    kept = f"{after}\n" if after else ""
+    text = f"{kept}{line}\nCut by you in the mirror. The original is restorable: read_overflow id={sha256_text(body)}."
+    decision = Decision("drop", mid, message_hash, text, sha256_text(body), source="model")
+    return None, decision, OverflowWrite(sha256_text(body), body, "?", str(original.get("tool_call_id")))
