@@ -104,3 +104,15 @@ def test_ctx_clear_through_a_block(client: TestClient, fake: FakeUpstream) -> No
     assert "clear: applied to r2.1." in reply and "r1.1: under 600 characters" in reply
     results = [m["content"] for m in fake.chats[-1].json()["messages"] if "call_id=r2.1" in str(m["content"])]
     assert results and results[0].startswith("<returncode>0</returncode>\n<output>\n[overflow id=")
+
+
+def test_a_whole_results_message_by_its_m_handle(client: TestClient, fake: FakeUpstream) -> None:
+    import hashlib
+
+    from proxy.rewrite.identity import canonical_json
+
+    handle = "m" + hashlib.sha256(canonical_json(history()[5])).hexdigest()[:8]
+    fake.enqueue(Reply(body=completion(block("context_drop", handles=[handle]))))
+    fake.enqueue(Reply(body=completion("ok\n```bash\nls\n```")))
+    ask(client)
+    assert "drop: applied to r2.1." in fake.chats[-1].json()["messages"][-1]["content"]

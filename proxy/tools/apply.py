@@ -87,6 +87,7 @@ class _Unit:
 
 
 _ROUND = re.compile(r"^r(\d+)(?:\.(\d+))?$")
+_MESSAGE = re.compile(r"^m([0-9a-f]{8})$")
 
 
 def _units(view: View, handle: str) -> list[_Unit] | str:
@@ -104,6 +105,14 @@ def _units(view: View, handle: str) -> list[_Unit] | str:
         k = int(match.group(2)) - 1
         return [_Unit(handle, i, k)] if 0 <= k < len(result.segments) else f"{handle}: round {result.round} has " \
             f"{len(result.segments)} result(s)"
+    whole = _MESSAGE.match(handle)
+    if whole:  # m<8 hex>: a whole results message (every result body in it), by its content hash
+        hits = [i for i in view.state.fenced if view.state.hashes[i].startswith(whole.group(1))
+                and i < len(view.messages)]
+        if len(hits) != 1:
+            return f"{handle}: names {len(hits)} results messages; use r<round>.<i>"
+        result = view.state.fenced[hits[0]]
+        return [_Unit(f"r{result.round}.{k + 1}", hits[0], k) for k in range(len(result.segments))]
     index = _index(view, handle)
     return [_Unit(handle, index)] if index is not None else f"{handle}: no result with this handle in your context"
 
