@@ -134,8 +134,6 @@ def _offered(ctx: SessionContext, settings: Settings, body: ChatBody, messages: 
     """The offer rule; an offer holds for the rest of the turn (``ctx.offered_turn``)."""
     if not settings.tools_enabled or not (body.get("tools") or settings.native_tools or rules.fenced):
         return False
-    if rules.fenced and body.get("stream"):
-        return False  # context blocks in streamed text are not taken out yet: not offered, nothing to leak
     turn = turn_of(messages, {i for i, r in p.state.fenced.items() if r.command != PASTE})
     key = p.state.ids[turn.start] if p.state.ids else ""
     usage = p.report.scaled / rules.budget.budget  # after cuts the window is never reached: judge by the budget

@@ -25,6 +25,7 @@ from proxy.intercept import ContextRunner
 from proxy.responses import FinallyResponse
 from proxy.sse import last_usage
 from proxy.streaming import StreamFilter
+from proxy.tools.blocks import has_command, results_message
 from proxy.upstream import response_headers, with_headers
 
 if TYPE_CHECKING:
@@ -44,7 +45,7 @@ def intercepting_stream(exchange: Exchange, upstream: httpx.Response, first: byt
     async def forward() -> AsyncIterator[bytes]:
         current, head, rules, splice = upstream, first, plan.rules, []
         for internal in range(rounds + 1):
-            filtered = StreamFilter(exchange.agent_tools())
+            filtered = StreamFilter(exchange.agent_tools(), blocks=bool(rules.fenced))
             record["upstream"], record["chunks"] = current, []
             try:
                 async for out in _relay(exchange, current, head, filtered, record["chunks"]):
@@ -58,12 +59,14 @@ def intercepting_stream(exchange: Exchange, upstream: httpx.Response, first: byt
                 results = await runner.execute(calls, rules, exchange.body.get("model"))
                 for event in runner.events:  # SSE comments: clients skip them, a person tailing a stream reads them
                     yield b": context_op " + orjson.dumps(event) + b"\n\n"
-            if not calls or filtered.agent_calls or internal == rounds:
-                async for out in _close(exchange, filtered, record, calls):
+            mixed = has_command(filtered.forwarded) if rules.fenced else bool(filtered.agent_calls)
+            if not calls or mixed or internal == rounds:
+                async for out in _close(exchange, filtered, record, calls, mixed):
                     yield out
                 return
             await exchange.record_round(200, b"".join(record["chunks"]))
-            splice += [{"role": "assistant", "content": filtered.text or None, "tool_calls": calls}, *results]
+            splice += [{"role": "assistant", "content": filtered.text}, results_message(results)] if rules.fenced else \
+                [{"role": "assistant", "content": filtered.text or None, "tool_calls": calls}, *results]
             exchange.internal_rounds = internal + 1
             followed = None
             async for item in _follow_up(exchange, raw, splice, internal + 1 < rounds):
@@ -103,13 +106,13 @@ async def _relay(exchange: Exchange, upstream: httpx.Response, head: bytes, filt
 
 
 async def _close(exchange: Exchange, filtered: StreamFilter, record: dict[str, Any],
-                 calls: list[Any]) -> AsyncIterator[bytes]:
+                 calls: list[Any], mixed: bool) -> AsyncIterator[bytes]:
     exchange.add_usage(filtered.usage.get("usage") if filtered.usage else None)
     if exchange.compact is not None:  # /compact: the agent reads what was freed, as the answer's last words
         report = {"object": "chat.completion.chunk", "choices": [
             {"index": 0, "delta": {"content": "\n" + exchange.compaction_report()}, "finish_reason": None}]}
         yield b"data: " + orjson.dumps(report) + b"\n\n"
-    for out in filtered.closing("stop" if calls and not filtered.agent_calls else None):
+    for out in filtered.closing("stop" if calls and not mixed else None):
         yield out
     yield exchange.totals_comment()
     record["outcome"] = "ok"

@@ -16,7 +16,10 @@ from typing import Any
 
 import orjson
 
+from proxy.tools.blocks import extract_blocks
 from proxy.tools.schemas import TOOL_NAMES
+
+_OPEN = "```context"
 
 __all__ = ["StreamFilter"]
 
@@ -31,7 +34,14 @@ class _Call:
 
 
 class StreamFilter:
-    def __init__(self, agent_tools: frozenset[str]) -> None:
+    def __init__(self, agent_tools: frozenset[str], blocks: bool = False) -> None:
+        self._blocks = blocks
+        """Text-protocol route: ``context`` blocks in the text are calls, held back and taken out."""
+        self._hold = ""
+        self._eat_newline = False
+        self._block_calls: list[dict[str, Any]] = []
+        self.forwarded = ""
+        """The text the agent received (without the context blocks)."""
         self._ours_names = TOOL_NAMES - agent_tools
         self._all_names = self._ours_names | agent_tools
         self._calls: dict[int, _Call] = {}
@@ -47,8 +57,9 @@ class StreamFilter:
 
     @property
     def context_calls(self) -> list[dict[str, Any]]:
-        return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                for _, c in sorted(self._calls.items()) if c.ours]
+        native = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                  for _, c in sorted(self._calls.items()) if c.ours]
+        return native + self._block_calls
 
     @property
     def agent_calls(self) -> int:
@@ -80,7 +91,13 @@ class StreamFilter:
                 yield out + b"\n\n"
 
     def flush(self) -> Iterator[bytes]:
-        """At the end of the upstream's stream: a last event without its blank line, and any call still held."""
+        """At the end of the upstream's stream: a last event without its blank line, any call still held, and held
+        text (an unclosed ``context`` block was no call: the agent gets it as text)."""
+        if self._hold:
+            text, self._hold = self._hold, ""
+            self.forwarded += text
+            yield b"data: " + orjson.dumps({"object": "chat.completion.chunk", "choices": [
+                {"index": 0, "delta": {"content": text}, "finish_reason": None}]}) + b"\n\n"
         self._buffer += self._cr.replace(b"\r", b"\n")
         self._cr = b""
         if self._buffer.strip():
@@ -114,8 +131,20 @@ class StreamFilter:
             return raw
         choice = choices[0]
         delta = choice.get("delta") or {}
-        self.text += str(delta.get("content") or "")
+        said = str(delta.get("content") or "")
+        self.text += said
         calls = delta.get("tool_calls")
+        if self._blocks and said:
+            shown = self._text(said)
+            self.forwarded += shown
+            if shown != said:
+                delta = {**delta, "content": shown} if shown else {k: v for k, v in delta.items() if k != "content"}
+                chunk = {**chunk, "choices": [{**choice, "delta": delta}, *choices[1:]]}
+                raw = b"data: " + orjson.dumps(chunk)
+                if not delta and not choice.get("finish_reason"):
+                    return None
+        elif said:
+            self.forwarded += said
         if not calls and not choice.get("finish_reason"):
             return raw  # text, role, reasoning: as it came
         kept = [d for call in calls or [] for d in self._tool_delta(call)]
@@ -128,6 +157,32 @@ class StreamFilter:
         if not rest:
             return None
         return b"data: " + orjson.dumps({**chunk, "choices": [{**choice, "delta": rest, "finish_reason": None}]})
+
+    def _text(self, said: str) -> str:
+        """What of the model's text can go to the agent now: everything but ``context`` blocks, and but a tail
+        that may be the start of one (held until the next delta tells)."""
+        if self._eat_newline and said:  # the newline that ended a block taken out in the previous delta
+            said = said[1:] if said.startswith("\n") else said
+            self._eat_newline = False
+        self._hold += said
+        out = ""
+        while True:
+            start = self._hold.find(_OPEN)
+            if start < 0:
+                keep = next((n for n in range(min(len(self._hold), len(_OPEN)), 0, -1)
+                             if _OPEN.startswith(self._hold[-n:])), 0)
+                cut = len(self._hold) - keep
+                out, self._hold = out + self._hold[:cut], self._hold[cut:]
+                return out
+            close = self._hold.find("```", start + len(_OPEN))
+            if close < 0:
+                out, self._hold = out + self._hold[:start], self._hold[start:]
+                return out
+            end = close + 3 + (self._hold[close + 3: close + 4] == "\n")
+            self._eat_newline = end == len(self._hold) and self._hold[end - 1] != "\n"
+            _, calls = extract_blocks(self._hold[start:end] + ("" if self._hold[end - 1:end] == "\n" else "\n"))
+            self._block_calls += [{**c, "id": f"ctx_block_{len(self._block_calls) + n}"} for n, c in enumerate(calls)]
+            out, self._hold = out + self._hold[:start], self._hold[end:]
 
     def _tool_delta(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
         """The agent's deltas this one releases (itself, or the held ones of its call once its name is known)."""

@@ -116,3 +116,16 @@ def test_a_whole_results_message_by_its_m_handle(client: TestClient, fake: FakeU
     fake.enqueue(Reply(body=completion("ok\n```bash\nls\n```")))
     ask(client)
     assert "drop: applied to r2.1." in fake.chats[-1].json()["messages"][-1]["content"]
+
+
+def test_a_streamed_block_is_run_and_the_stream_goes_on(client: TestClient, fake: FakeUpstream) -> None:
+    from tests.fakes import stream_chunks
+
+    fake.enqueue(Reply(sse=stream_chunks("Tidying first.\n" + block("context_drop", handles=["r2.1"]))))
+    fake.enqueue(Reply(sse=stream_chunks("Now the fix.\n```bash\nls\n```")))
+    answer = client.post("/v1/chat/completions", json={"model": "m", "messages": history(), "stream": True})
+    events = [json.loads(line[6:]) for line in answer.text.splitlines()
+              if line.startswith("data: {") and '"choices"' in line]
+    text = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
+    assert "```context" not in text and "Now the fix." in text and answer.text.count("[DONE]") == 1
+    assert "drop: applied to r2.1" in fake.chats[-1].json()["messages"][-1]["content"]

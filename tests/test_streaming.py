@@ -17,9 +17,9 @@ def sse(chunks: list[Any], newline: bytes = b"\n") -> bytes:
     return b"".join(b"data: " + json.dumps(c).encode() + newline * 2 for c in chunks) + b"data: [DONE]" + newline * 2
 
 
-def run(data: bytes, cuts: list[int], agent_tools: frozenset[str] = frozenset({"read_file"})) -> tuple[
-        StreamFilter, list[Any]]:
-    filtered, out = StreamFilter(agent_tools), []
+def run(data: bytes, cuts: list[int], agent_tools: frozenset[str] = frozenset({"read_file"}),
+        blocks: bool = False) -> tuple[StreamFilter, list[Any]]:
+    filtered, out = StreamFilter(agent_tools, blocks), []
     edges = sorted({0, len(data), *[c % (len(data) + 1) for c in cuts]})
     for a, b in itertools.pairwise(edges):
         out += list(filtered.feed(data[a:b]))
@@ -60,3 +60,30 @@ def test_an_agent_tool_whose_name_starts_like_ours_stays_the_agents() -> None:
     filtered, events = run(sse(chunks), [], agent_tools=frozenset({"context_status_v2"}))
     assert [c["function"]["name"] for c in agent_calls(events) if "name" in c["function"]] == ["context_status_v2"]
     assert filtered.context_calls == []
+
+
+@given(st.lists(st.integers(1, 120), min_size=1, max_size=30))
+def test_a_context_block_in_streamed_text_never_reaches_the_agent(sizes: list[int]) -> None:
+    said = ('Tidying first.\n```context\n{"tool": "context_drop", "handles": ["r2.1"]}\n```\n'
+            "Now the fix.\n```bash\nls\n```")
+    pieces, at = [], 0
+    for size in sizes * 10:
+        if at >= len(said):
+            break
+        pieces.append(said[at:at + size])
+        at += size
+    if at < len(said):
+        pieces.append(said[at:])
+    base = {"object": "chat.completion.chunk"}
+    chunks = [base | {"choices": [{"index": 0, "delta": {"content": p}}]} for p in pieces]
+    chunks.append(base | {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+    filtered, events = run(sse(chunks), [], agent_tools=frozenset(), blocks=True)
+    shown = "".join(c.get("delta", {}).get("content") or "" for e in events for c in e.get("choices", []))
+    assert shown == "Tidying first.\nNow the fix.\n```bash\nls\n```" == filtered.forwarded
+    assert [c["function"]["name"] for c in filtered.context_calls] == ["context_drop"]
+
+
+def test_an_unclosed_block_is_text_after_all() -> None:
+    chunk = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "```context\n{"}}]}
+    _, events = run(sse([chunk]), [], agent_tools=frozenset(), blocks=True)
+    assert "".join(c["delta"].get("content") or "" for e in events for c in e["choices"]) == "```context\n{"
