@@ -68,6 +68,15 @@ def client(settings: Settings, fake: FakeUpstream) -> Iterator[TestClient]:
         yield test_client
 
 
+@pytest.fixture
+def roomy_client(tmp_path: Path, fake: FakeUpstream) -> Iterator[TestClient]:
+    """The app with a large fixed window and no spill: results stay whole unless the model cuts them."""
+    settings = load_settings(env={"CTXPROXY_DATA_DIR": str(tmp_path), "CTXPROXY_UPSTREAM": "http://u.test/v1",
+                                  "CTXPROXY_CTX_WINDOW": "131072", "CTXPROXY_SPILL_CHARS": "100000"})
+    with app_client(settings, httpx.ASGITransport(app=fake)) as test_client:
+        yield test_client
+
+
 def app_client(settings: Settings, transport: httpx.AsyncBaseTransport) -> TestClient:
     """The app in process over any upstream transport; use as a context manager so the lifespan runs."""
     return TestClient(create_app(settings, upstream_transport=transport), raise_server_exceptions=False)

@@ -27,16 +27,8 @@ BIG = "SECRET_TOKEN=needle-4471\n" + "".join(f"line {i}: some output of the tool
 
 
 @pytest.fixture
-def fake() -> FakeUpstream:
-    return FakeUpstream()
-
-
-@pytest.fixture
-def client(tmp_path: Path, fake: FakeUpstream) -> Iterator[TestClient]:
-    settings = load_settings(env={"CTXPROXY_DATA_DIR": str(tmp_path), "CTXPROXY_UPSTREAM": "http://u.test/v1",
-                                  "CTXPROXY_CTX_WINDOW": "131072", "CTXPROXY_SPILL_CHARS": "100000"})
-    with app_client(settings, httpx.ASGITransport(app=fake)) as test_client:
-        yield test_client
+def client(roomy_client: TestClient) -> TestClient:
+    return roomy_client
 
 
 def history(results: int = 3, ask: str = "Please free up your context, then go on.") -> list[dict[str, Any]]:

@@ -5,32 +5,20 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from config import load_settings
-from tests.conftest import app_client
 from tests.fakes import FakeUpstream, Reply, completion
 
 BIG = "".join(f"test_case_{i} PASSED\n" for i in range(2500))
 
 
 @pytest.fixture
-def fake() -> FakeUpstream:
-    return FakeUpstream()
-
-
-@pytest.fixture
-def client(tmp_path: Path, fake: FakeUpstream) -> Iterator[TestClient]:
-    settings = load_settings(env={"CTXPROXY_DATA_DIR": str(tmp_path), "CTXPROXY_UPSTREAM": "http://u.test/v1",
-                                  "CTXPROXY_CTX_WINDOW": "131072", "CTXPROXY_SPILL_CHARS": "100000"})
-    with app_client(settings, httpx.ASGITransport(app=fake)) as test_client:
-        yield test_client
+def client(roomy_client: TestClient) -> TestClient:
+    return roomy_client
 
 
 def history() -> list[dict[str, Any]]:
