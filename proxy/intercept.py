@@ -15,11 +15,12 @@ from typing import Any
 
 from proxy.context import SessionContext
 from proxy.rewrite import project
+from proxy.rewrite.cuts import hide_decision, rounds
 from proxy.rewrite.state import Rules
 from proxy.state import AppState
 from proxy.tools.apply import Outcome, View, apply_intent, render_overflow
 from proxy.tools.intents import Ctx, ReadOverflow, ToolError, parse_call
-from proxy.tools.mirror import revise
+from proxy.tools.mirror import maintenance_rounds, revise
 from proxy.tools.offer import split_calls
 from proxy.tools.schemas import TOOL_NAMES
 from store import Journal, JournalWriter, OverflowBody
@@ -98,10 +99,14 @@ class ContextRunner:
                                "when the automatic cuts can no longer keep your context under its target.")
         view = self._view(rules, 0, "")
         state = view.state
-        revision = revise(path.read_text(), state.ids, state.hashes, self.messages, state.out, rules.storage)
+        judged = self.ctx.mirror_written[1] if self.ctx.mirror_written else frozenset(state.ids)
+        revision = revise(path.read_text(), state.ids, state.hashes, self.messages, state.out, rules.storage, judged)
+        self.ctx.mirror_written = None  # committed or refused: the next request writes the mirror afresh
         if revision.ok and revision.decisions:
+            spans = maintenance_rounds(self.messages, rounds(self.messages, 0), path.name)
+            hides = tuple(hide_decision(state, start, end) for start, end in spans)
             outcome = Outcome("commit", revision.text, True, tuple(d.target for d in revision.decisions),
-                              0, revision.decisions, revision.writes)
+                              0, revision.decisions + hides, revision.writes)
             await self._journal(outcome)
             self.ctx.mirror_revision += 1
             self.ctx.confirmations.append(f"Mirror revision {self.ctx.mirror_revision} applied: {revision.text}")

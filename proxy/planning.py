@@ -24,6 +24,7 @@ from proxy.errors import ContextTooLarge
 from proxy.rewrite import Projection, Report, Rules, budget_for, canonical_json, message_hash, project, violations
 from proxy.rewrite.fenced import presets_for, route_of
 from proxy.rewrite.project import PASTE
+from proxy.rewrite.state import sha256_text
 from proxy.state import AppState
 from proxy.tools.blocks import NOTE
 from proxy.tools.mirror import PARAGRAPH, mirror_document
@@ -123,9 +124,13 @@ def _mirror(ctx: SessionContext, settings: Settings, session_id: str, p: Project
                                     settings.data_path / "mirror" / session_id) / "LIVE_CONTEXT.json"
     if ctx.mirror is None or not above:
         return None
+    if ctx.mirror_written and ctx.mirror.exists() and sha256_text(ctx.mirror.read_text()) != ctx.mirror_written[0]:
+        return ctx.mirror  # the model is editing it: its draft waits for ctx commit
     ids = [mid for mid, out in zip(p.state.ids, p.state.out, strict=True) if out is not None]
+    document = mirror_document(session_id, ctx.mirror_revision, ids, p.messages[: len(ids)])
     ctx.mirror.parent.mkdir(parents=True, exist_ok=True)
-    ctx.mirror.write_text(mirror_document(session_id, ctx.mirror_revision, ids, p.messages[: len(ids)]))
+    ctx.mirror.write_text(document)
+    ctx.mirror_written = (sha256_text(document), frozenset(ids))
     return ctx.mirror
 
 
@@ -165,7 +170,7 @@ def _broken(messages: list[Any], p: Projection) -> bool:
     pinned = {i for i, mid in enumerate(p.state.ids) if mid in p.state.pins} if p.state.pins else set()
     fenced = {i: r.segments for i, r in p.state.fenced.items()}
     problems = violations(messages, p.messages, pinned, start=p.report.reused if steady else 0, pairs=not steady,
-                          fenced=fenced)
+                          fenced=fenced, hidden=frozenset(p.state.hidden))
     if problems:
         log.error("projection broke its invariants, forwarding the request unchanged: %s", "; ".join(problems))
     return bool(problems)

@@ -448,3 +448,31 @@ def journaled_ops(mirror: Path) -> list[tuple[str, int, str]]:
 
     journal = Journal(mirror.parent.parent / "data" / "journal.db")
     return [tuple(r) for r in journal.db.execute("SELECT op, ok, result FROM context_ops ORDER BY id")]  # type: ignore
+
+
+def test_the_agents_own_mirror_edits_leave_the_projection_once_applied(
+        mirrored: tuple[TestClient, Path], fake: FakeUpstream) -> None:
+    client, path = mirrored
+    msgs = crowded()
+    ask(client, msgs)
+    draft = json.loads(path.read_text())
+    draft["messages"] = [e for e in draft["messages"] if e.get("tool_call_id") != "call_8"]
+    path.write_text(json.dumps(draft))
+
+    def round_(cid: str, name: str, args: dict[str, Any], result: str) -> list[dict[str, Any]]:
+        return [{"role": "assistant", "content": None, "tool_calls": [
+            {"id": cid, "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}]},
+            {"role": "tool", "tool_call_id": cid, "content": result}]
+
+    msgs += round_("m1", "read_file", {"path": str(path)}, "{...the mirror...}")
+    msgs += round_("m2", "edit_file", {"path": str(path), "old": "x", "new": "y"}, "edited")
+    msgs += round_("s1", "bash", {"command": f"sed -i s/a/b/ {path}"}, "done")
+    fake.enqueue(Reply(body=tool_answer(("ctx", {"action": "commit"}))))
+    fake.enqueue(Reply(body=completion("committed")))
+    ask(client, msgs)
+    ask(client, [*msgs, {"role": "assistant", "content": "committed"}, {"role": "user", "content": "go on"}])
+    ids = [m.get("tool_call_id") for m in fake.chats[-1].json()["messages"] if m["role"] == "tool"]
+    assert "m1" not in ids and "m2" not in ids  # the file edits are gone from what the model sees
+    assert "s1" in ids  # a shell edit of the same file is not mirror maintenance
+    sent = fake.chats[-1].json()["messages"]
+    assert not any(c.get("id") in ("m1", "m2") for m in sent for c in m.get("tool_calls") or [])

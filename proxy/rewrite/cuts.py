@@ -27,7 +27,7 @@ from proxy.rewrite.segments import compose, segment_target
 from proxy.rewrite.state import READ_OVERFLOW, Counter, Rules, State, sha256_text
 from proxy.rewrite.stubs import elision_marker, fold_stub
 
-__all__ = ["apply_fold", "elide", "fold", "rounds"]
+__all__ = ["apply_fold", "apply_hides", "elide", "fold", "hide_decision", "rounds"]
 
 _FOLD_STUB_TOKENS = 120
 """Room a fold stub takes, reckoned before it is written (its exact count replaces this after)."""
@@ -195,3 +195,24 @@ def apply_fold(state: State, decision: Decision, messages: Sequence[dict[str, An
         _replace(state, i, None, counter)
     _replace(state, start, {"role": "user", "content": decision.replacement}, counter)
     state.folded = (start, end)
+
+
+def hide_decision(state: State, start: int, end: int) -> Decision:
+    """Take messages ``[start, end)`` (whole rounds) out of the projection; they stay in the journal."""
+    return Decision("hide", state.ids[start], _digest(state.hashes[start:end]), until=state.ids[end - 1],
+                    count=end - start, source="model")
+
+
+def apply_hides(state: State, counter: Counter) -> None:
+    """Take out the rounds the hides name, where they are still exactly those rounds."""
+    hidden = []
+    for decision in state.hides:
+        start = state.ids.index(decision.target) if decision.target in state.ids else -1
+        end = start + decision.count
+        if start < 0 or end > len(state.ids) or _digest(state.hashes[start:end]) != decision.message_hash:
+            continue
+        for i in range(start, end):
+            if state.out[i] is not None:
+                _replace(state, i, None, counter)
+                hidden.append(i)
+    state.hidden = tuple(sorted(hidden))

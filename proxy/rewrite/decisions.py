@@ -14,7 +14,7 @@ from typing import Literal
 
 __all__ = ["CUTS", "Decision", "Kind", "OverflowWrite"]
 
-Kind = Literal["spill", "elide", "drop", "note", "fold", "pin", "unpin"]
+Kind = Literal["spill", "elide", "drop", "note", "fold", "hide", "pin", "unpin"]
 CUTS = frozenset({"spill", "elide", "drop", "note"})
 """Decisions that replace one message's content (re-applied by identity on every request)."""
 

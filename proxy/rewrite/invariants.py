@@ -45,7 +45,7 @@ def broken_pairs(messages: Sequence[dict[str, Any]]) -> Counter[str]:
 
 def violations(incoming: Sequence[dict[str, Any]], outgoing: Sequence[dict[str, Any]],
                pinned: Collection[int] = (), start: int = 0, pairs: bool = True,
-               fenced: Mapping[int, Sequence[Segment]] | None = None) -> list[str]:
+               fenced: Mapping[int, Sequence[Segment]] | None = None, hidden: Collection[int] = ()) -> list[str]:
     """``pinned``: incoming indices of pinned messages; ``start``: check from this incoming index on (the
     messages before it were checked on an earlier request and have not changed since); ``pairs=False`` skips the
     pairing walk when nothing but contents changed since it last held; ``fenced``: the text-protocol results
@@ -54,9 +54,12 @@ def violations(incoming: Sequence[dict[str, Any]], outgoing: Sequence[dict[str, 
     # Before ``start`` nothing changed since the last check: any fold lies before it, so the lists line up from
     # there with a constant offset.
     i, j = start, start - (len(incoming) - len(outgoing))
-    if j < 0:
+    if j < 0 or hidden:
         i = j = 0
     while i < len(incoming) and j < len(outgoing):
+        if i in hidden:  # taken out whole (a round of the agent's mirror edits); its pairs go with it
+            i += 1
+            continue
         folded = _folded_count(outgoing[j])
         if folded:
             problems += [f"message {x} (pinned) is folded" for x in range(i, i + folded) if x in pinned]
@@ -67,6 +70,8 @@ def violations(incoming: Sequence[dict[str, Any]], outgoing: Sequence[dict[str, 
             problems += _compare(i, incoming[i], outgoing[j], i in pinned) if segments is None else \
                 _compare_fenced(i, incoming[i], outgoing[j], segments)
         i, j = i + 1, j + 1
+    while i < len(incoming) and i in hidden:
+        i += 1
     if i != len(incoming) or j != len(outgoing):
         problems.append(f"lengths do not line up: {len(incoming)} in, {len(outgoing)} out")
     extra = broken_pairs(outgoing) - broken_pairs(incoming) if pairs else Counter[str]()

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from proxy.rewrite.budget import MIN_CUT_CHARS, Budget
-from proxy.rewrite.cuts import apply_fold, elide, fold
+from proxy.rewrite.cuts import apply_fold, apply_hides, elide, fold
 from proxy.rewrite.decisions import CUTS, Decision, OverflowWrite
 from proxy.rewrite.identity import identity_base, next_identity
 from proxy.rewrite.identity import message_hash as _hash
@@ -73,6 +73,8 @@ def project(messages: Sequence[dict[str, Any]], hashes: Sequence[str], decisions
     writes: list[OverflowWrite] = []
     for i in range(reused, len(messages)):
         _ingest(state, i, messages, hashes[i], rules, counter, new, writes, seen)
+    if reused == 0 and state.hides:
+        apply_hides(state, counter)
     if reused == 0 and state.fold is not None:
         apply_fold(state, state.fold, messages, counter)
     _cut_to_fit(state, messages, rules, counter, new, writes)
@@ -115,6 +117,8 @@ def _fresh(decisions: Sequence[Decision]) -> State:
             state.pins.pop(d.target, None)
         elif d.kind == "fold":
             state.fold = d
+        elif d.kind == "hide":
+            state.hides += (d,)
     return state
 
 
@@ -219,9 +223,13 @@ def _should_spill(content: Any, tool: str, budget: Budget) -> bool:
 
 def _result(state: State, messages: Sequence[dict[str, Any]], rules: Rules, new: list[Decision],
             writes: list[OverflowWrite], reused: int) -> Projection:
-    start, end = state.folded or (0, 1)  # the folded-away messages are the Nones after the stub: slice them out
-    out = cast(list[dict[str, Any]], state.out[: start + 1] + state.out[end:])
-    out_hashes = state.out_hashes[: start + 1] + state.out_hashes[end:]
+    if state.hidden:  # spans taken out here and there: filter (only sessions that used the mirror)
+        out = [m for m in state.out if m is not None]
+        out_hashes = [h for h, m in zip(state.out_hashes, state.out, strict=True) if m is not None]
+    else:
+        start, end = state.folded or (0, 1)  # the folded-away messages are the Nones after the stub: slice them out
+        out = cast(list[dict[str, Any]], state.out[: start + 1] + state.out[end:])
+        out_hashes = state.out_hashes[: start + 1] + state.out_hashes[end:]
     changed = state.cut > 0
     estimate = state.total + rules.tools_tokens
     scaled = rules.scaled(estimate)

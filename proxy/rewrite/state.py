@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
 from proxy.rewrite.budget import Budget
@@ -60,6 +61,10 @@ class State:
     pins: dict[str, str] = field(default_factory=dict)
     """Pinned identities and who pinned them (operator or model)."""
     fold: Decision | None = None
+    hides: tuple[Decision, ...] = ()
+    """Rounds taken out of the projection altogether (the agent's own edits of the mirror, once applied)."""
+    hidden: tuple[int, ...] = ()
+    """Incoming indices the hides took out."""
     folded: tuple[int, int] | None = None
     """The span ``[start, end)`` of incoming messages the fold stub (at ``start``) stands for."""
     cut: int = 0
@@ -68,10 +73,9 @@ class State:
     """How many of the session's decisions this state reflects (the log only grows)."""
 
     def copy(self) -> State:
-        return State(list(self.hashes), list(self.ids), list(self.out), list(self.out_hashes), list(self.counts),
-                     self.total, dict(self.seen), dict(self.calls), dict(self.result_calls), list(self.tool_indices),
-                     dict(self.fenced), self.rounds, dict(self.decided), dict(self.pins), self.fold, self.folded,
-                     self.cut, self.absorbed)
+        """A copy whose lists and dicts are its own (``project`` extends the state it is given in place)."""
+        mutable = {f.name: copy.copy(getattr(self, f.name)) for f in fields(self)}
+        return State(**mutable)
 
 
 def sha256_text(text: str) -> str:

@@ -11,7 +11,8 @@ shortened one keeps the model's text and a stub line, all restorable. Pure: the 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import re
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +21,10 @@ from proxy.rewrite.identity import content_text
 from proxy.rewrite.state import sha256_text
 from proxy.rewrite.stubs import stub_line
 
-__all__ = ["PARAGRAPH", "Revision", "mirror_document", "revise"]
+__all__ = ["PARAGRAPH", "Revision", "maintenance_rounds", "mirror_document", "revise"]
+
+_FILE_TOOL = re.compile(r"read|view|open|cat|edit|write|create|patch|replace|insert", re.I)
+_SHELL_TOOL = re.compile(r"bash|shell|run|exec|terminal|command|python", re.I)
 
 PARAGRAPH = ("[ctxproxy] You manage your context: it no longer fits by the automatic rules alone. What you see is "
              "mirrored in {path}. Before you cut anything, write the decisions you have made so far as a note "
@@ -46,8 +50,9 @@ class Revision:
 
 
 def revise(draft_text: str, ids: Sequence[str], hashes: Sequence[str], originals: Sequence[dict[str, Any]],
-           current: Sequence[dict[str, Any] | None], storage: str) -> Revision:
-    """The draft's cuts as decisions, or the reason it is refused (nothing is applied then)."""
+           current: Sequence[dict[str, Any] | None], storage: str, judged: Collection[str]) -> Revision:
+    """The draft's cuts as decisions, or the reason it is refused (nothing is applied then). ``judged``: the
+    identities the mirror held when written; messages newer than it are not the draft's business."""
     try:
         draft = {e["id"]: e for e in json.loads(draft_text)["messages"] if isinstance(e, dict) and "id" in e}
     except (ValueError, KeyError, TypeError) as exc:
@@ -58,8 +63,8 @@ def revise(draft_text: str, ids: Sequence[str], hashes: Sequence[str], originals
                                f"{', '.join(unknown[:5])}. Nothing applied.")
     decisions, writes, problems = [], [], []
     for mid, message_hash, original, now in zip(ids, hashes, originals, current, strict=True):
-        if now is None:
-            continue  # folded: not in the mirror
+        if now is None or mid not in judged:
+            continue  # folded, or newer than the mirror
         problem, decision, write = _one(mid, message_hash, original, now, draft.get(mid), storage)
         problems += [problem] if problem else []
         decisions += [decision] if decision else []
@@ -71,6 +76,25 @@ def revise(draft_text: str, ids: Sequence[str], hashes: Sequence[str], originals
         return Revision(True, "ctx commit: the draft cuts nothing; nothing to apply.")
     return Revision(True, f"ctx commit: applied, {len(decisions)} tool result(s) cut.", tuple(decisions),
                     tuple(writes))
+
+
+def maintenance_rounds(messages: Sequence[dict[str, Any]], spans: Sequence[tuple[int, int]],
+                       filename: str) -> list[tuple[int, int]]:
+    """The rounds that only read or edited the mirror with the agent's file tools: an assistant message with no
+    text whose every call is a file tool naming ``filename``, and its results. A shell edit of the same file is
+    not mirror maintenance (the second seed): it stays."""
+    found = []
+    for start, end in spans:
+        message = messages[start]
+        calls = message.get("tool_calls") or []
+        if not calls or content_text(message.get("content")).strip():
+            continue
+        names = [str((c.get("function") or {}).get("name", "")) for c in calls]
+        arguments = [str((c.get("function") or {}).get("arguments", "")) for c in calls]
+        if all(_FILE_TOOL.search(n) and not _SHELL_TOOL.search(n) and filename in a for n, a in zip(names, arguments,
+                                                                                                    strict=True)):
+            found.append((start, end))
+    return found
 
 
 def _one(mid: str, message_hash: str, original: dict[str, Any], now: dict[str, Any], entry: dict[str, Any] | None,
