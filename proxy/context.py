@@ -33,9 +33,9 @@ class SessionContext:
     mirror: Path | None = None
     """Where LIVE_CONTEXT.json is written while the model manages its context through it."""
     mirror_revision: int = 0
-    mirror_written: tuple[str, frozenset[str]] | None = None
-    """The sha256 of the mirror as last written and the identities in it: a file that differs is the model's
-    draft (not overwritten until committed), and only those identities are judged in it."""
+    mirror_written: tuple[str, dict[str, str]] | None = None
+    """The sha256 of the mirror as last written and its entries (identity → text): a file that differs is the
+    model's draft (not overwritten until committed), judged against what it was given, entry by entry."""
     confirmations: list[str] = field(default_factory=list)
     """What the model's context tools did, told to it as one system line in its next request."""
 

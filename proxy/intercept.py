@@ -99,7 +99,7 @@ class ContextRunner:
                                "when the automatic cuts can no longer keep your context under its target.")
         view = self._view(rules, 0, "")
         state = view.state
-        judged = self.ctx.mirror_written[1] if self.ctx.mirror_written else frozenset(state.ids)
+        judged = self.ctx.mirror_written[1] if self.ctx.mirror_written else {}
         revision = revise(path.read_text(), state.ids, state.hashes, self.messages, state.out, rules.storage, judged)
         self.ctx.mirror_written = None  # committed or refused: the next request writes the mirror afresh
         if revision.ok and revision.decisions:

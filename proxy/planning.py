@@ -23,6 +23,7 @@ from proxy.context import SessionContext
 from proxy.errors import ContextTooLarge
 from proxy.rewrite import Projection, Report, Rules, budget_for, canonical_json, message_hash, project, violations
 from proxy.rewrite.fenced import presets_for, route_of
+from proxy.rewrite.identity import content_text
 from proxy.rewrite.project import PASTE
 from proxy.rewrite.state import sha256_text
 from proxy.state import AppState
@@ -130,7 +131,8 @@ def _mirror(ctx: SessionContext, settings: Settings, session_id: str, p: Project
     document = mirror_document(session_id, ctx.mirror_revision, ids, p.messages[: len(ids)])
     ctx.mirror.parent.mkdir(parents=True, exist_ok=True)
     ctx.mirror.write_text(document)
-    ctx.mirror_written = (sha256_text(document), frozenset(ids))
+    written = {mid: content_text(m.get("content")) for mid, m in zip(ids, p.messages, strict=False)}
+    ctx.mirror_written = (sha256_text(document), written)
     return ctx.mirror
 
 

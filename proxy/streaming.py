@@ -10,6 +10,7 @@ client's stream is only known once it has ended.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +21,16 @@ from proxy.tools.blocks import extract_blocks
 from proxy.tools.schemas import TOOL_NAMES
 
 _OPEN = "```context"
+_OPENING = re.compile(r"```context[ \t]*\n")
+
+
+def _opening(text: str) -> int:
+    """Where a context block opens in ``text``: -1 for nowhere, -2 when it may open at the very end."""
+    match = _OPENING.search(text)
+    if match:
+        return match.start()
+    tail = text.rfind(_OPEN)
+    return -2 if tail >= 0 and not text[tail + len(_OPEN):].strip(" \t") else -1
 
 __all__ = ["StreamFilter"]
 
@@ -95,6 +106,8 @@ class StreamFilter:
         text (an unclosed ``context`` block was no call: the agent gets it as text)."""
         if self._hold:
             text, self._hold = self._hold, ""
+            if _opening(text) == 0:  # a block the answer never closed (cut off by max_tokens): ours, not the agent's
+                text = ""
             self.forwarded += text
             yield b"data: " + orjson.dumps({"object": "chat.completion.chunk", "choices": [
                 {"index": 0, "delta": {"content": text}, "finish_reason": None}]}) + b"\n\n"
@@ -167,7 +180,11 @@ class StreamFilter:
         self._hold += said
         out = ""
         while True:
-            start = self._hold.find(_OPEN)
+            start = _opening(self._hold)
+            if start == -2:  # "```context" at the end: whether a newline follows is not known yet
+                cut = self._hold.rfind(_OPEN)
+                out, self._hold = out + self._hold[:cut], self._hold[cut:]
+                return out
             if start < 0:
                 keep = next((n for n in range(min(len(self._hold), len(_OPEN)), 0, -1)
                              if _OPEN.startswith(self._hold[-n:])), 0)

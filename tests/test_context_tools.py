@@ -476,3 +476,17 @@ def test_the_agents_own_mirror_edits_leave_the_projection_once_applied(
     assert "s1" in ids  # a shell edit of the same file is not mirror maintenance
     sent = fake.chats[-1].json()["messages"]
     assert not any(c.get("id") in ("m1", "m2") for m in sent for c in m.get("tool_calls") or [])
+
+
+def test_a_mirror_edit_that_makes_a_result_longer_is_refused(
+        mirrored: tuple[TestClient, Path], fake: FakeUpstream) -> None:
+    client, path = mirrored
+    ask(client, crowded())
+    draft = json.loads(path.read_text())
+    entry = next(e for e in draft["messages"] if e.get("tool_call_id") == "call_9")
+    entry["content"] += " and more"
+    path.write_text(json.dumps(draft))
+    fake.enqueue(Reply(body=tool_answer(("ctx", {"action": "commit"}))))
+    fake.enqueue(Reply(body=completion("ok")))
+    ask(client, crowded())
+    assert "was made longer, not cut" in results_of(fake)[-1]

@@ -58,6 +58,8 @@ def test_the_presets_cut_exactly_the_result_and_keep_the_wrapper() -> None:
     "Can you also check (Open file: n/a)? bash-$ seems stuck.",
     "[read_file for 'a.py'] Result: is what I expected, but go on.",
     "My observation: the tests are flaky.",
+    "Observation: it still fails on CI.",
+    "Tool results: look fine to me, go on.",
 ])
 def test_a_person_typing_like_a_result_is_still_the_person(content: str) -> None:
     history = [{"role": "user", "content": "task"}, {"role": "assistant", "content": "done?"},

@@ -117,3 +117,14 @@ def test_a_streamed_block_is_run_and_the_stream_goes_on(client: TestClient, fake
     text = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
     assert "```context" not in text and "Now the fix." in text and answer.text.count("[DONE]") == 1
     assert "drop: applied to r2.1" in fake.chats[-1].json()["messages"][-1]["content"]
+
+
+def test_a_round_handle_never_lands_on_a_persons_paste(client: TestClient, fake: FakeUpstream) -> None:
+    paste = "Look at this log:\n\n" + "x " * 15000 + "\n\nwhat do you think?"
+    messages = [*history(), {"role": "assistant", "content": "Here is what I see."}, {"role": "user", "content": paste}]
+    fake.enqueue(Reply(body=completion(block("context_drop", handles=["r3.1"]) + block("context_status"))))
+    fake.enqueue(Reply(body=completion("ok\n```bash\nls\n```")))
+    client.post("/v1/chat/completions", json={"model": "m", "messages": messages})
+    reply = fake.chats[-1].json()["messages"][-1]["content"]
+    assert "drop: nothing applied" in reply and "r3.1: under 600 characters" in reply  # the real r3.1 is small
+    assert "- r2.1:" in reply  # status lists text-protocol results by their handles

@@ -83,7 +83,11 @@ def test_a_context_block_in_streamed_text_never_reaches_the_agent(sizes: list[in
     assert [c["function"]["name"] for c in filtered.context_calls] == ["context_drop"]
 
 
-def test_an_unclosed_block_is_text_after_all() -> None:
-    chunk = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "```context\n{"}}]}
-    _, events = run(sse([chunk]), [], agent_tools=frozenset(), blocks=True)
-    assert "".join(c["delta"].get("content") or "" for e in events for c in e["choices"]) == "```context\n{"
+def test_an_unclosed_block_never_reaches_the_agent_and_a_lookalike_fence_does() -> None:
+    def shown(text: str) -> str:
+        chunk = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": text}}]}
+        _, events = run(sse([chunk]), [], agent_tools=frozenset(), blocks=True)
+        return "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
+
+    assert shown("Cut off here ```context\n{\"tool\": \"context_dr") == "Cut off here "
+    assert shown("```contextual\nsome notes\n```") == "```contextual\nsome notes\n```"

@@ -71,7 +71,8 @@ def _elide_fenced(state: State, i: int, message: dict[str, Any], rules: Rules, c
         if decided is not None and decided.message_hash == state.hashes[i] and decided.kind != "spill":
             replacements[k] = decided.replacement
             continue
-        call_id, tool = f"r{result.round}.{k + 1}", result.command or "fenced"
+        call_id = f"paste.{result.round}" if result.command == "paste" else f"r{result.round}.{k + 1}"
+        tool = result.command or "fenced"
         marker = elision_marker(sha256_text(body), tool, call_id, rules.storage, body,
                                 json.dumps({"command": result.command}))
         current = decided.replacement if decided is not None and decided.message_hash == state.hashes[i] else body
@@ -209,7 +210,8 @@ def apply_hides(state: State, counter: Counter) -> None:
     for decision in state.hides:
         start = state.ids.index(decision.target) if decision.target in state.ids else -1
         end = start + decision.count
-        if start < 0 or end > len(state.ids) or _digest(state.hashes[start:end]) != decision.message_hash:
+        if start < 0 or end > len(state.ids) or _digest(state.hashes[start:end]) != decision.message_hash \
+                or any(state.ids[i] in state.pins for i in range(start, end)):
             continue
         for i in range(start, end):
             if state.out[i] is not None:

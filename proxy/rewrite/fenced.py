@@ -8,7 +8,7 @@ around them is the wrapper, which is never cut. Presets:
 - ``mini-swe-agent``: ``<returncode>N</returncode>`` then ``<output>…</output>``;
 - ``swe-agent``: the observation, then ``(Open file: …)(Current directory: …)[(Interactive session: …)]bash-$``;
 - ``cline``: one or more ``[tool for '…'] Result:`` sections (Cline, Roo Code);
-- ``generic``: a message that opens with "Tool execution results:" (or "Tool results:", "Observation:").
+- ``generic``: a message that opens with a line "Tool execution results:" (or "Tool results:") alone.
 
 A person's message must never be mistaken for results: a user message counts only when it directly follows an
 assistant message and matches a preset whole; when unsure, it is the person's. Pure: no I/O.
@@ -64,8 +64,7 @@ PRESETS: tuple[Preset, ...] = (
         r"(?P<body>.*?)\n?\(Open file: [^\n]*\)\n\(Current directory: [^\n]*\)\n"
         r"(?:\(Interactive session: [^\n]*\)\n)?bash-\$\s*", re.S)),
     Preset("cline", re.compile(r"^\[[\w.-]+(?: for '[^'\n]*')?\] Result:[ \t]*\n", re.M), repeat=True),
-    Preset("generic", re.compile(r"(?:tool execution results?|tool results?|observation)\s*:[ \t]*\n?(?P<body>.*)",
-                                 re.S | re.I)),
+    Preset("generic", re.compile(r"(?:tool execution results?|tool results?)[ \t]*:[ \t]*\n(?P<body>.+)", re.S | re.I)),
 )
 
 

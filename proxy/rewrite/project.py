@@ -33,6 +33,8 @@ __all__ = ["PASTE", "Projection", "Report", "project"]
 
 PASTE = "paste"
 """The command name a person's pasted attachment is filed under, like a tool's."""
+PASTE_HEAD, PASTE_TAIL = 1000, 500
+"""A paste's preview: fixed, so whether a paste goes to overflow depends on paste_chars alone."""
 
 @dataclass(frozen=True)
 class Report:
@@ -204,8 +206,9 @@ def _cut_segments(state: State, mid: str, message: dict[str, Any], message_hash:
         if decided is not None and decided.message_hash == message_hash:
             replacements[k] = decided.replacement
         elif spill and (_should_spill(body, "", rules.budget) or result.command == PASTE):
-            stub = spill_stub(sha256_text(body), tool, call_id, rules.storage, body, rules.budget.preview_head,
-                              rules.budget.preview_tail)
+            head, tail = (PASTE_HEAD, PASTE_TAIL) if result.command == PASTE else (rules.budget.preview_head,
+                                                                                   rules.budget.preview_tail)
+            stub = spill_stub(sha256_text(body), tool, call_id, rules.storage, body, head, tail)
             if len(stub) < len(body):
                 decision = Decision("spill", target, message_hash, stub, sha256_text(body))
                 state.decided[target] = decision

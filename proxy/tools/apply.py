@@ -21,6 +21,7 @@ from typing import Any
 from proxy.rewrite.budget import MIN_CUT_CHARS
 from proxy.rewrite.decisions import Decision, OverflowWrite
 from proxy.rewrite.identity import content_text
+from proxy.rewrite.project import PASTE
 from proxy.rewrite.segments import segment_target
 from proxy.rewrite.state import Counter, Rules, State, sha256_text
 from proxy.rewrite.stubs import stub_line
@@ -96,7 +97,8 @@ def _units(view: View, handle: str) -> list[_Unit] | str:
     match = _ROUND.match(handle)
     if match:
         wanted = int(match.group(1))
-        found = [(i, r) for i, r in view.state.fenced.items() if r.round == wanted and i < len(view.messages)]
+        found = [(i, r) for i, r in view.state.fenced.items()
+                 if r.round == wanted and r.command != PASTE and i < len(view.messages)]
         if not found:
             return f"{handle}: no text-protocol round {match.group(1)} in your context"
         i, result = found[-1]
@@ -107,8 +109,8 @@ def _units(view: View, handle: str) -> list[_Unit] | str:
             f"{len(result.segments)} result(s)"
     whole = _MESSAGE.match(handle)
     if whole:  # m<8 hex>: a whole results message (every result body in it), by its content hash
-        hits = [i for i in view.state.fenced if view.state.hashes[i].startswith(whole.group(1))
-                and i < len(view.messages)]
+        hits = [i for i, r in view.state.fenced.items() if view.state.hashes[i].startswith(whole.group(1))
+                and r.command != PASTE and i < len(view.messages)]
         if len(hits) != 1:
             return f"{handle}: names {len(hits)} results messages; use r<round>.<i>"
         result = view.state.fenced[hits[0]]
@@ -174,6 +176,8 @@ def _call_of(view: View, unit: _Unit) -> tuple[str, str]:
         call_id = str(view.messages[unit.i].get("tool_call_id"))
         return view.state.result_calls.get(unit.i, ("?", ""))[0], call_id
     result = view.state.fenced[unit.i]
+    if result.command == PASTE:
+        return PASTE, f"paste.{result.round}"
     return result.command or "fenced", f"r{result.round}.{unit.k + 1}"
 
 
@@ -310,7 +314,7 @@ def _results(view: View) -> list[_Unit]:
     units = [_Unit(str(view.messages[i].get("tool_call_id")), i) for i in view.state.tool_indices
              if i < len(view.messages)]
     for i, result in view.state.fenced.items():
-        if result.command != "paste" and i < len(view.messages):
+        if result.command != PASTE and i < len(view.messages):
             units += [_Unit(f"r{result.round}.{k + 1}", i, k) for k in range(len(result.segments))]
     return sorted(units, key=lambda u: (u.i, u.k or 0))
 
@@ -392,13 +396,21 @@ def status_text(view: View, top: int) -> str:
     used = rules.scaled(state.total + rules.tools_tokens)
     lines = [f"Context: about {used} of {rules.budget.window} tokens ({100 * used // rules.budget.window}%); "
              f"budget {rules.budget.budget}, cuts stop at {rules.budget.target}."]
-    whole = [(state.counts[i], i) for i in state.tool_indices if not _is_cut(view, i)]
+    whole = [(state.counts[i], _handle(view, i)) for i in state.tool_indices if not _is_cut(view, i)]
+    cut = [(_handle(view, i), m.group(1)) for i in state.tool_indices if (m := _STUB.search(_current(view, i)))]
+    for unit in _results(view):
+        if unit.k is not None:
+            if _unit_cut(view, unit):
+                decided = state.decided[_target(view, unit)]
+                cut.append((unit.handle, decided.overflow_id))
+            else:
+                body = _body(view, unit)
+                whole.append((view.counter.count({"role": "user", "content": body}), unit.handle))
     lines.append("Largest results in context (handle: tokens):")
-    largest = [f"- {_handle(view, i)}: {n}" for n, i in sorted(whole, reverse=True)[:top]]
+    largest = [f"- {handle}: {n}" for n, handle in sorted(whole, reverse=True)[:top]]
     lines += largest or ["- none"]
     pinned = [f"- {mid} ({source})" for mid, source in sorted(state.pins.items())]
     lines += ["Pinned:", *(pinned or ["- none"])]
-    cut = [(_handle(view, i), m.group(1)) for i in state.tool_indices if (m := _STUB.search(_current(view, i)))]
     lines += ["Cut, restorable with read_overflow (handle: id):", *([f"- {h}: {oid}" for h, oid in cut] or ["- none"])]
     lines.append(f"Model pins: {view.model_pins}/{view.max_pins}.")
     return "\n".join(lines)

@@ -22,11 +22,14 @@ __all__ = ["NOTE", "extract_blocks", "has_command", "results_message"]
 
 _BLOCK = re.compile(r"```context[ \t]*\n(?P<call>.*?)\n?```[ \t]*\n?", re.S)
 _FENCE = re.compile(r"```")
+_UNCLOSED = re.compile(r"```context[ \t]*\n(?:(?!```).)*\Z", re.S)
+"""A block the answer never closed (cut off by max_tokens): the proxy's, not the agent's; dropped."""
 
 NOTE = ("[ctxproxy] You can manage your own context. Write a fenced block tagged `context` holding one JSON call, "
         'e.g.\n```context\n{"tool": "context_status"}\n```\nTools: context_status {top}, context_pin {handles | '
         "snippet}, context_unpin {handles | snippet | all}, context_drop {handles}, context_note {handles, note}, "
-        "read_overflow {id, offset, limit, grep}, ctx {action: status | clear, call_ids, before, keep_last, tool}. "
+        "read_overflow {id, offset, limit, grep}, ctx {action: status | clear | commit, call_ids, before, keep_last, "
+        "tool}. "
         "A handle is r<round>.<i> (the i-th result of that round) or "
         "r<round> (all of them). The block is taken out of your message and its result comes back to you.")
 
@@ -36,7 +39,7 @@ def extract_blocks(text: str) -> tuple[str, list[dict[str, Any]]]:
     calls = []
     for n, match in enumerate(_BLOCK.finditer(text)):
         calls.append({"id": f"ctx_block_{n}", "type": "function", "function": _function(match.group("call"))})
-    return _BLOCK.sub("", text), calls
+    return _UNCLOSED.sub("", _BLOCK.sub("", text)), calls
 
 
 def _function(raw: str) -> dict[str, Any]:
@@ -48,7 +51,7 @@ def _function(raw: str) -> dict[str, Any]:
         return {"name": "context_block", "arguments": raw}
     name = call.pop("tool", None) or call.pop("name", None) or "context_block"
     arguments = call.pop("arguments", call)
-    return {"name": str(name), "arguments": json.dumps(arguments)}
+    return {"name": str(name), "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)}
 
 
 def has_command(text: str) -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Collection, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,9 +50,10 @@ class Revision:
 
 
 def revise(draft_text: str, ids: Sequence[str], hashes: Sequence[str], originals: Sequence[dict[str, Any]],
-           current: Sequence[dict[str, Any] | None], storage: str, judged: Collection[str]) -> Revision:
-    """The draft's cuts as decisions, or the reason it is refused (nothing is applied then). ``judged``: the
-    identities the mirror held when written; messages newer than it are not the draft's business."""
+           current: Sequence[dict[str, Any] | None], storage: str, written: Mapping[str, str]) -> Revision:
+    """The draft's cuts as decisions, or the reason it is refused (nothing is applied then). ``written``: each
+    entry's text as the mirror gave it (identity → text); the draft is judged against that, not against what the
+    projection became since, and messages newer than the mirror are not the draft's business."""
     try:
         draft = {e["id"]: e for e in json.loads(draft_text)["messages"] if isinstance(e, dict) and "id" in e}
     except (ValueError, KeyError, TypeError) as exc:
@@ -63,9 +64,9 @@ def revise(draft_text: str, ids: Sequence[str], hashes: Sequence[str], originals
                                f"{', '.join(unknown[:5])}. Nothing applied.")
     decisions, writes, problems = [], [], []
     for mid, message_hash, original, now in zip(ids, hashes, originals, current, strict=True):
-        if now is None or mid not in judged:
+        if now is None or mid not in written:
             continue  # folded, or newer than the mirror
-        problem, decision, write = _one(mid, message_hash, original, now, draft.get(mid), storage)
+        problem, decision, write = _one(mid, message_hash, original, now, written[mid], draft.get(mid), storage)
         problems += [problem] if problem else []
         decisions += [decision] if decision else []
         writes += [write] if write else []
@@ -97,21 +98,22 @@ def maintenance_rounds(messages: Sequence[dict[str, Any]], spans: Sequence[tuple
     return found
 
 
-def _one(mid: str, message_hash: str, original: dict[str, Any], now: dict[str, Any], entry: dict[str, Any] | None,
-         storage: str) -> tuple[str | None, Decision | None, OverflowWrite | None]:
+def _one(mid: str, message_hash: str, original: dict[str, Any], now: dict[str, Any], given: str,
+         entry: dict[str, Any] | None, storage: str) -> tuple[str | None, Decision | None, OverflowWrite | None]:
     role = now.get("role")
+    after = None if entry is None else content_text(entry.get("content"))
     if role != "tool":
         if entry is None:
             return f"the {role} message {mid} was removed", None, None
-        if content_text(entry.get("content")) != content_text(now.get("content")):
+        if after != given:
             return f"the {role} message {mid} was changed", None, None
         if entry.get("tool_calls", now.get("tool_calls")) != now.get("tool_calls"):
             return f"the call arguments of {mid} were changed (not supported yet)", None, None
         return None, None, None
-    before = content_text(now.get("content"))
-    after = None if entry is None else content_text(entry.get("content"))
-    if after == before:
+    if after == given:
         return None, None, None
+    if after is not None and len(after) >= len(given):
+        return f"the tool result {mid} was made longer, not cut", None, None
     body = content_text(original.get("content"))
     line = stub_line(sha256_text(body), "?", len(body.encode()), str(original.get("tool_call_id")), storage)
     kept = f"{after}\n" if after else ""
