@@ -107,7 +107,7 @@ class Settings:
     max_pins: int = _opt(20, parse_int(0), "model pins per session")
     soft_ceiling_pct: float = _opt(0.85, parse_float(0.0, 1.0),
                                    "usage (share of the budget) at which a one-line reminder is added")
-    keep_tool_rounds: int = _opt(3, parse_int(0), "fenced route: newest rounds never spilled for age")
+    keep_tool_rounds: int = _opt(3, parse_int(0), "text-protocol route: newest rounds auto-elision never touches")
     max_context_rounds: int = _opt(4, parse_int(1, 32), "internal re-asks per client request")
     paste_chars: int = _opt(20000, parse_int(0), "a pasted attachment above this goes to overflow")
     approval_pattern: str = _opt(r"approval[_ ]id[=: ]+\S+", parse_regex, "what marks a pending approval")
