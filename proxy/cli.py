@@ -60,6 +60,10 @@ def _parser() -> argparse.ArgumentParser:
     _command(commands, "sessions", "list the journal's sessions", _sessions)
     _command(commands, "scorecard", "tokens per session, per round and per tool call; the model's context ops",
              _scorecard)
+    doctor = _command(commands, "doctor", "check the upstream, its window, the offline tokenizer, the data dir",
+                      _doctor)
+    doctor.add_argument("--upstream", help="OpenAI-compatible base URL to check")
+    doctor.add_argument("--model", help="the model whose window to look up")
     show = _command(commands, "show", "show one session and its journal", _show)
     show.add_argument("session_id")
     show.add_argument("--limit", type=int, default=200, help="journal entries to print (default 200)")
@@ -134,6 +138,18 @@ def _sessions(settings: Settings, args: argparse.Namespace) -> int:
     rows = journal.sessions()
     print(json.dumps(rows, indent=2) if args.json else render_table(rows, _SESSION_COLUMNS))
     return 0
+
+
+def _doctor(settings: Settings, args: argparse.Namespace) -> int:
+    from proxy.doctor import run_checks
+
+    checks = run_checks(settings, args.model)
+    if args.json:
+        print(json.dumps([asdict(c) for c in checks], indent=2))
+    else:
+        for check in checks:
+            print(f"{'ok  ' if check.ok else 'FAIL'}  {check.name}: {check.detail}")
+    return 0 if all(c.ok for c in checks) else 1
 
 
 def _scorecard(settings: Settings, args: argparse.Namespace) -> int:

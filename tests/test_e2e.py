@@ -4,6 +4,7 @@ official openai SDK and by the ``ctxproxy`` command itself."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 import subprocess
@@ -252,3 +253,18 @@ def test_compact_returns_a_report_and_the_next_request_is_smaller(stack: Stack, 
     old = sum(len(m["content"] or "") for m in first.json()["messages"] if m["role"] == "tool")
     new = sum(len(m["content"] or "") for m in stack.fake.chats[-1].json()["messages"] if m["role"] == "tool")
     assert new < old / 2  # the next upstream request carries stubs where the dropped results were
+
+
+def test_ctxproxy_doctor_checks_the_upstream_window_tokenizer_and_data_dir(tmp_path: Path, stack: Stack) -> None:
+    stack.fake.enqueue(Reply(body={"data": [{"id": "m", "max_model_len": 32768}]}), path="/models")
+    stack.fake.enqueue(Reply(body={"data": [{"id": "m", "max_model_len": 32768}]}), path="/models")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CTXPROXY_")}
+    result = subprocess.run([CTXPROXY, "doctor", "--upstream", stack.direct + "/v1", "--model", "m", "--data-dir",
+                             str(tmp_path / "d"), "--json"], env=env, capture_output=True, text=True, timeout=60)
+    checks = {c["name"]: c for c in json.loads(result.stdout)}
+    assert result.returncode == 0, result.stdout
+    assert checks["window detected"]["detail"] == "32768 tokens (vllm /models)"
+    assert checks["tokenizer (offline)"]["ok"] and checks["data dir"]["ok"] and checks["upstream reachable"]["ok"]
+    down = subprocess.run([CTXPROXY, "doctor", "--upstream", "http://127.0.0.1:9/v1", "--data-dir", str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert down.returncode == 1 and "FAIL  upstream reachable" in down.stdout
