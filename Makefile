@@ -19,6 +19,7 @@ run: $(BIN)/ctxproxy
 
 test: $(BIN)/ctxproxy
 	scripts/test-deps
+	scripts/real-model
 	$(BIN)/ruff check proxy store config tests bench
 	$(BIN)/mypy
 	$(BIN)/pytest

@@ -1,0 +1,121 @@
+"""Against a real model server: llama.cpp (llama-cpp-python) serving SmolLM2-135M-Instruct with a 2048-token
+window, on loopback, behind the real proxy on real uvicorn. Nothing here is scripted: the answers, the token
+counts and the overflow errors are the server's own."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from config import load_settings
+from proxy.app import create_app
+from tests.fakes import serve_in_thread
+from tests.real.upstream import llama_server
+
+pytestmark = pytest.mark.e2e
+N_CTX = 2048
+MODEL = "smollm2"
+
+
+@dataclass
+class Real:
+    direct: str
+    proxy: str
+
+    def chat(self, body: dict[str, Any], via_proxy: bool = True) -> httpx.Response:
+        base = self.proxy if via_proxy else self.direct
+        return httpx.post(base + "/v1/chat/completions", json={"model": MODEL, **body}, timeout=300)
+
+    def admin(self, path: str) -> Any:
+        return httpx.get(self.proxy + "/ctx" + path, timeout=10).json()
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with llama_server(N_CTX, tmp_path_factory.mktemp("llama") / "server.log") as base:
+        yield base
+
+
+@pytest.fixture
+def real(llama: str, tmp_path: Path) -> Iterator[Real]:
+    """A fresh proxy (own journal, nothing configured about the window) in front of the shared real server."""
+    settings = load_settings(env={"CTXPROXY_DATA_DIR": str(tmp_path / "data"), "CTXPROXY_UPSTREAM": llama + "/v1"})
+    with serve_in_thread(create_app(settings)) as proxy:
+        yield Real(llama, proxy)
+
+
+def _ask(text: str) -> dict[str, Any]:
+    return {"messages": [{"role": "system", "content": "You are a terse assistant."},
+                         {"role": "user", "content": text}], "max_tokens": 16, "temperature": 0, "seed": 1}
+
+
+def _long_agent_run(rounds: int) -> list[dict[str, Any]]:
+    """An agent history far over the window: each round a tool call and a ~600-token tool result."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a coding agent. Be brief."},
+                                      {"role": "user", "content": "Find where the config is loaded."}]
+    for i in range(rounds):
+        call = {"id": f"call_{i}", "type": "function",
+                "function": {"name": "sh", "arguments": json.dumps({"cmd": f"cat src/module_{i}.py"})}}
+        listing = "\n".join(f"def handler_{i}_{n}(request, config):  # line {n} of module {i}" for n in range(60))
+        messages += [{"role": "assistant", "content": "", "tool_calls": [call]},
+                     {"role": "tool", "tool_call_id": f"call_{i}", "content": listing}]
+    return [*messages, {"role": "user", "content": "In one sentence: which module loads the config?"}]
+
+
+def _requests_of(real: Real, session: str) -> list[dict[str, Any]]:
+    journal = real.admin(f"/sessions/{session}/journal")
+    return [real.admin(f"/requests/{row['request_id']}") for row in journal["entries"]]
+
+
+def test_a_plain_answer_is_the_servers_own(real: Real) -> None:
+    direct, proxied = real.chat(_ask("Name one colour."), via_proxy=False), real.chat(_ask("Name one colour."))
+    assert direct.status_code == proxied.status_code == 200
+    answer = proxied.json()
+    assert answer["choices"][0]["message"]["content"].strip()
+    assert answer["usage"]["prompt_tokens"] == direct.json()["usage"]["prompt_tokens"]  # the same prompt arrived
+    assert proxied.headers["X-Ctx-Session"]
+
+
+def test_a_streamed_answer_arrives_whole(real: Real) -> None:
+    with httpx.stream("POST", real.proxy + "/v1/chat/completions", timeout=300,
+                      json={"model": MODEL, "stream": True, **_ask("Count to three.")}) as response:
+        assert response.status_code == 200
+        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text.strip() and len(chunks) > 2
+
+
+def test_a_run_over_the_window_fails_direct_and_succeeds_through_the_proxy(real: Real) -> None:
+    body = {"messages": _long_agent_run(rounds=12), "max_tokens": 24, "temperature": 0}
+    direct = real.chat(body, via_proxy=False)
+    assert direct.status_code == 400
+    assert direct.json()["error"]["code"] == "context_length_exceeded"
+
+    proxied = real.chat(body)
+    assert proxied.status_code == 200, proxied.text
+    assert proxied.json()["choices"][0]["message"]["content"] is not None
+    assert proxied.json()["usage"]["prompt_tokens"] < N_CTX
+
+
+def test_the_window_is_learned_once_from_the_servers_own_error(real: Real) -> None:
+    """llama-cpp-python reports no window; the proxy learns it from the first overflow and keeps it."""
+    history = _long_agent_run(rounds=12)
+    first = real.chat({"messages": history, "max_tokens": 8, "temperature": 0})
+    assert first.status_code == 200, first.text
+    answer = first.json()["choices"][0]["message"]["content"]
+    history += [{"role": "assistant", "content": answer}, {"role": "user", "content": "And which one saves it?"}]
+    second = real.chat({"messages": history, "max_tokens": 8, "temperature": 0})
+    assert second.status_code == 200, second.text
+    assert second.headers["X-Ctx-Session"] == first.headers["X-Ctx-Session"]
+    attempts = [[(r["outcome"], r["status"]) for r in req["responses"]]
+                for req in _requests_of(real, first.headers["X-Ctx-Session"])]
+    assert attempts[0][0][1] == 400 and attempts[0][-1][1] == 200  # learned from the server's 400, then fit
+    assert [status for _, status in attempts[1]] == [200]  # the window was known: no second overflow
