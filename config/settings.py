@@ -112,6 +112,8 @@ class Settings:
     paste_chars: int = _opt(20000, parse_int(0), "a pasted attachment above this goes to overflow")
     approval_pattern: str = _opt(r"approval[_ ]id[=: ]+\S+", parse_regex, "what marks a pending approval")
     native_tools: bool = _opt(True, parse_bool, "upstream handles function calling (else fenced note only)")
+    null_content: str = _opt("keep", parse_choice("keep", "empty"), 'assistant "content": null upstream; '
+                             '"empty" sends "" (llama-cpp-python answers null with a 500)')
     route: str = _opt("auto", parse_choice("auto", "native", "fenced"), "tool-call protocol of the agent")
     fenced_presets: tuple[tuple[str, str], ...] = _opt((), parse_presets, "your own text-protocol formats: "
                                                        "[{name, pattern with (?P<body>…)}], tried first")

@@ -97,8 +97,9 @@ async def plan_forward(app: AppState, writer: JournalWriter, ctx: SessionContext
     payload: dict[str, Any] = {**body, "messages": sent}
     if offered and not rules.fenced:
         payload["tools"] = with_context_tools(body.get("tools"))
-    changed = p.changed or len(sent) != len(p.messages) or offered
     hashes = p.hashes + [message_hash(m) for m in sent[len(p.messages):]]
+    filled = settings.null_content == "empty" and _fill_null_content(sent, hashes)
+    changed = p.changed or len(sent) != len(p.messages) or offered or filled
     estimate = p.report.estimate - (app.context_tools_tokens() if may_offer and not offered else 0)
     record = _forward_record(recorded, incoming, ctx, p, attempt, k, sent, hashes, changed,
                              None if splice else estimate)  # a splice's tokens are not in the estimate
@@ -114,6 +115,18 @@ async def plan_forward(app: AppState, writer: JournalWriter, ctx: SessionContext
     ctx.state = p.state
     ctx.sent_list = (list_id, hashes)
     return Plan(orjson.dumps(payload) if changed else raw, estimate, k, p, rules, offered, deferred)
+
+
+def _fill_null_content(sent: list[dict[str, Any]], hashes: list[str]) -> bool:
+    """Give assistant messages without content ``""`` in place (and their new hashes), for upstreams that refuse
+    ``null``; whether any changed. The client's own messages are copies here: projection never shares them."""
+    filled = False
+    for i, m in enumerate(sent):
+        if m.get("role") == "assistant" and m.get("content") is None:
+            sent[i] = {**m, "content": ""}
+            hashes[i] = message_hash(sent[i])
+            filled = True
+    return filled
 
 
 def _mirror(ctx: SessionContext, settings: Settings, session_id: str, p: Projection) -> Path | None:

@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import httpx
 import orjson
 from fastapi.testclient import TestClient
 
-from config import Settings
+from config import Settings, load_settings
 from store import Journal
-from tests.conftest import chat
+from tests.conftest import app_client, chat
 from tests.fakes import FakeUpstream, Reply, stream_chunks
 
 
@@ -108,3 +109,25 @@ def test_other_v1_routes_pass_through(client: TestClient, fake: FakeUpstream) ->
 def test_healthz(client: TestClient) -> None:
     assert client.get("/healthz").json()["status"] == "ok"
 
+
+
+def _null_content_history() -> bytes:
+    call = {"id": "c1", "type": "function", "function": {"name": "sh", "arguments": "{}"}}
+    return orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "ls"},
+                                                    {"role": "assistant", "content": None, "tool_calls": [call]},
+                                                    {"role": "tool", "tool_call_id": "c1", "content": "a.txt"}]})
+
+
+def test_null_content_is_kept_unless_the_upstream_needs_it_empty(tmp_path: Path, fake: FakeUpstream) -> None:
+    for mode, expected in (("keep", None), ("empty", "")):
+        settings = load_settings(env={"CTXPROXY_DATA_DIR": str(tmp_path / mode), "CTXPROXY_UPSTREAM": "http://u.test/v1",
+                                      "CTXPROXY_NULL_CONTENT": mode})
+        with app_client(settings, httpx.ASGITransport(app=fake)) as client:
+            raw = _null_content_history()
+            assert client.post("/v1/chat/completions", content=raw).status_code == 200
+        sent = json.loads(fake.last_chat.body)
+        assert sent["messages"][1]["content"] == expected
+        assert sent["messages"][0] == {"role": "user", "content": "ls"} and len(sent["messages"]) == 3
+        assert (fake.last_chat.body == raw) == (mode == "keep")  # keep: nothing rewritten, byte for byte
+        journaled = journal_of(settings).request(1)
+        assert journaled is not None and journaled["messages"][1]["content"] is None  # the client's own, as sent

@@ -44,8 +44,10 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 @pytest.fixture
 def real(llama: str, tmp_path: Path) -> Iterator[Real]:
-    """A fresh proxy (own journal, nothing configured about the window) in front of the shared real server."""
-    settings = load_settings(env={"CTXPROXY_DATA_DIR": str(tmp_path / "data"), "CTXPROXY_UPSTREAM": llama + "/v1"})
+    """A fresh proxy (own journal, nothing configured about the window) in front of the shared real server,
+    configured as this upstream needs: ``null_content = "empty"``."""
+    settings = load_settings(env={"CTXPROXY_DATA_DIR": str(tmp_path / "data"), "CTXPROXY_UPSTREAM": llama + "/v1",
+                                  "CTXPROXY_NULL_CONTENT": "empty"})
     with serve_in_thread(create_app(settings)) as proxy:
         yield Real(llama, proxy)
 
@@ -119,3 +121,16 @@ def test_the_window_is_learned_once_from_the_servers_own_error(real: Real) -> No
                 for req in _requests_of(real, first.headers["X-Ctx-Session"])]
     assert attempts[0][0][1] == 400 and attempts[0][-1][1] == 200  # learned from the server's 400, then fit
     assert [status for _, status in attempts[1]] == [200]  # the window was known: no second overflow
+
+
+def test_null_content_that_this_server_refuses_is_sent_as_empty(real: Real) -> None:
+    call = {"id": "call_1", "type": "function", "function": {"name": "sh", "arguments": '{"cmd": "ls"}'}}
+    messages = [*_ask("What files are there?")["messages"],
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "README.md setup.py"}]
+    body = {"messages": messages, "max_tokens": 8, "temperature": 0}
+    assert real.chat(body, via_proxy=False).status_code == 500  # the server's own answer to null
+    proxied = real.chat(body)
+    assert proxied.status_code == 200, proxied.text
+    request = _requests_of(real, proxied.headers["X-Ctx-Session"])[0]
+    assert request["responses"][0]["status"] == 200
