@@ -5,6 +5,7 @@ counts and the overflow errors are the server's own."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,8 @@ import pytest
 
 from config import load_settings
 from proxy.app import create_app
+from proxy.rewrite.tokens import Calibration
+from store import Journal
 from tests.fakes import serve_in_thread
 from tests.real.upstream import llama_server
 
@@ -27,6 +30,7 @@ MODEL = "smollm2"
 class Real:
     direct: str
     proxy: str
+    journal: Journal
 
     def chat(self, body: dict[str, Any], via_proxy: bool = True) -> httpx.Response:
         base = self.proxy if via_proxy else self.direct
@@ -49,7 +53,7 @@ def real(llama: str, tmp_path: Path) -> Iterator[Real]:
     settings = load_settings(env={"CTXPROXY_DATA_DIR": str(tmp_path / "data"), "CTXPROXY_UPSTREAM": llama + "/v1",
                                   "CTXPROXY_NULL_CONTENT": "empty"})
     with serve_in_thread(create_app(settings)) as proxy:
-        yield Real(llama, proxy)
+        yield Real(llama, proxy, Journal(settings.data_path / "journal.db"))
 
 
 def _ask(text: str) -> dict[str, Any]:
@@ -134,3 +138,24 @@ def test_null_content_that_this_server_refuses_is_sent_as_empty(real: Real) -> N
     assert proxied.status_code == 200, proxied.text
     request = _requests_of(real, proxied.headers["X-Ctx-Session"])[0]
     assert request["responses"][0]["status"] == 200
+
+
+def test_calibration_predicts_the_servers_own_token_counts(real: Real) -> None:
+    """tiktoken is not SmolLM2's tokenizer: after one answer, estimate × k must land near what the server counts."""
+    history = _long_agent_run(rounds=1)
+    for question in ("Which module?", "Which line?", "Which function?", "Why?"):
+        history += [{"role": "user", "content": question}]
+        answer = real.chat({"messages": history, "max_tokens": 8, "temperature": 0})
+        assert answer.status_code == 200, answer.text
+        history += [{"role": "assistant", "content": answer.json()["choices"][0]["message"]["content"]}]
+    session, deadline = answer.headers["X-Ctx-Session"], time.monotonic() + 10
+    while len(samples := real.journal.calibration_samples(session, MODEL)) < 4 and time.monotonic() < deadline:
+        time.sleep(0.05)  # the last answer is journaled off the request's path
+    assert len(samples) == 4
+    raw_errors, calibrated_errors, calibration = [], [], Calibration()
+    for estimate, actual in samples:
+        raw_errors.append(abs(estimate - actual) / actual)
+        calibrated_errors.append(abs(calibration.scaled(estimate) - actual) / actual)
+        calibration = calibration.observe(estimate, actual)
+    assert max(calibrated_errors[1:]) < 0.05, (samples, calibrated_errors)
+    assert max(calibrated_errors[1:]) < min(raw_errors), (samples, raw_errors)
