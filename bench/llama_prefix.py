@@ -32,7 +32,7 @@ from config import load_settings
 from proxy.app import create_app
 from proxy.rewrite.tokens import MessageCounter
 from tests.fakes import serve_in_thread
-from tests.real.upstream import llama_server
+from tests.real.upstream import agent_history, llama_server
 
 N_CTX = 2048
 Send = Callable[[list[dict[str, Any]]], tuple[int, int, float]]
@@ -40,17 +40,8 @@ Send = Callable[[list[dict[str, Any]]], tuple[int, int, float]]
 
 def agent_run(rounds: int) -> list[list[dict[str, Any]]]:
     """The request sequence of one agent run: each request is the whole history so far (what agents send)."""
-    history: list[dict[str, Any]] = [{"role": "system", "content": "You are a coding agent. Be brief."},
-                                     {"role": "user", "content": "Find where the config is loaded and fix it."}]
-    requests = []
-    for i in range(rounds):
-        call = {"id": f"call_{i}", "type": "function",
-                "function": {"name": "sh", "arguments": json.dumps({"cmd": f"sed -n 1,20p src/mod_{i}.py"})}}
-        body = "\n".join(f"def step_{i}_{n}(config, request):  # mod_{i} line {n}" for n in range(20))
-        history += [{"role": "assistant", "content": "", "tool_calls": [call]},
-                    {"role": "tool", "tool_call_id": f"call_{i}", "content": body}]
-        requests.append(list(history))
-    return requests
+    history = agent_history(rounds, lines=20)
+    return [history[: 2 + 2 * (i + 1)] for i in range(rounds)]
 
 
 def post(base: str, messages: list[dict[str, Any]]) -> tuple[int, int, float]:

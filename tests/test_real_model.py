@@ -19,7 +19,7 @@ from proxy.app import create_app
 from proxy.rewrite.tokens import Calibration
 from store import Journal
 from tests.fakes import serve_in_thread
-from tests.real.upstream import llama_server
+from tests.real.upstream import agent_history, llama_server
 
 pytestmark = pytest.mark.e2e
 N_CTX = 2048
@@ -62,16 +62,9 @@ def _ask(text: str) -> dict[str, Any]:
 
 
 def _long_agent_run(rounds: int) -> list[dict[str, Any]]:
-    """An agent history far over the window: each round a tool call and a ~600-token tool result."""
-    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a coding agent. Be brief."},
-                                      {"role": "user", "content": "Find where the config is loaded."}]
-    for i in range(rounds):
-        call = {"id": f"call_{i}", "type": "function",
-                "function": {"name": "sh", "arguments": json.dumps({"cmd": f"cat src/module_{i}.py"})}}
-        listing = "\n".join(f"def handler_{i}_{n}(request, config):  # line {n} of module {i}" for n in range(60))
-        messages += [{"role": "assistant", "content": "", "tool_calls": [call]},
-                     {"role": "tool", "tool_call_id": f"call_{i}", "content": listing}]
-    return [*messages, {"role": "user", "content": "In one sentence: which module loads the config?"}]
+    """An agent history far over the window: each round a tool call and a 60-line tool result."""
+    question = {"role": "user", "content": "In one sentence: which module loads the config?"}
+    return [*agent_history(rounds, lines=60), question]
 
 
 def _requests_of(real: Real, session: str) -> list[dict[str, Any]]:

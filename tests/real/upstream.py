@@ -6,6 +6,7 @@ once; this module only finds them and runs the server on a free port with a smal
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -13,6 +14,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -69,3 +71,17 @@ def llama_server(n_ctx: int, log: Path) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+def agent_history(rounds: int, lines: int) -> list[dict[str, Any]]:
+    """A scripted agent run's history: a task, then per round a shell call and a ``lines``-line result
+    (about 6.5 tokens a line)."""
+    history: list[dict[str, Any]] = [{"role": "system", "content": "You are a coding agent. Be brief."},
+                                     {"role": "user", "content": "Find where the config is loaded and fix it."}]
+    for i in range(rounds):
+        call = {"id": f"call_{i}", "type": "function",
+                "function": {"name": "sh", "arguments": json.dumps({"cmd": f"sed -n 1,{lines}p src/mod_{i}.py"})}}
+        body = "\n".join(f"def step_{i}_{n}(config, request):  # mod_{i} line {n}" for n in range(lines))
+        history += [{"role": "assistant", "content": "", "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": f"call_{i}", "content": body}]
+    return history
