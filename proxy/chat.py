@@ -6,10 +6,10 @@ mid-stream). The projection's decisions and cut bodies are journaled before a by
 (``proxy.planning``). When nothing is rewritten the client's body goes upstream byte for byte; a streamed answer
 is relayed chunk by chunk as it arrives.
 
-If the upstream answers that the prompt is too long (``proxy.overflow``; for a llama.cpp stream, a 200 that ends
-before its first byte), the calibration is corrected from what the upstream counted, the request is projected
-again with the stricter ratio and retried once; if it still does not fit, the client gets a clear
-``context_length_exceeded`` error.
+If the upstream answers that the prompt is too long (``proxy.overflow``), the calibration is corrected from what
+the upstream counted, the request is projected again with the stricter ratio and retried once; if it still does not
+fit, the client gets a clear ``context_length_exceeded`` error. A llama.cpp stream that overflows says nothing (a
+200 that ends, or a connection closed, before its first byte): the upstream is asked why (``Exchange._probe``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,15 @@ from starlette.responses import Response, StreamingResponse
 
 from proxy.context import SessionContext
 from proxy.edge import parse_chat_body, read_body
-from proxy.errors import ContextTooLarge, CtxError, UpstreamTimeout, UpstreamUnreachable, envelope, error_response
+from proxy.errors import (
+    ContextTooLarge,
+    CtxError,
+    UpstreamBrokeOff,
+    UpstreamTimeout,
+    UpstreamUnreachable,
+    envelope,
+    error_response,
+)
 from proxy.intercept import ContextRunner, strip_calls
 from proxy.overflow import Overflow, detect_overflow
 from proxy.planning import Plan, plan_forward, what_takes_room
@@ -50,6 +58,10 @@ ATTEMPTS = 2
 """The first forward, and one retry after the upstream said the prompt is too long."""
 _CHAT_DROP = frozenset({"accept-encoding"})
 _IDENTITY = [(b"accept-encoding", b"identity")]  # the proxy reads the answer (usage), so it must arrive plain
+_BROKE_OFF = httpx.Response(502)
+"""Stands for a streamed forward the upstream closed before its first byte: llama-cpp-python's way of refusing
+a streamed prompt over its ``n_ctx`` (its log: "Requested tokens (N) exceed context window"). It is taken for an
+overflow and retried once, cut smaller; if the retry breaks off too, the client gets the 502."""
 
 
 async def chat_completions(request: Request) -> Response:
@@ -182,8 +194,7 @@ class Exchange:
                                       self.incoming, self.attempt, self.incognito, splice, offer, self.compact)
             self.estimate = 0 if splice else plan.estimate  # usage with a splice does not measure the estimate
             self.deferred = plan.deferred
-            upstream = await self._open(plan.body)
-            first, overflow = await self._inspect(upstream)
+            upstream, first, overflow = await self._attempt(plan.body)
             if overflow is None:
                 return upstream, first, plan
             if splice:  # the spliced tool results made it too long, not the conversation: learn nothing from it
@@ -196,6 +207,41 @@ class Exchange:
             await self._record_overflow(overflow, upstream.status_code)
             self.attempt += 1
         raise ContextTooLarge(self._refusal(plan, overflow))
+
+    async def _attempt(self, body: bytes) -> tuple[httpx.Response, bytes | None, Overflow | None]:
+        """One forward: the answer, its read-ahead first chunk, and the overflow it signals (if any). A stream
+        that ends or breaks off before its first byte says nothing of why; the upstream is asked (``_probe``)."""
+        try:
+            upstream = await self._open(body)
+            first, overflow = await self._inspect(upstream)
+        except UpstreamBrokeOff as exc:
+            if not self.body.get("stream"):
+                raise
+            if (probed := await self._probe(body)) is None:
+                raise exc from None  # not an overflow: the upstream failed
+            return _BROKE_OFF, b"", probed
+        if overflow is not None and overflow.limit is None and self.body.get("stream"):
+            overflow = await self._probe(body) or overflow
+        return upstream, first, overflow
+
+    async def _probe(self, body: bytes) -> Overflow | None:
+        """Why a stream ended before its first byte: the same prompt, not streamed and for one token, gets the
+        upstream's own error with its counts (llama-cpp-python: "Requested tokens (N) exceed context window of
+        M"); None when the upstream takes it (then the stream did not fail for the prompt's length). Asked twice:
+        the first may go out on the pooled connection the failed stream left dead."""
+        probe = orjson.loads(body)
+        for key in ("stream_options", "max_completion_tokens"):
+            probe.pop(key, None)
+        probe |= {"stream": False, "max_tokens": 1}
+        for _ in range(2):
+            try:
+                answer = await self._open(orjson.dumps(probe))
+                return detect_overflow(answer.status_code, await _read(answer))
+            except UpstreamBrokeOff:
+                continue
+            except CtxError:
+                return None
+        return None
 
     def _learn(self, plan: Plan, overflow: Overflow) -> None:
         """What an overflow teaches: the upstream's count (the ratio k) and a ceiling on its window."""
@@ -264,8 +310,8 @@ class Exchange:
             raise UpstreamTimeout("The upstream did not start its answer in time.") from None
         except httpx.TransportError as exc:
             await upstream.aclose()
-            raise UpstreamUnreachable(f"The upstream broke off before its answer: {exc or type(exc).__name__}.") \
-                from None
+            raise UpstreamBrokeOff(f"The upstream closed the connection before the first byte of its answer: "
+                                   f"{exc or type(exc).__name__}. See the model server's log.") from None
         if first:
             return first, None
         await upstream.aclose()

@@ -20,6 +20,7 @@ __all__ = [
     "NotFound",
     "PayloadTooLarge",
     "Unauthorized",
+    "UpstreamBrokeOff",
     "UpstreamTimeout",
     "UpstreamUnreachable",
     "error_response",
@@ -66,6 +67,13 @@ class PayloadTooLarge(CtxError):
 
 class UpstreamUnreachable(CtxError):
     status, type, code = 502, "upstream_error", "upstream_unreachable"
+
+
+class UpstreamBrokeOff(UpstreamUnreachable):
+    """The upstream took the request, then closed the connection before its first byte (llama-cpp-python does
+    this to a streamed prompt longer than its ``n_ctx``): unlike a refused connection, possibly an overflow."""
+
+    code = "upstream_disconnected"
 
 
 class UpstreamTimeout(CtxError):

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 import httpx
 from starlette.responses import Response
 
-from proxy.errors import UpstreamTimeout, UpstreamUnreachable
+from proxy.errors import UpstreamBrokeOff, UpstreamTimeout, UpstreamUnreachable
 
 __all__ = [
     "HOP_BY_HOP", "Upstream", "client_headers", "redact", "response_headers", "upstream_url", "with_headers",
@@ -87,9 +87,12 @@ class Upstream:
         except httpx.TimeoutException as exc:
             raise UpstreamTimeout(f"The upstream at {request.url} did not answer in time ({type(exc).__name__}). "
                                   "Raise upstream_timeout if the model is slow to start.") from None
-        except httpx.TransportError as exc:
+        except httpx.ConnectError as exc:
             raise UpstreamUnreachable(f"Cannot reach the upstream at {request.url}: {exc or type(exc).__name__}. "
                                       "Check that the model server is running and --upstream is right.") from None
+        except httpx.TransportError as exc:
+            raise UpstreamBrokeOff(f"The upstream at {request.url} closed the connection without answering: "
+                                   f"{exc or type(exc).__name__}. See the model server's log.") from None
 
     async def aclose(self) -> None:
         await self.transport.aclose()

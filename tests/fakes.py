@@ -45,6 +45,8 @@ class Reply:
     delay: float = 0.0
     chunk_gate: threading.Event | None = None
     headers: dict[str, str] = field(default_factory=dict)
+    break_off: bool = False
+    """Send the headers, then fail: uvicorn drops the connection (llama-cpp-python's streamed overflow)."""
 
 
 def completion(text: str, prompt_tokens: int = 10, model: str = "fake-model") -> dict[str, Any]:
@@ -172,7 +174,14 @@ async def _lifespan(receive: Receive, send: Send) -> None:
             return
 
 
+class BrokeOff(Exception):
+    """Raised by a fake upstream's app to make its server drop the connection mid-answer."""
+
+
 async def _send_reply(reply: Reply, send: Send) -> None:
+    if reply.break_off:
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        raise BrokeOff("the fake upstream drops the connection")
     if reply.sse is not None:
         headers = {"content-type": "text/event-stream"} | reply.headers
         await send({"type": "http.response.start", "status": reply.status,

@@ -104,6 +104,21 @@ def test_a_run_over_the_window_fails_direct_and_succeeds_through_the_proxy(real:
     assert proxied.json()["usage"]["prompt_tokens"] < N_CTX
 
 
+def test_a_streamed_run_over_the_window_is_answered_on_a_fresh_session(real: Real) -> None:
+    """llama-cpp-python refuses a streamed prompt over n_ctx by closing the stream before its first byte, with the
+    reason only in its log; the proxy asks it why (the same prompt, not streamed), learns the window, cuts, and
+    the agent gets its stream."""
+    body = {"messages": _long_agent_run(rounds=12), "max_tokens": 8, "temperature": 0, "stream": True}
+    with httpx.stream("POST", real.proxy + "/v1/chat/completions", json={"model": MODEL, **body},
+                      timeout=300) as response:
+        text = response.read().decode()
+    assert response.status_code == 200, text
+    assert text.rstrip().endswith("data: [DONE]")
+    attempts = [(r["outcome"], r["status"]) for r in _requests_of(real, response.headers["X-Ctx-Session"])[0]
+                ["responses"]]
+    assert attempts[0][0] == "context_overflow" and attempts[-1][1] == 200
+
+
 def test_the_window_is_learned_once_from_the_servers_own_error(real: Real) -> None:
     """llama-cpp-python reports no window; the proxy learns it from the first overflow and keeps it."""
     history = _long_agent_run(rounds=12)

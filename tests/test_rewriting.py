@@ -17,10 +17,11 @@ import pytest
 from fastapi.testclient import TestClient
 
 from config import Settings, load_settings
+from proxy.app import create_app
 from proxy.rewrite import violations
 from store import Journal
 from tests.conftest import app_client
-from tests.fakes import CountingUpstream, Reply
+from tests.fakes import CountingUpstream, Reply, serve_in_thread
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 STUB_ID = re.compile(r"\[overflow id=([0-9a-f]{64}) ")
@@ -136,7 +137,46 @@ def test_an_empty_stream_is_llama_cpp_overflowing_and_is_retried_smaller(
     with app_client(settings_for(tmp_path), httpx.ASGITransport(app=upstream)) as c:
         answer = c.post("/v1/chat/completions", json=body)
     assert answer.status_code == 200 and "fits" in answer.text and answer.text.rstrip().endswith("[DONE]")
-    assert len(upstream.chats) == 2 and len(upstream.chats[1].body) < len(upstream.chats[0].body)
+    stream, probe, retry = (r.json() for r in upstream.chats)
+    assert probe["messages"] == stream["messages"] and not probe["stream"] and probe["max_tokens"] == 1
+    assert len(json.dumps(retry)) < len(json.dumps(stream))  # the probe was answered: cut anyway, to be safe
+
+
+def test_a_stream_that_breaks_off_is_asked_why_and_retried_to_fit(tmp_path: Path, conversation: dict[str, Any]) -> None:
+    """llama-cpp-python's streamed overflow: the connection closes before the first byte. The proxy asks the
+    server why (the same prompt, not streamed, one token), learns its window from the answer and retries."""
+    upstream = CountingUpstream(window=4096)
+    upstream.enqueue(Reply(break_off=True))
+    body = next(b for n, b in enumerate(requests_of(conversation)) if n == 5) | {"stream": True}
+    with serve_in_thread(upstream) as base, \
+            TestClient(create_app(settings_for(tmp_path, CTXPROXY_UPSTREAM=base + "/v1"))) as c:
+        answer = c.post("/v1/chat/completions", json=body)
+    assert answer.status_code == 200 and answer.text.rstrip().endswith("[DONE]"), answer.text
+    assert [r.json().get("stream") for r in upstream.chats] == [True, False, True]
+    assert upstream.counts[0] > 4096 >= upstream.counts[1]  # the probe (the first counted) was refused; the retry fit
+
+
+def test_a_stream_that_breaks_off_for_another_reason_is_a_clear_502(tmp_path: Path) -> None:
+    upstream = CountingUpstream(window=100_000)
+    upstream.enqueue(Reply(break_off=True))
+    with serve_in_thread(upstream) as base, \
+            TestClient(create_app(settings_for(tmp_path, CTXPROXY_UPSTREAM=base + "/v1"))) as c:
+        answer = c.post("/v1/chat/completions", json={"model": "m", "stream": True,
+                                                       "messages": [{"role": "user", "content": "hi"}]})
+    error = answer.json()["error"]
+    assert answer.status_code == 502 and error["code"] == "upstream_disconnected", error
+    assert "closed the connection" in error["message"] and "Cannot reach" not in error["message"]
+    assert [r.json().get("stream") for r in upstream.chats] == [True, False]  # asked why; it took the prompt
+
+
+def test_an_upstream_that_is_not_there_is_a_502_that_says_so(tmp_path: Path) -> None:
+    from tests.real.upstream import free_port
+
+    with TestClient(create_app(settings_for(tmp_path, CTXPROXY_UPSTREAM=f"http://127.0.0.1:{free_port()}/v1"))) as c:
+        answer = c.post("/v1/chat/completions", json={"model": "m", "stream": True,
+                                                       "messages": [{"role": "user", "content": "hi"}]})
+    assert answer.status_code == 502 and answer.json()["error"]["code"] == "upstream_unreachable"
+    assert "Cannot reach the upstream" in answer.json()["error"]["message"]
 
 
 def test_a_request_that_cannot_fit_gets_a_clear_error(tmp_path: Path) -> None:
