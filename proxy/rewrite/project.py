@@ -86,18 +86,22 @@ def project(messages: Sequence[dict[str, Any]], hashes: Sequence[str], decisions
 
 def _cut_to_fit(state: State, messages: Sequence[dict[str, Any]], rules: Rules, counter: Counter,
                 new: list[Decision], writes: list[OverflowWrite]) -> None:
-    """Elide, then fold, with the configured protection; then squeeze down to the newest result and round."""
+    """Elide, then fold, with the configured protection; then squeeze down to the newest result and round.
+
+    Once the budget is crossed the cut goes to the target in this request: if eliding alone stops above it, the
+    fold follows now rather than on the next request, so the prefix cache is broken once, not twice in a row."""
     keep = rules.budget.keep_results
     for keep_results, newest in ((keep, max(keep, 2)), (min(keep, 1), 1)):
         if not _over(state, rules):
             return
         elide(state, messages, rules, counter, new, writes, keep_results)
-        if _over(state, rules):
+        if _over(state, rules, rules.budget.target):
             fold(state, messages, rules, counter, new, writes, newest)
 
 
-def _over(state: State, rules: Rules) -> bool:
-    return rules.scaled(state.total + rules.tools_tokens) > rules.budget.budget
+def _over(state: State, rules: Rules, limit: int | None = None) -> bool:
+    """Is the projection over the budget (or over ``limit``)?"""
+    return rules.scaled(state.total + rules.tools_tokens) > (limit or rules.budget.budget)
 
 
 def _resume(previous: State | None, hashes: Sequence[str], decisions: int) -> State | None:
