@@ -268,3 +268,31 @@ def test_ctxproxy_doctor_checks_the_upstream_window_tokenizer_and_data_dir(tmp_p
     down = subprocess.run([CTXPROXY, "doctor", "--upstream", "http://127.0.0.1:9/v1", "--data-dir", str(tmp_path)],
                           env=env, capture_output=True, text=True, timeout=60)
     assert down.returncode == 1 and "FAIL  upstream reachable" in down.stdout
+
+
+def test_sync_stream_and_async_sdk_calls_of_one_run_are_one_session_without_a_header(stack: Stack) -> None:
+    """What the SDK sends is recorded: its fields reach the upstream as sent, its own headers (user-agent,
+    x-stainless-*) pass untouched, and three calls of one growing history, made three ways with no session
+    header, are found to be one session."""
+    client = stack.sdk()
+    first = client.chat.completions.with_raw_response.create(model="fake-model", messages=MESSAGES, temperature=0)
+    history = [*MESSAGES, {"role": "assistant", "content": "hi"}, {"role": "user", "content": "Again."}]
+    with client.chat.completions.with_streaming_response.create(model="fake-model", messages=history,
+                                                                stream=True) as streamed:
+        streamed.read()
+    history += [{"role": "assistant", "content": "hi again"}, {"role": "user", "content": "Once more."}]
+
+    async def third() -> Any:
+        async with openai.AsyncOpenAI(base_url=stack.proxy + "/v1", api_key="k", max_retries=0) as aclient:
+            return await aclient.chat.completions.with_raw_response.create(model="fake-model", messages=history)
+
+    last = asyncio.run(third())
+    sessions = {r.headers["x-ctx-session"] for r in (first, streamed, last)}
+    assert len(sessions) == 1
+    sent = stack.fake.chats
+    assert [sorted(r.json()) for r in sent] == [["messages", "model", "temperature"], ["messages", "model", "stream"],
+                                                ["messages", "model"]]
+    for got in sent:
+        stainless = {k: v for k, v in got.headers.items() if k.startswith("x-stainless-")}
+        assert got.headers["user-agent"].startswith(("OpenAI/Python", "AsyncOpenAI/Python")) and stainless
+    assert sent[0].headers["x-stainless-async"] == "false" and sent[2].headers["x-stainless-async"] != "false"
