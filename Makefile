@@ -8,27 +8,33 @@ PORT ?= 4141
 
 .PHONY: run test lint bench clean
 
+# `make run` installs the proxy alone; `make test` adds the test and bench extras (mini-swe-agent brings pandas,
+# which sqlite-utils imports when present: about 120 MB the proxy itself does not need).
 $(BIN)/ctxproxy: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet -e .
+	touch $@
+
+$(VENV)/.extras: $(BIN)/ctxproxy
+	$(BIN)/pip install --quiet -e '.[test,bench]'
 	touch $@
 
 run: $(BIN)/ctxproxy
 	$(BIN)/ctxproxy serve --upstream $(UPSTREAM) --host $(HOST) --port $(PORT)
 
-test: $(BIN)/ctxproxy
+test: $(VENV)/.extras
 	scripts/test-deps
 	scripts/real-model
 	$(BIN)/ruff check proxy store config tests bench
 	$(BIN)/mypy
 	$(BIN)/pytest
 
-lint: $(BIN)/ctxproxy
+lint: $(VENV)/.extras
 	$(BIN)/ruff check proxy store config tests bench
 	$(BIN)/mypy
 
-bench: $(BIN)/ctxproxy
+bench: $(VENV)/.extras
 	$(BIN)/python bench/latency.py
 
 clean:
