@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +36,14 @@ class Stack:
     direct: str
     fake: FakeUpstream
     settings: Settings
+    clients: list[openai.OpenAI] = field(default_factory=list)
 
     def sdk(self, via_proxy: bool = True) -> openai.OpenAI:
-        return openai.OpenAI(base_url=(self.proxy if via_proxy else self.direct) + "/v1", api_key="sk-test",
-                             max_retries=0)
+        """An SDK client, closed with the stack (an unclosed one's socket warns when collected, in any test)."""
+        client = openai.OpenAI(base_url=(self.proxy if via_proxy else self.direct) + "/v1", api_key="sk-test",
+                               max_retries=0)
+        self.clients.append(client)
+        return client
 
     def journal(self) -> Journal:
         return Journal(self.settings.data_path / "journal.db")
@@ -51,7 +55,10 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
     with serve_in_thread(fake) as direct:
         settings = load_settings(env={"CTXPROXY_DATA_DIR": str(tmp_path / "data"), "CTXPROXY_UPSTREAM": direct + "/v1"})
         with serve_in_thread(create_app(settings)) as proxy:
-            yield Stack(proxy, direct, fake, settings)
+            stack = Stack(proxy, direct, fake, settings)
+            yield stack
+            for client in stack.clients:
+                client.close()
 
 
 def test_the_sdk_gets_the_same_answer_through_the_proxy(stack: Stack) -> None:
@@ -274,12 +281,13 @@ def test_sync_stream_and_async_sdk_calls_of_one_run_are_one_session_without_a_he
     """What the SDK sends is recorded: its fields reach the upstream as sent, its own headers (user-agent,
     x-stainless-*) pass untouched, and three calls of one growing history, made three ways with no session
     header, are found to be one session."""
-    client = stack.sdk()
-    first = client.chat.completions.with_raw_response.create(model="fake-model", messages=MESSAGES, temperature=0)
     history = [*MESSAGES, {"role": "assistant", "content": "hi"}, {"role": "user", "content": "Again."}]
-    with client.chat.completions.with_streaming_response.create(model="fake-model", messages=history,
-                                                                stream=True) as streamed:
-        streamed.read()
+    with stack.sdk() as client:
+        first = client.chat.completions.with_raw_response.create(model="fake-model", messages=MESSAGES,
+                                                                 temperature=0)
+        with client.chat.completions.with_streaming_response.create(model="fake-model", messages=history,
+                                                                    stream=True) as streamed:
+            streamed.read()
     history += [{"role": "assistant", "content": "hi again"}, {"role": "user", "content": "Once more."}]
 
     async def third() -> Any:
