@@ -38,6 +38,7 @@ import contextlib
 import json
 import re
 import shlex
+import signal
 import statistics
 import sys
 import tempfile
@@ -375,6 +376,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write every number here")
     parser.add_argument("--proxy-env", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stopped: still stop the servers it started
     env = args.proxy_env + (["CTXPROXY_NULL_CONTENT=empty"] if args.upstream == "llama" else [])
     print("command:", shlex.join(["python", *sys.argv]))
     report: dict[str, Any] = {"upstream": args.upstream, "workloads": []}
