@@ -33,7 +33,6 @@ from proxy.errors import (
     CtxError,
     UpstreamBrokeOff,
     UpstreamTimeout,
-    UpstreamUnreachable,
     envelope,
     error_response,
 )
@@ -60,8 +59,8 @@ _CHAT_DROP = frozenset({"accept-encoding"})
 _IDENTITY = [(b"accept-encoding", b"identity")]  # the proxy reads the answer (usage), so it must arrive plain
 _BROKE_OFF = httpx.Response(502)
 """Stands for a streamed forward the upstream closed before its first byte: llama-cpp-python's way of refusing
-a streamed prompt over its ``n_ctx`` (its log: "Requested tokens (N) exceed context window"). It is taken for an
-overflow and retried once, cut smaller; if the retry breaks off too, the client gets the 502."""
+a streamed prompt over its ``n_ctx`` (its log: "Requested tokens (N) exceed context window"). When the probe
+(``Exchange._probe``) confirms an overflow, it is retried once, cut smaller, like any overflow."""
 
 
 async def chat_completions(request: Request) -> Response:
@@ -217,31 +216,41 @@ class Exchange:
         except UpstreamBrokeOff as exc:
             if not self.body.get("stream"):
                 raise
-            if (probed := await self._probe(body)) is None:
-                raise exc from None  # not an overflow: the upstream failed
+            asked, probed = await self._probe(body)
+            if probed is None:
+                raise exc from None  # the upstream takes this prompt (or cannot be asked): it failed otherwise
             return _BROKE_OFF, b"", probed
         if overflow is not None and overflow.limit is None and self.body.get("stream"):
-            overflow = await self._probe(body) or overflow
+            asked, probed = await self._probe(body)
+            if asked and probed is None:
+                raise UpstreamBrokeOff("The upstream ended the stream before its first byte, yet takes the same "
+                                       "prompt unstreamed: it is not too long. See the model server's log.")
+            overflow = probed or overflow
         return upstream, first, overflow
 
-    async def _probe(self, body: bytes) -> Overflow | None:
+    async def _probe(self, body: bytes) -> tuple[bool, Overflow | None]:
         """Why a stream ended before its first byte: the same prompt, not streamed and for one token, gets the
-        upstream's own error with its counts (llama-cpp-python: "Requested tokens (N) exceed context window of
-        M"); None when the upstream takes it (then the stream did not fail for the prompt's length). Asked twice:
-        the first may go out on the pooled connection the failed stream left dead."""
+        upstream's own error with its counts (llama-cpp-python: "maximum context length is M ... requested N
+        tokens"). Returns (answered, its overflow): (True, None) means the upstream takes the prompt, (False,
+        None) that it could not be asked. Asked twice: the first may go out on the pooled connection the failed
+        stream left dead. The first attempt's time to first byte is kept."""
         probe = orjson.loads(body)
         for key in ("stream_options", "max_completion_tokens"):
             probe.pop(key, None)
         probe |= {"stream": False, "max_tokens": 1}
-        for _ in range(2):
-            try:
-                answer = await self._open(orjson.dumps(probe))
-                return detect_overflow(answer.status_code, await _read(answer))
-            except UpstreamBrokeOff:
-                continue
-            except CtxError:
-                return None
-        return None
+        ttfb = self.ttfb_ms
+        try:
+            for _ in range(2):
+                try:
+                    answer = await self._open(orjson.dumps(probe))
+                    return True, detect_overflow(answer.status_code, await _read(answer))
+                except UpstreamBrokeOff:
+                    continue
+                except CtxError:
+                    break
+            return False, None
+        finally:
+            self.ttfb_ms = ttfb
 
     def _learn(self, plan: Plan, overflow: Overflow) -> None:
         """What an overflow teaches: the upstream's count (the ratio k) and a ceiling on its window."""
@@ -424,7 +433,7 @@ async def _read(upstream: httpx.Response) -> bytes:
     except httpx.TimeoutException:
         raise UpstreamTimeout("The upstream stopped sending its answer in time.") from None
     except httpx.TransportError as exc:
-        raise UpstreamUnreachable(f"The upstream broke off its answer: {exc or type(exc).__name__}.") from None
+        raise UpstreamBrokeOff(f"The upstream broke off its answer: {exc or type(exc).__name__}.") from None
     finally:
         await upstream.aclose()
 

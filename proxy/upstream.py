@@ -87,12 +87,12 @@ class Upstream:
         except httpx.TimeoutException as exc:
             raise UpstreamTimeout(f"The upstream at {request.url} did not answer in time ({type(exc).__name__}). "
                                   "Raise upstream_timeout if the model is slow to start.") from None
-        except httpx.ConnectError as exc:
-            raise UpstreamUnreachable(f"Cannot reach the upstream at {request.url}: {exc or type(exc).__name__}. "
-                                      "Check that the model server is running and --upstream is right.") from None
-        except httpx.TransportError as exc:
+        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
             raise UpstreamBrokeOff(f"The upstream at {request.url} closed the connection without answering: "
                                    f"{exc or type(exc).__name__}. See the model server's log.") from None
+        except httpx.TransportError as exc:
+            raise UpstreamUnreachable(f"Cannot reach the upstream at {request.url}: {exc or type(exc).__name__}. "
+                                      "Check that the model server is running and --upstream is right.") from None
 
     async def aclose(self) -> None:
         await self.transport.aclose()

@@ -143,6 +143,15 @@ def test_a_cut_goes_to_the_target_at_once_so_cuts_never_follow_each_other() -> N
     assert all(p.report.estimate <= rules.budget.target for p, c in zip(projections, cut, strict=True) if c)
 
 
+def test_no_fold_under_budget_when_the_protected_newest_results_alone_exceed_the_target() -> None:
+    """Folding would not reach the target, and would break the prefix at its start on every request."""
+    rules = Rules(budget(8192, spill_chars=100_000))
+    projections, _ = session(prefixes(history(["r" * 4200] * 20)), rules)
+    assert all(p.report.estimate <= rules.budget.budget for p in projections)
+    folds = [n for n, p in enumerate(projections) if p.report.folded]
+    assert not any(b == a + 1 for a, b in itertools.pairwise(folds)), folds
+
+
 def test_incremental_and_from_scratch_give_the_same_bytes() -> None:
     rules = Rules(budget(8192, spill_chars=4000))
     requests = prefixes(history([("q" * n) for n in (100, 5000, 3000, 9000, 2500, 3000, 700, 3000, 3000, 3000)]))

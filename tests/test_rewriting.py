@@ -129,17 +129,32 @@ def test_two_overflows_in_a_row_end_in_a_clear_error(tmp_path: Path) -> None:
     assert [r[1:] for r in rows if r[0] == 1] == [(0, "context_overflow"), (1, "context_too_large")]
 
 
-def test_an_empty_stream_is_llama_cpp_overflowing_and_is_retried_smaller(
+def test_an_empty_stream_is_asked_about_and_an_overflow_is_retried_to_fit(
+        tmp_path: Path, conversation: dict[str, Any]) -> None:
+    """llama.cpp's streamed overflow: a 200 that ends before its first byte. The same prompt, not streamed and for
+    one token, gets the server's counts; the window is learned and the retry fits it."""
+    upstream = CountingUpstream(window=4096)  # streamed and over the window: an empty 200
+    body = next(b for n, b in enumerate(requests_of(conversation)) if n == 5) | {"stream": True}
+    with app_client(settings_for(tmp_path), httpx.ASGITransport(app=upstream)) as c:
+        answer = c.post("/v1/chat/completions", json=body)
+    assert answer.status_code == 200 and "fits" in answer.text and answer.text.rstrip().endswith("[DONE]")
+    stream, probe, _ = (r.json() for r in upstream.chats)
+    assert probe["messages"] == stream["messages"] and not probe["stream"] and probe["max_tokens"] == 1
+    assert upstream.counts[0] > 4096 and upstream.counts[1] > 4096 >= upstream.counts[2]
+
+
+def test_an_empty_stream_of_a_prompt_that_fits_is_a_502_and_teaches_nothing(
         tmp_path: Path, conversation: dict[str, Any]) -> None:
     upstream = CountingUpstream(window=100_000)
     upstream.enqueue(Reply(raw=b"", headers={"content-type": "text/event-stream"}))
     body = next(b for n, b in enumerate(requests_of(conversation)) if n == 5) | {"stream": True}
     with app_client(settings_for(tmp_path), httpx.ASGITransport(app=upstream)) as c:
         answer = c.post("/v1/chat/completions", json=body)
-    assert answer.status_code == 200 and "fits" in answer.text and answer.text.rstrip().endswith("[DONE]")
-    stream, probe, retry = (r.json() for r in upstream.chats)
-    assert probe["messages"] == stream["messages"] and not probe["stream"] and probe["max_tokens"] == 1
-    assert len(json.dumps(retry)) < len(json.dumps(stream))  # the probe was answered: cut anyway, to be safe
+        assert answer.status_code == 502 and answer.json()["error"]["code"] == "upstream_disconnected"
+        again = c.post("/v1/chat/completions", json=body)
+    assert again.status_code == 200 and "fits" in again.text
+    assert [r.json()["stream"] for r in upstream.chats] == [True, False, True]
+    assert upstream.chats[2].json()["messages"] == upstream.chats[0].json()["messages"]  # no window was learned
 
 
 def test_a_stream_that_breaks_off_is_asked_why_and_retried_to_fit(tmp_path: Path, conversation: dict[str, Any]) -> None:

@@ -149,7 +149,9 @@ def _fold_start(messages: Sequence[dict[str, Any]]) -> int:
 
 
 def fold(state: State, messages: Sequence[dict[str, Any]], rules: Rules, counter: Counter,
-         new: list[Decision], writes: list[OverflowWrite], newest: int) -> None:
+         new: list[Decision], writes: list[OverflowWrite], newest: int, required: bool = True) -> None:
+    """Fold the oldest whole rounds into one stub, down to the target; unless ``required``, only if that reaches
+    the target."""
     if not rules.budget.fold_history:
         return
     start = _fold_start(messages)
@@ -163,6 +165,8 @@ def fold(state: State, messages: Sequence[dict[str, Any]], rules: Rules, counter
         total -= sum(state.counts[i:j])
         end = j
     if end <= start or (state.folded is not None and end <= state.folded[1]):
+        return
+    if not required and rules.scaled(total + rules.tools_tokens + _FOLD_STUB_TOKENS) > rules.budget.target:
         return
     decision = _fold_decision(state, messages, start, end, rules.storage)
     writes.append(OverflowWrite(decision.overflow_id, canonical_json(list(messages[start:end])).decode(), "fold", ""))

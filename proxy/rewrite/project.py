@@ -88,15 +88,17 @@ def _cut_to_fit(state: State, messages: Sequence[dict[str, Any]], rules: Rules, 
                 new: list[Decision], writes: list[OverflowWrite]) -> None:
     """Elide, then fold, with the configured protection; then squeeze down to the newest result and round.
 
-    Once the budget is crossed the cut goes to the target in this request: if eliding alone stops above it, the
-    fold follows now rather than on the next request, so the prefix cache is broken once, not twice in a row."""
+    Once the budget is crossed the cut goes to the target in this request: if eliding alone stops above it and a
+    fold can reach it, the fold follows now rather than on the next request, so the prefix cache is broken once,
+    not twice in a row. A fold that cannot reach it (the protected newest results are that large) is made only
+    when the request is still over budget: it would break the prefix at its start for nothing."""
     keep = rules.budget.keep_results
     for keep_results, newest in ((keep, max(keep, 2)), (min(keep, 1), 1)):
         if not _over(state, rules):
             return
         elide(state, messages, rules, counter, new, writes, keep_results)
         if _over(state, rules, rules.budget.target):
-            fold(state, messages, rules, counter, new, writes, newest)
+            fold(state, messages, rules, counter, new, writes, newest, required=_over(state, rules))
 
 
 def _over(state: State, rules: Rules, limit: int | None = None) -> bool:
