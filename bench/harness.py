@@ -60,6 +60,7 @@ import latency  # noqa: E402
 from rewrite import generated  # noqa: E402
 
 from proxy.rewrite import violations  # noqa: E402
+from proxy.rewrite.invariants import broken_pairs as pairs_broken  # noqa: E402
 from proxy.rewrite.tokens import MessageCounter  # noqa: E402
 from tests.fakes import CountingUpstream, Reply, serve_in_thread  # noqa: E402
 from tests.real.upstream import agent_history, llama_server  # noqa: E402
@@ -87,6 +88,8 @@ class Run:
     seconds: list[float] = field(default_factory=list)
     last_sent: list[dict[str, Any] | None] = field(default_factory=list)
     """The last upstream body of each client request (after any retry), None when nothing went upstream."""
+    last_index: list[int | None] = field(default_factory=list)
+    """Where that body is among all the upstream requests (retries and probes included)."""
 
 
 class Tap:
@@ -201,18 +204,25 @@ def sent_bodies(recorder: Any) -> list[Sent]:
                                                                                   strict=True)]
 
 
+def _received(recorder: Any) -> int:
+    return len(recorder.sent if isinstance(recorder, Tap) else recorder.chats)
+
+
 def replay(base: str, runs: list[list[dict[str, Any]]], recorder: Any, extra: dict[str, Any]) -> Run:
     out = Run()
     with httpx.Client(base_url=base, timeout=600) as client:
         for bodies in runs:
             for body in bodies:
-                before = len(sent_bodies(recorder))
+                before = _received(recorder)
                 started = time.perf_counter()
                 answer = client.post("/v1/chat/completions", json=body | extra)
                 out.seconds.append(time.perf_counter() - started)
                 out.statuses.append(answer.status_code)
-                after = sent_bodies(recorder)
-                out.last_sent.append(after[-1].body if len(after) > before else None)
+                after = _received(recorder)
+                last = after - 1 if after > before else None
+                out.last_index.append(last)
+                out.last_sent.append(None if last is None else (
+                    recorder.sent[last].body if isinstance(recorder, Tap) else recorder.chats[last].json()))
     return out
 
 
@@ -230,23 +240,28 @@ def tokens(body: dict[str, Any], by_identity: dict[int, int] | None = None) -> i
     return total
 
 
-def broken_pairs(messages: list[dict[str, Any]]) -> int:
-    """Tool calls without their result, plus results without their call, in one request."""
-    calls = {c["id"] for m in messages if m["role"] == "assistant" for c in m.get("tool_calls") or []}
-    results = {m.get("tool_call_id") for m in messages if m["role"] == "tool"}
-    return len(calls ^ results)
+def broken_pairs(sent: list[dict[str, Any]], received: list[dict[str, Any]]) -> int:
+    """Tool calls without their result plus results without their call (``proxy.rewrite.invariants``' walk, which
+    follows reused ids) in what was sent, beyond those already in the agent's own request."""
+    return max(0, sum(pairs_broken(sent).values()) - sum(pairs_broken(received).values()))
 
 
 def reuse_per_request(sent: list[Sent]) -> list[tuple[int, int]]:
-    """(characters reusable from the previous upstream request's prefix, characters sent) per upstream request."""
-    rows, previous = [], []
+    """(characters reusable from the previous answered upstream request's prefix, characters sent) per upstream
+    request. The tool list counts as reused only when it is the previous one's (servers render it first), and a
+    refused request leaves nothing cached."""
+    rows: list[tuple[int, int]] = []
+    previous: list[str] = []
+    previous_tools: Any = None
     for s in sent:
         encoded = [json.dumps(m, ensure_ascii=False) for m in s.body["messages"]]
         tools = len(json.dumps(s.body.get("tools"), ensure_ascii=False)) if s.body.get("tools") else 0
+        same_tools = bool(previous) and s.body.get("tools") == previous_tools
         same = next((i for i, (a, b) in enumerate(zip(previous, encoded, strict=False)) if a != b),
-                    min(len(previous), len(encoded)))
-        rows.append((sum(map(len, encoded[:same])) + (tools if previous else 0), sum(map(len, encoded)) + tools))
-        previous = encoded
+                    min(len(previous), len(encoded))) if same_tools else 0
+        rows.append((sum(map(len, encoded[:same])) + (tools if same_tools else 0), sum(map(len, encoded)) + tools))
+        if s.status == 200:
+            previous, previous_tools = encoded, s.body.get("tools")
     return rows
 
 
@@ -255,11 +270,11 @@ def _own(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [m for m in messages if not str(m.get("content") or "").startswith("[ctxproxy]")]
 
 
-def _spilled_paste(violation: str, sent: list[dict[str, Any]]) -> bool:
-    """A person's message that changed by a paste going to overflow (a stub in its place; restorable) is a cut the
-    proxy makes by design (``paste_chars``), not changed text."""
+def _spilled_paste(violation: str, received: list[dict[str, Any]]) -> bool:
+    """A person's message of ``paste_chars`` (20,000) or more that changed: its paste went to overflow, a cut the
+    proxy makes by design and restores on request, not changed text. The index is the agent's request's."""
     found = re.match(r"message (\d+) \(user\) changed", violation)
-    return bool(found) and "[overflow id=" in str(sent[int(found.group(1))].get("content"))
+    return bool(found) and len(str(received[int(found.group(1))].get("content"))) >= 20_000
 
 
 def summarize(name: str, runs: list[list[dict[str, Any]]], proxied: Run, sent: list[Sent], raw: Run | None,
@@ -271,13 +286,14 @@ def summarize(name: str, runs: list[list[dict[str, Any]]], proxied: Run, sent: l
     answered = [s for s, st in zip(proxied.seconds, proxied.statuses, strict=True) if st == 200]
     changed = [f"request {n}: {v}" for n, (req, body) in enumerate(zip(requests, proxied.last_sent, strict=True))
                if body is not None for v in violations(req["messages"], _own(body["messages"]))
-               if not _spilled_paste(v, _own(body["messages"]))]
+               if not _spilled_paste(v, req["messages"])]
     return {
         "workload": name, "requests": len(requests), "window": window,
         "refused_proxy": sum(s != 200 for s in proxied.statuses),
         "refused_raw": sum(s != 200 for s in raw.statuses) if raw else sum(t > window for t in raw_tokens),
         "upstream_requests": len(sent), "upstream_over_window": sum(s.status == 400 for s in sent),
-        "broken_pairs": sum(broken_pairs(s.body["messages"]) for s in sent),
+        "broken_pairs": sum(broken_pairs(_own(body["messages"]), req["messages"])
+                            for req, body in zip(requests, proxied.last_sent, strict=True) if body is not None),
         "changed_text": len(changed), "changed_detail": changed[:20],
         "tokens_raw": sum(raw_tokens),
         "tokens_sent": sum(tokens(b) for b in proxied.last_sent if b is not None),
@@ -291,7 +307,8 @@ def summarize(name: str, runs: list[list[dict[str, Any]]], proxied: Run, sent: l
         "chars_sent": sum(t for _, t in reuse),
         "per_request": {"tokens_raw": raw_tokens,
                         "tokens_sent": [tokens(b) if b else 0 for b in proxied.last_sent],
-                        "reuse": [round(r / t, 4) if t else 0 for r, t in reuse]},
+                        "reuse": [round(reuse[i][0] / reuse[i][1], 4) if i is not None and reuse[i][1] else 0
+                                  for i in proxied.last_index]},
     }
 
 
