@@ -101,6 +101,7 @@ class Tap:
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
             return
         body = b""
         while True:
@@ -115,11 +116,24 @@ class Tap:
         if scope["path"].endswith("/chat/completions"):
             self.sent.append(Sent(json.loads(body), answer.status_code))
         drop = (b"content-length", b"transfer-encoding", b"connection")
-        await send({"type": "http.response.start", "status": answer.status_code,
-                    "headers": [(k, v) for k, v in answer.headers.raw if k.lower() not in drop]})
-        async for chunk in answer.aiter_raw():
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        try:
+            await send({"type": "http.response.start", "status": answer.status_code,
+                        "headers": [(k, v) for k, v in answer.headers.raw if k.lower() not in drop]})
+            async for chunk in answer.aiter_raw():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            await answer.aclose()
+
+    async def _lifespan(self, receive: Any, send: Any) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.client.aclose()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
 
 
 # --- workloads ----------------------------------------------------------------------------------------------------
