@@ -62,7 +62,7 @@ from rewrite import generated  # noqa: E402
 from proxy.rewrite import violations  # noqa: E402
 from proxy.rewrite.invariants import broken_pairs as pairs_broken  # noqa: E402
 from proxy.rewrite.tokens import MessageCounter  # noqa: E402
-from tests.fakes import CountingUpstream, Reply, serve_in_thread  # noqa: E402
+from tests.fakes import CountingUpstream, Reply, lifespan, receive_body, serve_in_thread  # noqa: E402
 from tests.real.upstream import agent_history, llama_server  # noqa: E402
 
 WINDOWS = {"fake": 32768, "llama": 8192}
@@ -101,14 +101,9 @@ class Tap:
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
-            await self._lifespan(receive, send)
+            await lifespan(receive, send, on_shutdown=self.client.aclose)
             return
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+        body = await receive_body(receive)
         headers = [(k, v) for k, v in scope["headers"] if k.lower() not in (b"host", b"content-length")]
         request = self.client.build_request(scope["method"], self.target + scope["path"], content=body,
                                             headers=headers)
@@ -124,16 +119,6 @@ class Tap:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             await answer.aclose()
-
-    async def _lifespan(self, receive: Any, send: Any) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                await self.client.aclose()
-                await send({"type": "lifespan.shutdown.complete"})
-                return
 
 
 # --- workloads ----------------------------------------------------------------------------------------------------

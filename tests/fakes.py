@@ -14,7 +14,7 @@ import json
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -131,14 +131,9 @@ class FakeUpstream:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            await _lifespan(receive, send)
+            await lifespan(receive, send)
             return
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+        body = await receive_body(receive)
         got = Received(scope["method"], scope["path"], scope["query_string"].decode(),
                        {k.decode().lower(): v.decode() for k, v in scope["headers"]}, body)
         self.received.append(got)
@@ -164,14 +159,27 @@ class FakeUpstream:
         return Reply(body=completion(text, prompt, request.get("model", "fake-model")))
 
 
-async def _lifespan(receive: Receive, send: Send) -> None:
+async def lifespan(receive: Receive, send: Send, on_shutdown: Callable[[], Awaitable[None]] | None = None) -> None:
+    """An ASGI app's lifespan: start at once; at shutdown, run ``on_shutdown`` first."""
     while True:
         message = await receive()
         if message["type"] == "lifespan.startup":
             await send({"type": "lifespan.startup.complete"})
         elif message["type"] == "lifespan.shutdown":
+            if on_shutdown is not None:
+                await on_shutdown()
             await send({"type": "lifespan.shutdown.complete"})
             return
+
+
+async def receive_body(receive: Receive) -> bytes:
+    """A request's whole body, however many ASGI messages it comes in."""
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            return body
 
 
 class BrokeOff(Exception):
