@@ -42,6 +42,9 @@ from typing import Any
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.real.upstream import stop
+
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 CONVERSATION = ROOT.parent / "shared" / "bench" / "conversation-60.json"
@@ -201,14 +204,7 @@ def _wait_ready(proc: subprocess.Popen[bytes], url: str, log: Path, timeout: flo
     raise RuntimeError(f"{url} not ready after {timeout:.0f} s:\n{log.read_text()[-2000:]}")
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+_stop = stop  # the real-server tests' helper: terminate, then kill after 10 s
 
 
 # --- measuring ----------------------------------------------------------------------------------------------------

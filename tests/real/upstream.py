@@ -65,6 +65,12 @@ def llama_server(n_ctx: int, log: Path) -> Iterator[str]:
         _wait_until_ready(base, process, log, seconds=120)
         yield base
     finally:
+        stop(process)
+
+
+def stop(process: subprocess.Popen[bytes]) -> None:
+    """Stop a process this code started: terminate, and kill it if it has not exited in 10 s."""
+    if process.poll() is None:
         process.terminate()
         try:
             process.wait(timeout=10)
