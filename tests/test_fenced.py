@@ -1,41 +1,42 @@
-"""Finding tool results in text-protocol histories: every shared fenced trajectory, and what must never match."""
+"""Finding tool results in text-protocol histories: a generated run of every preset's agent, and what must never match.
+
+The recorded runs of the real agents are replayed in ``tests/test_corpus.py`` when ``CTXPROXY_TRAJECTORIES`` names
+them; these generated ones (``tests/transcripts.py``) come with the repository.
+"""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from proxy.rewrite.fenced import PRESETS, find_results, parse_preset, route_of
+from tests.transcripts import FORMATS, transcript
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "trajectories"
-FENCED = sorted(SHARED.glob("*.fenced.json"))
-
-
-def messages_of(path: Path) -> list[Any]:
-    return list(json.loads(path.read_text())["messages"])
+FENCED = [f for f in FORMATS if f != "native"]
 
 
-def test_the_shared_fenced_trajectories_are_there() -> None:
-    assert len(FENCED) == 15
+def test_every_preset_has_a_generated_run() -> None:
+    assert sorted(FENCED) == sorted(p.name for p in PRESETS)
 
 
-@pytest.mark.parametrize("path", FENCED, ids=[p.name for p in FENCED])
-def test_every_results_message_of_a_real_run_is_found_and_only_those(path: Path) -> None:
-    messages = messages_of(path)
-    found = find_results(messages)
-    answers = [i for i, m in enumerate(messages)
-               if m["role"] == "user" and i and messages[i - 1]["role"] == "assistant"]
-    assert {r.index for r in found} <= set(answers)  # never the task, the demonstration, a person's opening
-    assert len(found) >= len(answers) - 1  # mini-swe-agent's last user message is the submitted diff, not a result
-    for result in found:
-        content = messages[result.index]["content"]
-        assert result.round == sum(1 for m in messages[: result.index] if m["role"] == "assistant")
-        for segment in result.segments:
-            assert 0 <= segment.start <= segment.end <= len(content)
-    assert route_of(messages, None, "auto") == "fenced"
+@pytest.mark.parametrize("fmt", FENCED)
+def test_every_results_message_of_a_run_is_found_in_its_wrapper_and_only_those(fmt: str) -> None:
+    run = transcript(fmt)
+    found = find_results(run.messages)
+    cut = [(r.index, r.round, r.preset, tuple(run.messages[r.index]["content"][s.start:s.end] for s in r.segments))
+           for r in found]
+    assert cut == [(r.index, r.round, r.preset, r.bodies) for r in run.results]
+    assert not {r.index for r in found} & set(run.persons)  # the person between rounds, mini-swe-agent's diff
+    assert route_of(run.messages, None, "auto") == "fenced"
+
+
+def test_a_native_run_is_routed_native_and_has_no_text_results() -> None:
+    run = transcript("native")
+    assert route_of(run.messages, run.conversation["tools"], "auto") == "native"
+    assert route_of(run.messages, None, "auto") == "native"  # its tool messages say so even without the tools
+    assert find_results(run.messages) == []
 
 
 def test_the_presets_cut_exactly_the_result_and_keep_the_wrapper() -> None:

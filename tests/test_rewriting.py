@@ -6,7 +6,6 @@ llama.cpp) any prompt over its window.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,8 +21,9 @@ from proxy.rewrite import violations
 from store import Journal
 from tests.conftest import app_client
 from tests.fakes import CountingUpstream, Reply, serve_in_thread
+from tests.workloads import NEEDLE
+from tests.workloads import conversation as workload
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
 STUB_ID = re.compile(r"\[overflow id=([0-9a-f]{64}) ")
 
 
@@ -34,8 +34,8 @@ def settings_for(tmp_path: Path, **env: str) -> Settings:
 
 @pytest.fixture
 def conversation() -> dict[str, Any]:
-    data: dict[str, Any] = json.loads((SHARED / "bench" / "conversation-60.json").read_text())
-    return data
+    """The 60-round, 630 KB workload (``tests/workloads.py``): call_002's result opens with the needle."""
+    return workload(rounds=60)
 
 
 def requests_of(conversation: dict[str, Any]) -> Iterator[dict[str, Any]]:
@@ -79,7 +79,7 @@ def test_what_was_cut_is_restorable_byte_for_byte(tmp_path: Path, conversation: 
             assert restored.status_code == 200 and restored.content == originals[m["tool_call_id"]].encode()
         needle = next(m for m in sent if m.get("tool_call_id") == "call_002")
         oid = STUB_ID.match(needle["content"]).group(1)  # type: ignore[union-attr]
-        assert b"needle-4471" in c.get(f"/ctx/sessions/{session}/overflow/{oid}").content
+        assert NEEDLE.encode() in c.get(f"/ctx/sessions/{session}/overflow/{oid}").content
         assert c.get(f"/ctx/sessions/other/overflow/{oid}").status_code == 404  # scoped to its session
 
 
@@ -212,11 +212,11 @@ def test_an_operator_pin_keeps_a_result_whole(tmp_path: Path, conversation: dict
         session = drive(c, conversation, limit=3)[-1].headers["x-ctx-session"]
         sent = {m.get("tool_call_id"): m for m in upstream.last_chat.json()["messages"]}
         assert sent["call_002"]["content"].startswith("[overflow")
-        pinned = c.post(f"/ctx/sessions/{session}/pins", json={"snippet": "SECRET_TOKEN=needle-4471"})
+        pinned = c.post(f"/ctx/sessions/{session}/pins", json={"snippet": NEEDLE})
         assert pinned.status_code == 201 and pinned.json()["pins"] == ["tool:call_002"]
         drive(c, conversation, limit=4)
         sent = {m.get("tool_call_id"): m for m in upstream.last_chat.json()["messages"]}
-        assert sent["call_002"]["content"].startswith("SECRET_TOKEN=needle-4471")
+        assert sent["call_002"]["content"].startswith(NEEDLE)
         c.request("DELETE", f"/ctx/sessions/{session}/pins", json={"handle": "tool:call_002"})
         assert c.get(f"/ctx/sessions/{session}/pins").json()["pins"] == []
 

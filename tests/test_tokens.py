@@ -29,9 +29,9 @@ from proxy.rewrite.tokens import (
     TiktokenCounter,
     load_encoding,
 )
+from tests.workloads import conversation as workload
 
 ROOT = Path(__file__).resolve().parent.parent
-BENCH = Path("/work/shared/bench/conversation-60.json")
 UNREACHABLE = "http://127.0.0.1:9"
 
 
@@ -256,7 +256,7 @@ def test_a_message_costs_at_least_the_overhead_and_the_cache_never_changes_a_cou
 
 
 def test_the_benchmark_conversation_is_counted_once_and_close_to_tiktoken() -> None:
-    conversation = json.loads(BENCH.read_text())["messages"]
+    conversation = workload(rounds=60)["messages"]
     counter = MessageCounter(load_encoding())
     keyed = [(message, message_hash(message)) for message in conversation]
     first = sum(counter.count(message, key) for message, key in keyed)
