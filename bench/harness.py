@@ -12,8 +12,10 @@ Workloads (each a fresh proxy and session):
 
 - ``fits``: 12 rounds of short results that fit llama's ``n_ctx`` raw: prompt-processing time with and without
   the proxy when nothing needs cutting;
-- ``conversation-60``: the shared 60-round, 630 KB workload; ``conversation-600``: its generator, 600 rounds;
-- ``trajectories``: every native trajectory of ``shared/trajectories``, each request its history so far.
+- ``conversation-60``: the 60-round, 630 KB workload of ``tests/workloads.py`` (``--conversation FILE`` takes the
+  peers' shared ``conversation-60.json`` instead); ``conversation-600``: the same generator, 600 rounds;
+- ``trajectories``: every native recorded trajectory in the directory ``CTXPROXY_TRAJECTORIES`` names, each
+  request its history so far (left out, and said so, when it is not set).
 
 Raw (the agent alone): against the fake upstream, the requests whose own count exceeds the window; against
 llama.cpp, every request is also sent directly to a fresh server (unless ``--no-raw``), so its refusals and its
@@ -52,21 +54,21 @@ import httpx
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
-SHARED = ROOT.parent / "shared"
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(BENCH))
 
 import latency  # noqa: E402
-from rewrite import generated  # noqa: E402
+from rewrite import load_conversation  # noqa: E402
 
 from proxy.rewrite import violations  # noqa: E402
 from proxy.rewrite.invariants import broken_pairs as pairs_broken  # noqa: E402
 from proxy.rewrite.tokens import MessageCounter  # noqa: E402
 from tests.fakes import CountingUpstream, Reply, lifespan, receive_body, serve_in_thread  # noqa: E402
 from tests.real.upstream import agent_history, llama_server  # noqa: E402
+from tests.workloads import TRAJECTORIES_ENV, conversation, trajectories_dir  # noqa: E402
 
 WINDOWS = {"fake": 32768, "llama": 8192}
-"""The fake's window is the peers' (shared/bench/README.md). llama.cpp's is SmolLM2's trained context: the shared
+"""The fake's window is the peers' (shared/bench/README.md). llama.cpp's is SmolLM2's trained context: the
 workloads' system prompt, task and tool schemas alone take about 2,000 tokens, too many for a 2,048 window."""
 WORKLOADS = ("fits", "conversation-60", "conversation-600", "trajectories")
 COUNTER = MessageCounter()
@@ -131,16 +133,17 @@ def requests_of(conversation: dict[str, Any]) -> list[dict[str, Any]]:
     return [{"model": "bench", "messages": messages[:end], **extra} for end in ends]
 
 
-def workload(name: str) -> list[list[dict[str, Any]]]:
-    """The request sequences of a workload: one list per agent run."""
+def workload(name: str, sixty: Path | None = None) -> list[list[dict[str, Any]]]:
+    """The request sequences of a workload: one list per agent run. ``sixty``: conversation-60 from this file."""
     if name == "fits":  # short results: the whole run stays under llama's n_ctx raw, so nothing need be cut
         history = agent_history(12, lines=6)
         return [[{"model": "bench", "messages": history[: 2 + 2 * (i + 1)]} for i in range(12)]]
     if name == "conversation-60":
-        return [requests_of(json.loads((SHARED / "bench" / "conversation-60.json").read_text()))]
+        return [requests_of(load_conversation(sixty))]
     if name == "conversation-600":
-        return [requests_of(generated(600))]
-    paths = sorted((SHARED / "trajectories").glob("*.native.json"))
+        return [requests_of(conversation(rounds=600))]
+    corpus = trajectories_dir()
+    paths = sorted(corpus.glob("*.native.json")) if corpus else []
     return [requests_of(json.loads(p.read_text())) for p in paths]
 
 
@@ -311,8 +314,9 @@ def summarize(name: str, runs: list[list[dict[str, Any]]], proxied: Run, sent: l
     }
 
 
-def run_workload(kind: str, name: str, tmp: Path, with_raw: bool, env: list[str]) -> dict[str, Any]:
-    runs, extra = workload(name), ({"max_tokens": 1, "temperature": 0} if kind == "llama" else {})
+def run_workload(kind: str, name: str, tmp: Path, with_raw: bool, env: list[str],
+                 sixty: Path | None = None) -> dict[str, Any]:
+    runs, extra = workload(name, sixty), ({"max_tokens": 1, "temperature": 0} if kind == "llama" else {})
     with upstream(kind, tmp) as (base, recorder):
         with proxy_process(base, tmp, env) as (proxy, pid):
             idle = rss_mb(pid, "VmRSS")
@@ -391,6 +395,8 @@ def main() -> None:
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--json", type=Path, help="write every number here")
     parser.add_argument("--proxy-env", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--conversation", type=Path, help="conversation-60 (and the latency table's 630 KB request) "
+                        "from this file, e.g. the peers' ../shared/bench/conversation-60.json (default: generated)")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stopped: still stop the servers it started
     env = args.proxy_env + (["CTXPROXY_NULL_CONTENT=empty"] if args.upstream == "llama" else [])
@@ -399,10 +405,13 @@ def main() -> None:
     rows = report["workloads"]
     with tempfile.TemporaryDirectory(prefix="ctxproxy-harness-") as tmp:
         for name in args.workloads.split(","):
-            rows.append(run_workload(args.upstream, name, Path(tmp), not args.no_raw, env))
+            if name == "trajectories" and trajectories_dir() is None:
+                print(f"  trajectories: left out, {TRAJECTORIES_ENV} is not set", file=sys.stderr)
+                continue
+            rows.append(run_workload(args.upstream, name, Path(tmp), not args.no_raw, env, args.conversation))
             _save(args.json, report)  # a long llama.cpp run keeps what it measured if stopped
     if args.latency:
-        report["latency"] = latency_table(args.requests)
+        report["latency"] = latency_table(args.requests, args.conversation)
         _save(args.json, report)
     print(markdown(args.upstream, rows) if args.markdown else
           json.dumps([{k: v for k, v in r.items() if k != "per_request"} for r in rows], indent=1))
@@ -419,10 +428,11 @@ def _save(path: Path | None, report: dict[str, Any]) -> None:
         path.write_text(json.dumps(report, indent=1) + "\n")
 
 
-def latency_table(requests: int) -> dict[str, Any]:
+def latency_table(requests: int, conversation_file: Path | None = None) -> dict[str, Any]:
     """bench/latency.py's measurement (ctxproxy vs direct against its fast fake upstream), in this report."""
     with tempfile.TemporaryDirectory(prefix="ctxproxy-bench-") as tmp, latency.servers(Path(tmp), []) as targets:
-        results = [latency._run_workload(targets, w, requests) for w in latency.workloads(False)]
+        chosen = latency.workloads(False, conversation_file)
+        results = [latency._run_workload(targets, w, requests) for w in chosen]
     return latency._report("bench/harness.py --latency", "ctxproxy", requests, results)
 
 

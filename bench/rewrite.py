@@ -2,9 +2,11 @@
 
 Why: issue #3's "done when" is a set of numbers. This script produces all of them in one run:
 
-1. every native trajectory of ``shared/trajectories`` replayed through the core (``proxy.replay``) at 4k, 8k and
-   32k: requests, refused (cannot fit even after every cut), invariant violations, the largest request sent;
-2. the shared 60-round workload (``shared/bench/conversation-60.json``) and a generated 600-round one, sent
+1. every recorded trajectory (the directory ``CTXPROXY_TRAJECTORIES`` names; left out, and said so, when it is
+   not set) replayed through the core (``proxy.replay``) at 4k, 8k and 32k: requests, refused (cannot fit even
+   after every cut), invariant violations, the largest request sent;
+2. the 60-round workload of ``tests/workloads.py`` (``--conversation`` takes another, e.g. the peers' shared
+   ``conversation-60.json``) and a generated 600-round one, sent
    through the real app to a model server that counts every prompt itself (``tests.fakes.CountingUpstream``,
    cl100k + template cost) and refuses any prompt over its window: requests over the window by the upstream's
    own count, broken pairs and changed text at the upstream, characters sent, prefix reuse, uncached characters;
@@ -13,13 +15,13 @@ Why: issue #3's "done when" is a set of numbers. This script produces all of the
 4. the cost of the rewrite of request 600 against request 60 of the 600-round session (hashing, projection and
    invariant check; JSON decoding aside), median of repeated runs.
 
-Run: ``.venv/bin/python bench/rewrite.py [--json bench/results/rewrite.json]``. Nothing leaves this process.
+Run: ``.venv/bin/python bench/rewrite.py [--json bench/results/rewrite.json] [--conversation FILE]``. Nothing
+leaves this process.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
 import sys
@@ -29,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared"
 sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
@@ -43,23 +44,27 @@ from proxy.replay import replay, summarize  # noqa: E402
 from proxy.rewrite import Rules, budget_for, project, violations  # noqa: E402
 from proxy.rewrite.tokens import MessageCounter  # noqa: E402
 from tests.fakes import CountingUpstream, Reply  # noqa: E402
+from tests.workloads import TRAJECTORIES_ENV, conversation, trajectories_dir  # noqa: E402
 
 WINDOWS = (4096, 8192, 32768)
 
 
-def generated(rounds: int) -> dict[str, Any]:
-    spec = importlib.util.spec_from_file_location("gen_conversation", SHARED / "bench" / "gen_conversation.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    conversation: dict[str, Any] = module.build(rounds, 7)
-    return conversation
+def load_conversation(path: Path | None) -> dict[str, Any]:
+    """The 60-round workload: generated (``tests/workloads.py``), or read from ``path`` when given."""
+    if path is None:
+        return conversation(rounds=60)
+    loaded: dict[str, Any] = json.loads(path.read_text())
+    return loaded
 
 
 def trajectories(variant: str = "native") -> list[dict[str, Any]]:
-    """Per trajectory of ``variant`` (native or fenced) and window: what the core does with it."""
+    """Per recorded trajectory of ``variant`` (native or fenced) and window: what the core does with it; none
+    when ``CTXPROXY_TRAJECTORIES`` is not set."""
+    corpus = trajectories_dir()
+    if corpus is None:
+        return []
     rows, counter, settings = [], MessageCounter(), load_settings(env={})
-    for path in sorted((SHARED / "trajectories").glob(f"*.{variant}.json")):
+    for path in sorted(corpus.glob(f"*.{variant}.json")):
         conversation = json.loads(path.read_text())
         for window in WINDOWS:
             s = summarize(list(replay(conversation, settings, window, counter)))
@@ -170,14 +175,17 @@ def _timed_rewrite(request: list[Any], decisions: list[Any], state: Any, rules: 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "rewrite.json")
+    parser.add_argument("--conversation", type=Path, help="the 60-round workload from this file (default: generated "
+                        "by tests/workloads.py; the peers' is ../shared/bench/conversation-60.json)")
     args = parser.parse_args(argv)
-    sixty = json.loads((SHARED / "bench" / "conversation-60.json").read_text())
-    six_hundred = generated(600)
+    sixty = load_conversation(args.conversation)
+    six_hundred = conversation(rounds=600)
     overflow_once = Reply(status=400, body={"error": {"code": 400, "type": "exceed_context_size_error",
                                                       "message": "the request exceeds the available context size",
                                                       "n_prompt_tokens": 40000, "n_ctx": 32768}})
     report = {
-        "command": "python bench/rewrite.py",
+        "command": "python bench/rewrite.py" + (f" --conversation {args.conversation}" if args.conversation else ""),
+        "conversation_60": str(args.conversation) if args.conversation else "generated: tests/workloads.py, seed 7",
         "trajectories": trajectories(),
         "fenced_trajectories": trajectories("fenced"),
         "conversation_60_at_32k": through_the_app(sixty, 32768),
@@ -197,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _print_trajectories(rows: list[dict[str, Any]]) -> None:
+    if not rows:
+        print(f"trajectories: none replayed ({TRAJECTORIES_ENV} is not set)")
+        return
     for window in WINDOWS:
         chosen = [r for r in rows if r["window"] == window]
         print(f"window {window}: {len(chosen)} files, {sum(r['requests'] for r in chosen)} requests, "

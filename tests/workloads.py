@@ -177,7 +177,7 @@ def _encoded(rounds: int, seed: int) -> bytes:
     r = random.Random(seed)
     messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TASK}]
     for k in range(rounds):
-        name, arguments, result = output(r, k, r.randint(2_000, 20_000))
+        name, arguments, result = output(r, k, r.randint(2_000, 19_000))
         call_id = f"call_{k:03d}"
         messages.append({"role": "assistant", "content": f"Round {k + 1}: {name} next, to narrow it down.",
                          "tool_calls": [{"id": call_id, "type": "function",
