@@ -199,18 +199,18 @@ def main(argv: list[str] | None = None) -> int:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=1))
     print(json.dumps({k: v for k, v in report.items() if "trajectories" not in k}, indent=1))
-    _print_trajectories(report["trajectories"])
-    _print_trajectories(report["fenced_trajectories"])
+    _print_trajectories("native", report["trajectories"])
+    _print_trajectories("fenced", report["fenced_trajectories"])
     return 0
 
 
-def _print_trajectories(rows: list[dict[str, Any]]) -> None:
+def _print_trajectories(variant: str, rows: list[dict[str, Any]]) -> None:
     if not rows:
-        print(f"trajectories: none replayed ({TRAJECTORIES_ENV} is not set)")
+        print(f"{variant} trajectories: none replayed ({TRAJECTORIES_ENV} is not set)")
         return
     for window in WINDOWS:
         chosen = [r for r in rows if r["window"] == window]
-        print(f"window {window}: {len(chosen)} files, {sum(r['requests'] for r in chosen)} requests, "
+        print(f"{variant}, window {window}: {len(chosen)} files, {sum(r['requests'] for r in chosen)} requests, "
               f"{sum(r['refused'] for r in chosen)} refused, {sum(r['violations'] for r in chosen)} violations, "
               f"max sent {max(r['max_tokens_sent'] for r in chosen)} tokens")
 
