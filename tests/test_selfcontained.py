@@ -29,10 +29,15 @@ def test_no_test_or_bench_reads_a_path_outside_the_repository() -> None:
 
 
 def tracked_copy(into: Path) -> Path:
-    """The repository's tracked files (their current text) in ``into``/repo, with nothing beside it: a clone."""
-    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    """The repository's tracked files (their current text) in ``into``/repo, with nothing beside it: a clone. Out
+    of a git checkout (an unpacked archive), everything but the venv and the caches."""
     clone = into / "repo"
-    for name in filter(None, listed.decode().split("\0")):
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=False)
+    if listed.returncode != 0:
+        shutil.copytree(ROOT, clone, ignore=shutil.ignore_patterns(".git", ".venv", "__pycache__", ".*_cache",
+                                                                    ".hypothesis"))
+        return clone
+    for name in filter(None, listed.stdout.decode().split("\0")):
         if (ROOT / name).is_file():
             (clone / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / name, clone / name)
