@@ -5,7 +5,7 @@ third-party runs (``CTXPROXY_TRAJECTORIES``). Each transcript is a chat body ``{
 as the agent would send it at the end of its run, built from ``tests.workloads``' output shapes, plus the truth
 the tests compare with: every results message, its round, the preset that must claim it and its result bodies
 exactly. The quirks of the real runs are kept on purpose: a person typing between rounds in words that look like
-a result's wrapper, SWE-agent's demonstration (a results-shaped user message that follows a user message),
+a result's wrapper, SWE-agent's demonstration and task (results-shaped, yet after no assistant message),
 mini-swe-agent's last user message (the submitted diff), a native run's parallel calls, an assistant
 ``content: null`` and a final call without its result.
 

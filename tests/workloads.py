@@ -4,8 +4,9 @@ Why: the suite and ``bench/`` must run from a bare clone. This module is the pro
 workload (issue #10, item 9): a system prompt and a task, then ``rounds`` rounds of a short assistant text with one
 tool call, each answered by a 2–20 KB tool result of a realistic shape (a Python module, a pytest log with a
 failure, grep hits, an issue tracker's JSON, a server log, a ``git log -p``). Round 3's result (``call_002``) opens
-with ``NEEDLE`` so a cut can be checked for restoring byte for byte. Sixty rounds come to about 120 messages and
-630 KB, the size of the peers' shared workload (``--conversation`` in the benches takes that file instead).
+with ``NEEDLE`` so a cut can be checked for restoring byte for byte. Sixty rounds come to 122 messages and
+640 KB of text (a 680 KB body), the size of the peers' shared workload (``--conversation`` in the benches takes
+that file instead).
 
 The output shapes are also the bodies of the agent transcripts of ``tests/transcripts.py``. The recorded
 third-party trajectories stay an external corpus: ``trajectories_dir()`` reads its one setting.
