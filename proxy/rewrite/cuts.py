@@ -17,7 +17,7 @@ result and round — losing the newer results (restorably) is better than a requ
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from proxy.rewrite.budget import MIN_CUT_CHARS
@@ -34,7 +34,7 @@ _FOLD_STUB_TOKENS = 120
 
 
 def elide(state: State, messages: Sequence[dict[str, Any]], rules: Rules, counter: Counter,
-          new: list[Decision], writes: list[OverflowWrite], keep_results: int) -> None:
+          new: list[Decision], writes: list[OverflowWrite], keep_results: int, keep_rounds: int) -> None:
     keep = set(state.tool_indices[-keep_results:]) if keep_results else set()
     newest_round = max((r.round for r in state.fenced.values()), default=0)
     for i in sorted([*state.tool_indices, *state.fenced]):
@@ -43,7 +43,7 @@ def elide(state: State, messages: Sequence[dict[str, Any]], rules: Rules, counte
         if i in keep or state.out[i] is None or state.ids[i] in state.pins:
             continue
         if i in state.fenced:
-            if state.fenced[i].round > newest_round - rules.budget.keep_tool_rounds:
+            if state.fenced[i].round > newest_round - keep_rounds:
                 continue  # the newest rounds of a text-protocol agent, as keep_results for native ones
             _elide_fenced(state, i, messages[i], rules, counter, new, writes)
             continue
@@ -122,13 +122,14 @@ def _replace(state: State, i: int, message: dict[str, Any] | None, counter: Coun
     state.cut += (state.out_hashes[i] != state.hashes[i]) - was_cut
 
 
-def rounds(messages: Sequence[dict[str, Any]], start: int) -> list[tuple[int, int]]:
+def rounds(messages: Sequence[dict[str, Any]], start: int, fenced: Collection[int] = ()) -> list[tuple[int, int]]:
     """``[start, end)`` spans from ``start`` on: an assistant message through the last result of its calls
-    (whatever stands between them), or one message."""
+    (whatever stands between them), an assistant message and the text-protocol results message answering it
+    (indices in ``fenced``), or one message."""
     spans, i = [], start
     while i < len(messages):
         open_calls = {c.get("id") for c in messages[i].get("tool_calls") or []}
-        j = i + 1
+        j = i + 2 if messages[i].get("role") == "assistant" and i + 1 in fenced else i + 1
         while open_calls and j < len(messages):
             if messages[j].get("role") == "tool":
                 open_calls.discard(messages[j].get("tool_call_id"))
@@ -155,7 +156,7 @@ def fold(state: State, messages: Sequence[dict[str, Any]], rules: Rules, counter
     if not rules.budget.fold_history:
         return
     start = _fold_start(messages)
-    spans = rounds(messages, start)
+    spans = rounds(messages, start, state.fenced)
     end, total = start, state.total
     for i, j in spans[: max(0, len(spans) - newest)]:
         if rules.scaled(total + rules.tools_tokens + _FOLD_STUB_TOKENS) <= rules.budget.target and end > start:

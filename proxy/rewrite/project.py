@@ -91,12 +91,15 @@ def _cut_to_fit(state: State, messages: Sequence[dict[str, Any]], rules: Rules, 
     Once the budget is crossed the cut goes to the target in this request: if eliding alone stops above it and a
     fold can reach it, the fold follows now rather than on the next request, so the prefix cache is broken once,
     not twice in a row. A fold that cannot reach it (the protected newest results are that large) is made only
-    when the request is still over budget: it would break the prefix at its start for nothing."""
-    keep = rules.budget.keep_results
-    for keep_results, newest in ((keep, max(keep, 2)), (min(keep, 1), 1)):
+    when the request is still over budget: it would break the prefix at its start for nothing. The squeeze elides
+    every text-protocol round's results but the newest before it folds anything, and a fold keeps the newest round
+    whole (its assistant text with its results): one large new message never costs the rounds before it their
+    text while a block of theirs could still be cut."""
+    keep, rounds = rules.budget.keep_results, rules.budget.keep_tool_rounds
+    for keep_results, keep_rounds, newest in ((keep, rounds, max(keep, 2)), (min(keep, 1), min(rounds, 1), 1)):
         if not _over(state, rules):
             return
-        elide(state, messages, rules, counter, new, writes, keep_results)
+        elide(state, messages, rules, counter, new, writes, keep_results, keep_rounds)
         if _over(state, rules, rules.budget.target):
             fold(state, messages, rules, counter, new, writes, newest, required=_over(state, rules))
 
@@ -193,6 +196,12 @@ def _results_of(state: State, i: int, messages: Sequence[dict[str, Any]], rules:
         segments = next((found for p in rules.fenced if (found := p.segments(content))), None)
         if segments:
             return FencedResult(state.rounds, tuple(segments), fenced_command(messages[i - 1]))
+        # No preset knows it: most likely the results of an agent nobody wrote a rule for. Its largest block is cut
+        # like a result (spilled when that large, elided when old), the words around it kept, rather than folding
+        # earlier rounds to make room for it.
+        block = paste_segment(content, MIN_CUT_CHARS, lines=True)
+        if block:
+            return FencedResult(state.rounds, (block,), fenced_command(messages[i - 1]))
     paste = paste_segment(content, rules.budget.paste_chars)
     return FencedResult(state.rounds, (paste,), PASTE) if paste else None
 
