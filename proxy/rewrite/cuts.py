@@ -150,13 +150,14 @@ def _fold_start(messages: Sequence[dict[str, Any]]) -> int:
 
 
 def fold(state: State, messages: Sequence[dict[str, Any]], rules: Rules, counter: Counter,
-         new: list[Decision], writes: list[OverflowWrite], newest: int, required: bool = True) -> None:
+         new: list[Decision], writes: list[OverflowWrite], newest: int, required: bool = True,
+         paired: bool = True) -> None:
     """Fold the oldest whole rounds into one stub, down to the target; unless ``required``, only if that reaches
-    the target."""
+    the target. ``paired``: a text-protocol assistant message and its results message are one round."""
     if not rules.budget.fold_history:
         return
     start = _fold_start(messages)
-    spans = rounds(messages, start, state.fenced)
+    spans = rounds(messages, start, state.fenced if paired else ())
     end, total = start, state.total
     for i, j in spans[: max(0, len(spans) - newest)]:
         if rules.scaled(total + rules.tools_tokens + _FOLD_STUB_TOKENS) <= rules.budget.target and end > start:

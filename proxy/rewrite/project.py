@@ -94,7 +94,8 @@ def _cut_to_fit(state: State, messages: Sequence[dict[str, Any]], rules: Rules, 
     when the request is still over budget: it would break the prefix at its start for nothing. The squeeze elides
     every text-protocol round's results but the newest before it folds anything, and a fold keeps the newest round
     whole (its assistant text with its results): one large new message never costs the rounds before it their
-    text while a block of theirs could still be cut."""
+    text while a block of theirs could still be cut. Only a request that could not be sent at all otherwise (what
+    may never be cut fills the budget) folds the newest assistant text too, rather than be refused."""
     keep, rounds = rules.budget.keep_results, rules.budget.keep_tool_rounds
     for keep_results, keep_rounds, newest in ((keep, rounds, max(keep, 2)), (min(keep, 1), min(rounds, 1), 1)):
         if not _over(state, rules):
@@ -102,6 +103,8 @@ def _cut_to_fit(state: State, messages: Sequence[dict[str, Any]], rules: Rules, 
         elide(state, messages, rules, counter, new, writes, keep_results, keep_rounds)
         if _over(state, rules, rules.budget.target):
             fold(state, messages, rules, counter, new, writes, newest, required=_over(state, rules))
+    if _over(state, rules) and state.fenced:  # else refused: the newest assistant text goes, restorably, instead
+        fold(state, messages, rules, counter, new, writes, 1, paired=False)
 
 
 def _over(state: State, rules: Rules, limit: int | None = None) -> bool:
