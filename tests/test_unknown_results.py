@@ -10,9 +10,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
+from bench.gen_fenced import build
 from config import load_settings
+from proxy.replay import replay, summarize
 from proxy.rewrite import Rules, budget_for, message_hash, project, violations
-from proxy.rewrite.fenced import PRESETS
+from proxy.rewrite.fenced import PRESETS, find_results
 from proxy.rewrite.tokens import MessageCounter
 
 COUNTER = MessageCounter()
@@ -76,3 +80,29 @@ def test_a_fold_keeps_the_newest_round_whole() -> None:
     assert not p.report.over_budget
     assert {d.kind for d in p.new} == {"fold"}
     assert p.messages[-2:] == messages[-2:]
+
+
+@pytest.mark.parametrize("window", [4096, 8192, 16384])
+def test_a_generated_run_no_preset_knows_replays_within_the_window_with_nothing_lost(window: int) -> None:
+    """bench/gen_fenced.py's run (40 rounds, seed 11): results in tags, fenced blocks, paragraphs and bare lines."""
+    conversation = build(40, 11)
+    assert find_results(conversation["messages"]) == []  # no preset knows any of its results
+    settings = load_settings(env={"CTXPROXY_ROUTE": "fenced"})
+    steps = list(replay(conversation, settings, window, COUNTER))
+    summary = summarize(steps)
+    assert summary.requests == 41 and summary.refused == 0
+    assert summary.max_tokens_out <= budget_for(settings, window).budget < window  # none over the window
+    assert summary.violations == 0  # pairs whole, assistant and person text unchanged, wrappers intact
+    assert summary.newest_lost == 0 and summary.unrestorable == 0
+    assert summary.reuse > 0.65, summary
+
+
+def test_only_a_request_that_could_not_be_sent_otherwise_folds_the_newest_thought() -> None:
+    """The system prompt and the task fill most of a 4k budget: keeping the newest assistant text would mean a
+    refusal, so it is folded (restorably) instead; the results it asked for still reach the model."""
+    head = [{"role": "system", "content": " ".join(f"rule{k} applies" for k in range(300))},
+            {"role": "user", "content": " ".join(f"detail{k} matters" for k in range(400))}]
+    messages = [*head, thought(1, 1500), known(1), thought(2, 3000), known(2)]
+    p = projected(messages, 4096)
+    assert not p.report.over_budget, p.report
+    assert p.messages[-1] == messages[-1] and p.messages[-2]["content"].startswith("[folded id=")
