@@ -340,3 +340,28 @@ def test_a_shipped_template_is_recognised_and_only_its_results_are_cut(case: Cas
     assert wrapper_intact(text, cut, segments)
     for words in case.words:
         assert words in cut, words
+
+
+def test_cline_sends_its_blocks_as_text_parts_and_they_are_recognised_and_cut_too() -> None:
+    """Over an OpenAI-compatible API, Cline and Roo Code send a results message as a list of text parts (their
+    api/transform/openai-format.ts): the "[tool] Result:" line, the output, the environment details."""
+    from config import load_settings
+    from proxy.rewrite import Rules, budget_for, message_hash, project, violations
+    from proxy.rewrite.fenced import PRESETS, route_of
+    from proxy.rewrite.tokens import MessageCounter
+
+    parts = [{"type": "text", "text": "[execute_command for 'pytest'] Result:"},
+             {"type": "text", "text": f"Command executed.\nOutput:\n{LONG}"},
+             {"type": "text", "text": "<environment_details>\n# Current Working Directory\n/repo\n</environment_details>"}]
+    history = [{"role": "user", "content": [{"type": "text", "text": "<task>\nfix it\n</task>"}]},
+               {"role": "assistant", "content": "<execute_command>\n<command>pytest</command>\n</execute_command>"},
+               {"role": "user", "content": parts}]
+    assert [r.preset for r in find_results(history)] == ["cline"]
+    assert route_of(history, None, "auto") == "fenced"
+    rules = Rules(budget_for(load_settings(env={}), 8192), fenced=PRESETS)
+    p = project(history, [message_hash(m) for m in history], [], rules, MessageCounter(), seen=0)
+    out = p.messages[-1]["content"]
+    assert isinstance(out, str) and out.startswith("[execute_command for 'pytest'] Result:\nCommand executed.\n"
+                                                   "Output:\n[overflow id=")
+    assert len(out) < len(LONG) // 2
+    assert violations(history, p.messages, fenced={i: r.segments for i, r in p.state.fenced.items()}) == []

@@ -22,6 +22,7 @@ from typing import Any
 
 from proxy.rewrite.budget import MIN_CUT_CHARS
 from proxy.rewrite.decisions import Decision, OverflowWrite
+from proxy.rewrite.fenced import text_of
 from proxy.rewrite.identity import canonical_json, message_hash
 from proxy.rewrite.segments import compose, segment_target
 from proxy.rewrite.state import READ_OVERFLOW, Counter, Rules, State, sha256_text
@@ -63,7 +64,7 @@ def elide(state: State, messages: Sequence[dict[str, Any]], rules: Rules, counte
 def _elide_fenced(state: State, i: int, message: dict[str, Any], rules: Rules, counter: Counter,
                   new: list[Decision], writes: list[OverflowWrite]) -> None:
     """Each result body of a results message that is not cut yet becomes a marker; the wrapper stays."""
-    result, content, mid = state.fenced[i], str(message.get("content")), state.ids[i]
+    result, content, mid = state.fenced[i], text_of(message.get("content")) or "", state.ids[i]
     replacements: dict[int, str] = {}
     for k, segment in enumerate(result.segments):
         body, target = content[segment.start:segment.end], segment_target(mid, k)

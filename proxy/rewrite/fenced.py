@@ -23,7 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["PRESETS", "Preset", "ResultsMessage", "Segment", "find_results", "parse_preset", "presets_for", "route_of"]
+__all__ = ["PRESETS", "Preset", "ResultsMessage", "Segment", "find_results", "parse_preset", "presets_for", "route_of",
+           "text_of"]
 
 
 @dataclass(frozen=True)
@@ -175,8 +176,8 @@ def find_results(messages: Sequence[dict[str, Any]], presets: Sequence[Preset] =
             continue
         if message.get("role") != "user" or i == 0 or messages[i - 1].get("role") != "assistant":
             continue
-        content = message.get("content")
-        if not isinstance(content, str):
+        content = text_of(message.get("content"))
+        if content is None:
             continue
         for preset in presets:
             segments = preset.segments(content)
@@ -184,6 +185,18 @@ def find_results(messages: Sequence[dict[str, Any]], presets: Sequence[Preset] =
                 found.append(ResultsMessage(i, round_, preset.name, tuple(segments)))
                 break
     return found
+
+
+def text_of(content: Any) -> str | None:
+    """The text a preset reads: the string, or a list of text parts joined by newlines (Cline and Roo Code send
+    each block of a results message as its own part: the ``[tool] Result:`` line, the output, the environment
+    details). None for anything else (an image part, no content). A cut message goes out as this text."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content and all(isinstance(p, dict) and p.get("type") == "text"
+                                                     and isinstance(p.get("text"), str) for p in content):
+        return "\n".join(p["text"] for p in content)
+    return None
 
 
 @functools.lru_cache(maxsize=32)

@@ -23,6 +23,7 @@ from typing import Any, cast
 from proxy.rewrite.budget import MIN_CUT_CHARS, Budget
 from proxy.rewrite.cuts import apply_fold, apply_hides, elide, fold
 from proxy.rewrite.decisions import CUTS, Decision, OverflowWrite
+from proxy.rewrite.fenced import text_of
 from proxy.rewrite.identity import identity_base, next_identity
 from proxy.rewrite.identity import message_hash as _hash
 from proxy.rewrite.segments import FencedResult, compose, fenced_command, paste_segment, segment_target
@@ -192,8 +193,8 @@ def _cut_tool_result(state: State, mid: str, message: dict[str, Any], message_ha
 
 def _results_of(state: State, i: int, messages: Sequence[dict[str, Any]], rules: Rules) -> FencedResult | None:
     """What of a user message may be cut: the results of a text-protocol round, or a person's large paste."""
-    content = messages[i].get("content")
-    if not isinstance(content, str):
+    content = text_of(messages[i].get("content"))
+    if content is None:
         return None
     if rules.fenced and i and messages[i - 1].get("role") == "assistant":
         segments = next((found for p in rules.fenced if (found := p.segments(content))), None)
@@ -212,7 +213,7 @@ def _results_of(state: State, i: int, messages: Sequence[dict[str, Any]], rules:
 def _cut_segments(state: State, mid: str, message: dict[str, Any], message_hash: str, result: FencedResult,
                   rules: Rules, new: list[Decision], writes: list[OverflowWrite], spill: bool) -> dict[str, Any]:
     """The message as it goes out: each cuttable body cut as a native result would be, the rest as it was."""
-    content = str(message.get("content"))
+    content = text_of(message.get("content")) or ""
     if mid in state.pins:  # a pin covers the whole message (a text-protocol round's results, a paste)
         return message
     replacements = {}
