@@ -304,6 +304,8 @@ CLINE_CASES = [
     Case("execute_command", "cline",
          lambda: f"[execute_command for 'npm test'] Result:\nCommand executed.\nOutput:\n{OUT}", (OUT,),
          ("[execute_command for 'npm test'] Result:", "Command executed.\nOutput:\n")),
+    Case("execute_command without output", "cline",
+         lambda: "[execute_command for 'touch a'] Result:\nCommand executed.", (), ("Command executed.",)),
     Case("execute_command still running", "cline",
          lambda: f"[execute_command for 'npm start'] Result:\nCommand is still running in the user's terminal.\n"
                  f"Here's the output so far:\n{OUT}", (OUT,), ("Command is still running", "output so far:")),
@@ -352,7 +354,8 @@ def test_cline_sends_its_blocks_as_text_parts_and_they_are_recognised_and_cut_to
 
     parts = [{"type": "text", "text": "[execute_command for 'pytest'] Result:"},
              {"type": "text", "text": f"Command executed.\nOutput:\n{LONG}"},
-             {"type": "text", "text": "<environment_details>\n# Current Working Directory\n/repo\n</environment_details>"}]
+             {"type": "text", "text": "<environment_details>\n# Current Working Directory\n/repo\n"
+                                      "</environment_details>"}]
     history = [{"role": "user", "content": [{"type": "text", "text": "<task>\nfix it\n</task>"}]},
                {"role": "assistant", "content": "<execute_command>\n<command>pytest</command>\n</execute_command>"},
                {"role": "user", "content": parts}]

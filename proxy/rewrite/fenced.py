@@ -141,7 +141,8 @@ PRESETS: tuple[Preset, ...] = (
         inner=re.compile(
             r"(?:Command executed[^\n]*\nOutput:\n|Command is still running in [^\n]*\n(?:Here's the output so far:\n)?"
             r"|The tool execution failed with the following error:\n<error>\n|The user denied this operation and "
-            r"provided the following feedback:\n<feedback>\n)?(?:The user denied this operation\.|(?P<body>.*?))"
+            r"provided the following feedback:\n<feedback>\n)?"
+            r"(?:The user denied this operation\.|Command executed\.|(?P<body>.*?))"
             r"(?:\n</error>|\n</feedback>)?\s*", re.S)),
     _preset(  # Cline and Roo Code: responses.ts noToolsUsed, sent alone after an answer without a tool
         "cline-no-tool", r"\[ERROR\] You did not use a tool in your previous response!.*"),
