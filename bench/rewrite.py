@@ -4,7 +4,9 @@ Why: issue #3's "done when" is a set of numbers. This script produces all of the
 
 1. every recorded trajectory (the directory ``CTXPROXY_TRAJECTORIES`` names; left out, and said so, when it is
    not set) replayed through the core (``proxy.replay``) at 4k, 8k and 32k: requests, refused (cannot fit even
-   after every cut), invariant violations, the largest request sent;
+   after every cut), invariant violations, the largest request sent; the fenced ones likewise, and a generated
+   fenced run whose results no preset knows (``bench/gen_fenced.py``) at 4k, 8k and 16k, with the newest rounds'
+   text lost and the cuts not restorable;
 2. the 60-round workload of ``tests/workloads.py`` (``--conversation`` takes another, e.g. the peers' shared
    ``conversation-60.json``) and a generated 600-round one, sent
    through the real app to a model server that counts every prompt itself (``tests.fakes.CountingUpstream``,
@@ -70,6 +72,19 @@ def trajectories(variant: str = "native") -> list[dict[str, Any]]:
             s = summarize(list(replay(conversation, settings, window, counter)))
             rows.append({"file": path.name, "window": window, "requests": s.requests, "refused": s.refused,
                          "violations": s.violations, "max_tokens_sent": s.max_tokens_out, "reuse": round(s.reuse, 4)})
+    return rows
+
+
+def unknown_wrapper(rounds: int = 40, seed: int = 11) -> list[dict[str, Any]]:
+    """``bench/gen_fenced.py``'s run, whose results use wrappers no preset knows, on the fenced route."""
+    from bench.gen_fenced import build
+
+    rows, counter, settings = [], MessageCounter(), load_settings(env={"CTXPROXY_ROUTE": "fenced"})
+    for window in (4096, 8192, 16384):
+        s = summarize(list(replay(build(rounds, seed), settings, window, counter)))
+        rows.append({"window": window, "requests": s.requests, "refused": s.refused, "violations": s.violations,
+                     "newest_text_lost": s.newest_lost, "unrestorable": s.unrestorable,
+                     "max_tokens_sent": s.max_tokens_out, "reuse": round(s.reuse, 4), "uncached_chars": s.uncached})
     return rows
 
 
@@ -188,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         "conversation_60": str(args.conversation) if args.conversation else "generated: tests/workloads.py, seed 7",
         "trajectories": trajectories(),
         "fenced_trajectories": trajectories("fenced"),
+        "unknown_wrapper_generated": unknown_wrapper(),
         "conversation_60_at_32k": through_the_app(sixty, 32768),
         "conversation_600_at_32k": through_the_app(six_hundred, 32768),
         "counts_1_3x_at_8k": through_the_app(sixty, 8192, ratio=1.3),

@@ -119,7 +119,9 @@ def _replay(settings: Settings, args: argparse.Namespace) -> int:
     print(render_table(rows, _REPLAY_COLUMNS))
     print(f"\n{summary.requests} requests, window {window}: {summary.refused} refused (cannot fit), "
           f"{summary.violations} invariant violations, max {summary.max_tokens_out} tokens sent, prefix reuse "
-          f"{summary.reuse:.1%} ({summary.uncached:,} uncached characters of {summary.chars_sent:,})")
+          f"{summary.reuse:.1%} ({summary.uncached:,} uncached characters of {summary.chars_sent:,}), "
+          f"{summary.newest_lost} characters of the newest rounds' text folded, {summary.unrestorable} cuts "
+          "not restorable")
     return 0
 
 

@@ -8,6 +8,10 @@ and how much of it an upstream prefix cache could reuse from the previous reques
 
 Prefix reuse, as the project's benchmarks define it: the characters of a request's leading messages (and its
 tools) that are byte-identical to the previous upstream request's, over all characters sent.
+
+Two more promises are counted per request: the newest round's own text (its assistant message and the user
+messages after it) never folded or hidden to make room (``newest_lost``, characters), and every cut restorable
+(``unrestorable``: cuts whose removed bytes were never handed to the overflow store under their sha256).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import orjson
 from config import Settings
 from proxy.rewrite import Decision, Rules, State, budget_for, message_hash, project, violations
 from proxy.rewrite.fenced import presets_for, route_of
+from proxy.rewrite.state import sha256_text
 from proxy.rewrite.tokens import MessageCounter
 
 __all__ = ["ReplayStep", "Summary", "agent_requests", "replay", "summarize"]
@@ -41,6 +46,10 @@ class ReplayStep:
     """Over budget even after every cut: the proxy answers context_length_exceeded instead of forwarding."""
     decisions: dict[str, int] = field(default_factory=dict)
     violations: tuple[str, ...] = ()
+    newest_lost: int = 0
+    """Characters of the newest round's assistant and user text folded or hidden in this request."""
+    unrestorable: int = 0
+    """Cuts of this request whose removed bytes are not in the overflow store under their id."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +60,8 @@ class Summary:
     chars_sent: int
     chars_reused: int
     max_tokens_out: int
+    newest_lost: int = 0
+    unrestorable: int = 0
 
     @property
     def reuse(self) -> float:
@@ -83,22 +94,37 @@ def replay(conversation: dict[str, Any], settings: Settings, window: int,
     previous: list[bytes] = []
     tools_chars = len(orjson.dumps(tools)) if tools else 0
     seen = 0
+    stored: set[str] = set()
     for n, end in enumerate(agent_requests(messages)):
         p = project(messages[:end], hashes[:end], decisions, rules, counter, state, seen)
+        written = stored | {w.overflow_id for w in p.writes if sha256_text(w.body) == w.overflow_id}
         sent = [orjson.dumps(m) for m in p.messages]
         reused = _reused(previous, sent) + (tools_chars if n else 0)
         problems = tuple(violations(messages[:end], p.messages,
                                     fenced={i: r.segments for i, r in p.state.fenced.items()}))
-        yield ReplayStep(n, end, sum(counter.count(m, h) for m, h in zip(messages[:end], hashes[:end], strict=True))
-                         + rules.tools_tokens, p.report.estimate, sum(map(len, sent)) + tools_chars, reused,
-                         sent[: len(previous)] == previous, p.report.over_budget,
-                         dict(collections.Counter(d.kind for d in p.new)), problems)
+        tokens_in = sum(counter.count(m, h) for m, h in zip(messages[:end], hashes[:end], strict=True))
+        yield ReplayStep(n, end, tokens_in + rules.tools_tokens, p.report.estimate, sum(map(len, sent)) + tools_chars,
+                         reused, sent[: len(previous)] == previous, p.report.over_budget,
+                         dict(collections.Counter(d.kind for d in p.new)), problems,
+                         _newest_lost(messages[:end], p.state), _unrestorable(p.new, written))
         if p.report.over_budget:  # the proxy refuses it: nothing of it is journaled, the next one recomputes
             state = None
         else:
             decisions += p.new
-            state, previous = p.state, sent
+            state, previous, stored = p.state, sent, written
         seen = end
+
+
+def _unrestorable(new: Sequence[Decision], written: set[str]) -> int:
+    return sum(d.kind in ("spill", "elide", "fold") and d.overflow_id not in written for d in new)
+
+
+def _newest_lost(messages: Sequence[dict[str, Any]], state: State) -> int:
+    last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=len(messages))
+    gone = set(range(*state.folded)) if state.folded else set()
+    gone.update(state.hidden)
+    return sum(len(str(messages[i].get("content") or "")) for i in range(last, len(messages))
+               if i in gone and messages[i].get("role") in ("user", "assistant"))
 
 
 def _reused(previous: list[bytes], sent: list[bytes]) -> int:
@@ -114,4 +140,5 @@ def summarize(steps: Sequence[ReplayStep]) -> Summary:
     forwarded = [s for s in steps if not s.refused]
     return Summary(len(steps), len(steps) - len(forwarded), sum(len(s.violations) for s in steps),
                    sum(s.chars_sent for s in forwarded), sum(s.chars_reused for s in forwarded),
-                   max((s.tokens_out for s in forwarded), default=0))
+                   max((s.tokens_out for s in forwarded), default=0), sum(s.newest_lost for s in forwarded),
+                   sum(s.unrestorable for s in forwarded))

@@ -50,7 +50,7 @@ def test_the_presets_cut_exactly_the_result_and_keep_the_wrapper() -> None:
     found = find_results(history)
     bodies = [[history[r.index]["content"][s.start:s.end] for s in r.segments] for r in found]
     assert [r.preset for r in found] == ["mini-swe-agent", "swe-agent", "cline", "generic"]
-    assert bodies == [["line 1\nline 2"], ["big output here"], ["print(1)\n", "a.py b.py\n"], ["exit 0, 3 files"]]
+    assert bodies == [["line 1\nline 2"], ["big output here"], ["print(1)", "a.py b.py"], ["exit 0, 3 files"]]
     assert [r.round for r in found] == [1, 2, 3, 4]
 
 
@@ -88,7 +88,7 @@ def test_the_route_is_native_with_tools_and_can_be_forced() -> None:
     assert route_of(history, None, "auto") == "fenced"
     assert route_of([{"role": "user", "content": "hi"}], None, "auto") == "native"
     assert route_of([{"role": "user", "content": "hi"}], None, "fenced") == "fenced"
-    assert len(PRESETS) == 4
+    assert len(PRESETS) == 10
 
 
 def test_an_operators_preset_from_toml_is_tried_first(tmp_path: Path) -> None:
@@ -99,7 +99,7 @@ def test_an_operators_preset_from_toml_is_tried_first(tmp_path: Path) -> None:
     path.write_text('[[fenced_presets]]\nname = "mine"\npattern = "RESULT>>\\\\n(?P<body>.*)\\\\n<<END"\n')
     settings = load_settings(path, {})
     presets = presets_for(settings.fenced_presets)
-    assert presets[0].name == "mine" and len(presets) == 5
+    assert presets[0].name == "mine" and len(presets) == 11
     history = [{"role": "user", "content": "t"}, {"role": "assistant", "content": "x"},
                {"role": "user", "content": "RESULT>>\nall good\n<<END"}]
     assert [r.preset for r in find_results(history, presets)] == ["mine"]

@@ -17,11 +17,12 @@ result and round — losing the newer results (restorably) is better than a requ
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from proxy.rewrite.budget import MIN_CUT_CHARS
 from proxy.rewrite.decisions import Decision, OverflowWrite
+from proxy.rewrite.fenced import text_of
 from proxy.rewrite.identity import canonical_json, message_hash
 from proxy.rewrite.segments import compose, segment_target
 from proxy.rewrite.state import READ_OVERFLOW, Counter, Rules, State, sha256_text
@@ -34,7 +35,7 @@ _FOLD_STUB_TOKENS = 120
 
 
 def elide(state: State, messages: Sequence[dict[str, Any]], rules: Rules, counter: Counter,
-          new: list[Decision], writes: list[OverflowWrite], keep_results: int) -> None:
+          new: list[Decision], writes: list[OverflowWrite], keep_results: int, keep_rounds: int) -> None:
     keep = set(state.tool_indices[-keep_results:]) if keep_results else set()
     newest_round = max((r.round for r in state.fenced.values()), default=0)
     for i in sorted([*state.tool_indices, *state.fenced]):
@@ -43,7 +44,7 @@ def elide(state: State, messages: Sequence[dict[str, Any]], rules: Rules, counte
         if i in keep or state.out[i] is None or state.ids[i] in state.pins:
             continue
         if i in state.fenced:
-            if state.fenced[i].round > newest_round - rules.budget.keep_tool_rounds:
+            if state.fenced[i].round > newest_round - keep_rounds:
                 continue  # the newest rounds of a text-protocol agent, as keep_results for native ones
             _elide_fenced(state, i, messages[i], rules, counter, new, writes)
             continue
@@ -63,7 +64,7 @@ def elide(state: State, messages: Sequence[dict[str, Any]], rules: Rules, counte
 def _elide_fenced(state: State, i: int, message: dict[str, Any], rules: Rules, counter: Counter,
                   new: list[Decision], writes: list[OverflowWrite]) -> None:
     """Each result body of a results message that is not cut yet becomes a marker; the wrapper stays."""
-    result, content, mid = state.fenced[i], str(message.get("content")), state.ids[i]
+    result, content, mid = state.fenced[i], text_of(message.get("content")) or "", state.ids[i]
     replacements: dict[int, str] = {}
     for k, segment in enumerate(result.segments):
         body, target = content[segment.start:segment.end], segment_target(mid, k)
@@ -122,13 +123,14 @@ def _replace(state: State, i: int, message: dict[str, Any] | None, counter: Coun
     state.cut += (state.out_hashes[i] != state.hashes[i]) - was_cut
 
 
-def rounds(messages: Sequence[dict[str, Any]], start: int) -> list[tuple[int, int]]:
+def rounds(messages: Sequence[dict[str, Any]], start: int, fenced: Collection[int] = ()) -> list[tuple[int, int]]:
     """``[start, end)`` spans from ``start`` on: an assistant message through the last result of its calls
-    (whatever stands between them), or one message."""
+    (whatever stands between them), an assistant message and the text-protocol results message answering it
+    (indices in ``fenced``), or one message."""
     spans, i = [], start
     while i < len(messages):
         open_calls = {c.get("id") for c in messages[i].get("tool_calls") or []}
-        j = i + 1
+        j = i + 2 if messages[i].get("role") == "assistant" and i + 1 in fenced else i + 1
         while open_calls and j < len(messages):
             if messages[j].get("role") == "tool":
                 open_calls.discard(messages[j].get("tool_call_id"))
@@ -149,13 +151,14 @@ def _fold_start(messages: Sequence[dict[str, Any]]) -> int:
 
 
 def fold(state: State, messages: Sequence[dict[str, Any]], rules: Rules, counter: Counter,
-         new: list[Decision], writes: list[OverflowWrite], newest: int, required: bool = True) -> None:
+         new: list[Decision], writes: list[OverflowWrite], newest: int, required: bool = True,
+         paired: bool = True) -> None:
     """Fold the oldest whole rounds into one stub, down to the target; unless ``required``, only if that reaches
-    the target."""
+    the target. ``paired``: a text-protocol assistant message and its results message are one round."""
     if not rules.budget.fold_history:
         return
     start = _fold_start(messages)
-    spans = rounds(messages, start)
+    spans = rounds(messages, start, state.fenced if paired else ())
     end, total = start, state.total
     for i, j in spans[: max(0, len(spans) - newest)]:
         if rules.scaled(total + rules.tools_tokens + _FOLD_STUB_TOKENS) <= rules.budget.target and end > start:

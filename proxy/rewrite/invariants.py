@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
-from proxy.rewrite.fenced import Segment
+from proxy.rewrite.fenced import Segment, text_of
 from proxy.rewrite.segments import wrapper_intact
 
 __all__ = ["broken_pairs", "violations"]
@@ -88,7 +88,7 @@ def _folded_count(message: dict[str, Any]) -> int:
 def _compare_fenced(i: int, before: dict[str, Any], after: dict[str, Any], segments: Sequence[Segment]) -> list[str]:
     if after is before or after == before:
         return []
-    intact = wrapper_intact(str(before.get("content")), str(after.get("content")), segments)
+    intact = wrapper_intact(text_of(before.get("content")) or "", text_of(after.get("content")) or "", segments)
     if _without_content(after) != _without_content(before) or not intact:
         return [f"message {i} (results) changed outside its result bodies"]
     return []

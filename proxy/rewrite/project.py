@@ -23,6 +23,7 @@ from typing import Any, cast
 from proxy.rewrite.budget import MIN_CUT_CHARS, Budget
 from proxy.rewrite.cuts import apply_fold, apply_hides, elide, fold
 from proxy.rewrite.decisions import CUTS, Decision, OverflowWrite
+from proxy.rewrite.fenced import text_of
 from proxy.rewrite.identity import identity_base, next_identity
 from proxy.rewrite.identity import message_hash as _hash
 from proxy.rewrite.segments import FencedResult, compose, fenced_command, paste_segment, segment_target
@@ -91,14 +92,20 @@ def _cut_to_fit(state: State, messages: Sequence[dict[str, Any]], rules: Rules, 
     Once the budget is crossed the cut goes to the target in this request: if eliding alone stops above it and a
     fold can reach it, the fold follows now rather than on the next request, so the prefix cache is broken once,
     not twice in a row. A fold that cannot reach it (the protected newest results are that large) is made only
-    when the request is still over budget: it would break the prefix at its start for nothing."""
-    keep = rules.budget.keep_results
-    for keep_results, newest in ((keep, max(keep, 2)), (min(keep, 1), 1)):
+    when the request is still over budget: it would break the prefix at its start for nothing. The squeeze elides
+    every text-protocol round's results but the newest before it folds anything, and a fold keeps the newest round
+    whole (its assistant text with its results): one large new message never costs the rounds before it their
+    text while a block of theirs could still be cut. Only a request that could not be sent at all otherwise (what
+    may never be cut fills the budget) folds the newest assistant text too, rather than be refused."""
+    keep, rounds = rules.budget.keep_results, rules.budget.keep_tool_rounds
+    for keep_results, keep_rounds, newest in ((keep, rounds, max(keep, 2)), (min(keep, 1), min(rounds, 1), 1)):
         if not _over(state, rules):
             return
-        elide(state, messages, rules, counter, new, writes, keep_results)
+        elide(state, messages, rules, counter, new, writes, keep_results, keep_rounds)
         if _over(state, rules, rules.budget.target):
             fold(state, messages, rules, counter, new, writes, newest, required=_over(state, rules))
+    if _over(state, rules) and state.fenced:  # else refused: the newest assistant text goes, restorably, instead
+        fold(state, messages, rules, counter, new, writes, 1, paired=False)
 
 
 def _over(state: State, rules: Rules, limit: int | None = None) -> bool:
@@ -186,13 +193,19 @@ def _cut_tool_result(state: State, mid: str, message: dict[str, Any], message_ha
 
 def _results_of(state: State, i: int, messages: Sequence[dict[str, Any]], rules: Rules) -> FencedResult | None:
     """What of a user message may be cut: the results of a text-protocol round, or a person's large paste."""
-    content = messages[i].get("content")
-    if not isinstance(content, str):
+    content = text_of(messages[i].get("content"))
+    if content is None:
         return None
     if rules.fenced and i and messages[i - 1].get("role") == "assistant":
         segments = next((found for p in rules.fenced if (found := p.segments(content))), None)
         if segments:
             return FencedResult(state.rounds, tuple(segments), fenced_command(messages[i - 1]))
+        # No preset knows it: most likely the results of an agent nobody wrote a rule for. Its largest block is cut
+        # like a result (spilled when that large, elided when old), the words around it kept, rather than folding
+        # earlier rounds to make room for it.
+        block = paste_segment(content, MIN_CUT_CHARS, lines=True)
+        if block:
+            return FencedResult(state.rounds, (block,), fenced_command(messages[i - 1]))
     paste = paste_segment(content, rules.budget.paste_chars)
     return FencedResult(state.rounds, (paste,), PASTE) if paste else None
 
@@ -200,7 +213,7 @@ def _results_of(state: State, i: int, messages: Sequence[dict[str, Any]], rules:
 def _cut_segments(state: State, mid: str, message: dict[str, Any], message_hash: str, result: FencedResult,
                   rules: Rules, new: list[Decision], writes: list[OverflowWrite], spill: bool) -> dict[str, Any]:
     """The message as it goes out: each cuttable body cut as a native result would be, the rest as it was."""
-    content = str(message.get("content"))
+    content = text_of(message.get("content")) or ""
     if mid in state.pins:  # a pin covers the whole message (a text-protocol round's results, a paste)
         return message
     replacements = {}

@@ -29,21 +29,40 @@ class FencedResult:
     command: str
 
 
-def paste_segment(content: str, paste_chars: int) -> Segment | None:
-    """The pasted attachment in a person's message, if one is larger than ``paste_chars``: its largest fenced
-    block, or everything between the first and the last paragraph (the words typed around a paste). A message
-    that is one long paragraph gives no way to tell typed words from a paste: it stays the person's."""
+def paste_segment(content: str, paste_chars: int, lines: bool = False) -> Segment | None:
+    """The pasted attachment in a message, if one is larger than ``paste_chars``: its largest fenced or
+    tag-delimited block (``<output>…</output>``, a tag opening a line and closed at a line's end), or everything
+    between the first and the last paragraph (the words typed around a paste); with ``lines``, else everything
+    between the first and the last line (an unknown agent's one-line header and trailer). A message that is one long
+    paragraph (or line) gives no way to tell typed words from a paste: it stays whole."""
     if len(content) < paste_chars:
         return None
-    blocks = [m.span(1) for m in _FENCE.finditer(content)]
+    blocks = [m.span(1) for m in _FENCE.finditer(content)] + _tag_blocks(content)
     if blocks:
         start, end = max(blocks, key=lambda b: b[1] - b[0])
         if end - start >= paste_chars:
             return Segment(start, end)
-    first, last = content.find("\n\n"), content.rfind("\n\n")
-    if 0 <= first < last and last - first - 2 >= paste_chars:
-        return Segment(first + 2, last)
+    for sep in ("\n\n", "\n") if lines else ("\n\n",):
+        first, last = content.find(sep), content.rfind(sep)
+        if 0 <= first < last and last - first - len(sep) >= paste_chars:
+            return Segment(first + len(sep), last)
     return None
+
+
+_OPEN = re.compile(r"^[ \t]*<([A-Za-z][\w.-]*)(?:[ \t][^<>\n]*)?>[ \t]*\n?", re.M)
+_CLOSE = re.compile(r"\n?</([A-Za-z][\w.-]*)>[ \t]*$", re.M)
+
+
+def _tag_blocks(content: str) -> list[tuple[int, int]]:
+    """Per tag name, the span from the end of its first opening to the start of its last closing after it. Linear:
+    no backtracking over a large output full of tags, closed or not."""
+    opened: dict[str, int] = {}
+    for m in _OPEN.finditer(content):
+        opened.setdefault(m.group(1), m.end())
+    closed: dict[str, int] = {}
+    for m in _CLOSE.finditer(content):
+        closed[m.group(1)] = m.start()
+    return [(opened[name], end) for name, end in closed.items() if name in opened and end > opened[name]]
 
 
 def segment_target(mid: str, k: int) -> str:

@@ -20,6 +20,7 @@ from typing import Any
 
 from proxy.rewrite.budget import MIN_CUT_CHARS
 from proxy.rewrite.decisions import Decision, OverflowWrite
+from proxy.rewrite.fenced import text_of
 from proxy.rewrite.identity import content_text
 from proxy.rewrite.project import PASTE
 from proxy.rewrite.segments import segment_target
@@ -154,8 +155,8 @@ def _is_cut(view: View, i: int) -> bool:
 def _body(view: View, unit: _Unit) -> str:
     if unit.k is None:
         return _text(view.messages[unit.i])
-    segment = view.state.fenced[unit.i].segments[unit.k]
-    return _text(view.messages[unit.i])[segment.start:segment.end]
+    segment = view.state.fenced[unit.i].segments[unit.k]  # offsets into the text the presets read
+    return (text_of(view.messages[unit.i].get("content")) or "")[segment.start:segment.end]
 
 
 def _target(view: View, unit: _Unit) -> str:
