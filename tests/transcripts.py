@@ -136,12 +136,12 @@ def cline(rounds: int, seed: int) -> Transcript:
 
     def wrap(text: str, command: str, k: int) -> tuple[str, tuple[str, ...]]:
         command = command.replace("'", '"')  # Cline's header quotes the command; the preset reads up to a quote
-        first = f"Command executed.\nOutput:\n{text}\n"
+        first = f"Command executed.\nOutput:\n{text}\n"  # the output is cut, Cline's words and the trailing blanks stay
         if k % 3 != 1:
-            return f"[execute_command for '{command}'] Result:\n{first}", (first,)
-        second = "The user has approved the change.\n"  # two tools answered in one message (Roo Code)
+            return f"[execute_command for '{command}'] Result:\n{first}", (text.rstrip(),)
+        second = "The user has approved the change."  # two tools answered in one message (Roo Code)
         return (f"[execute_command for '{command}'] Result:\n{first}[write_to_file for 'billing/periods.py'] Result:"
-                f"\n{second}"), (first, second)
+                f"\n{second}\n"), (text.rstrip(), second)
     return _fenced("cline", system, opening, ask, wrap, rounds, seed)
 
 
