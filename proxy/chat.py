@@ -272,8 +272,9 @@ class Exchange:
                 "Set ctx_window to the model's real window, or start a new session.")
 
     def agent_tools(self) -> frozenset[str]:
-        tools = self.body.get("tools") or []
-        return frozenset(t.get("function", {}).get("name") for t in tools if isinstance(t, dict))
+        tools = self.body.get("tools") or []  # checked at the edge; tolerant anyway, a tool list is not ours
+        functions = [t.get("function") for t in tools if isinstance(t, dict)]
+        return frozenset(f["name"] for f in functions if isinstance(f, dict) and isinstance(f.get("name"), str))
 
     def upstream_chunks(self) -> AsyncIterator[bytes]:
         """The rest of the current upstream stream (its first chunk was read ahead by ``_inspect``)."""
