@@ -21,10 +21,12 @@ __all__ = [
     "PayloadTooLarge",
     "Unauthorized",
     "UpstreamBrokeOff",
+    "UpstreamMalformed",
     "UpstreamTimeout",
     "UpstreamUnreachable",
     "error_response",
     "render_unexpected",
+    "sse_error",
 ]
 
 log = logging.getLogger("ctxproxy")
@@ -76,12 +78,24 @@ class UpstreamBrokeOff(UpstreamUnreachable):
     code = "upstream_disconnected"
 
 
+class UpstreamMalformed(CtxError):
+    """The upstream answered, but not in the shape ctxproxy reads (``proxy.answers``): its fault, not the client's."""
+
+    status, type, code = 502, "upstream_error", "upstream_malformed"
+
+
 class UpstreamTimeout(CtxError):
     status, type, code = 504, "upstream_error", "upstream_timeout"
 
 
 def envelope(message: str, type_: str, param: str | None, code: str | None) -> bytes:
     return orjson.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}})
+
+
+def sse_error(exc: CtxError) -> bytes:
+    """How a stream whose 200 has left ends when it cannot go on: the error as a ``data:`` event in the envelope
+    (OpenAI's own streams fail this way), then ``[DONE]`` so every client's SSE loop ends cleanly."""
+    return b"data: " + envelope(exc.message, exc.type, exc.param, exc.code) + b"\n\ndata: [DONE]\n\n"
 
 
 def error_response(exc: CtxError, headers: dict[str, str] | None = None) -> Response:

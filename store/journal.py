@@ -329,7 +329,8 @@ def _continued(candidates: Sequence[_Head], hashes: Sequence[str]) -> _Head | No
 
 
 def _int_or_none(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    """An integer SQLite can hold (a larger one would make the insert raise and lose the row), else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and -2 ** 63 <= value < 2 ** 63 else None
 
 
 _SESSION_SUMMARY = """

@@ -65,8 +65,8 @@ def test_a_stream_that_stalls_ends_with_an_error_event(tmp_path: Path, fake: tup
         for proxy in proxy_for(tmp_path, url + "/v1", CTXPROXY_UPSTREAM_TIMEOUT="1.5"):
             response = httpx.post(proxy + "/v1/chat/completions", json=BODY | {"stream": True}, timeout=10)
             assert response.status_code == 200
-            last = [line for line in response.text.splitlines() if line.startswith("data: ")][-1]
-            assert '"upstream_stream_error"' in last
+            *_, error, last = [line for line in response.text.splitlines() if line.startswith("data: ")]
+            assert '"upstream_stream_error"' in error and last == "data: [DONE]"
             assert _journaled_outcome(tmp_path) == "timeout"
     finally:
         gate.set()
