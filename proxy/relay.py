@@ -120,11 +120,11 @@ async def _close(exchange: Exchange, filtered: StreamFilter, record: dict[str, A
 async def _end_early(exchange: Exchange, filtered: StreamFilter, record: dict[str, Any],
                      failure: CtxError | None) -> AsyncIterator[bytes]:
     """The follow-up failed: the agent keeps the text it has, and the stream ends with the reason."""
-    if failure is not None:
-        yield b"data: " + envelope(failure.message, failure.type, failure.param, failure.code) + b"\n\n"
-        record["status"] = failure.status
-    record["outcome"] = "follow_up_failed"
-    record["chunks"] = [failure.message.encode() if failure else b""]
+    said = envelope(failure.message, failure.type, failure.param, failure.code) if failure is not None else b""
+    if said:
+        yield b"data: " + said + b"\n\n"
+    record["outcome"] = "follow_up_failed"  # the status stays the 200 the client got; the failure is the body
+    record["chunks"] = [said]
     for out in filtered.closing("stop"):
         yield out
 
