@@ -40,6 +40,7 @@ from proxy.errors import (
     sse_error,
 )
 from proxy.intercept import ContextRunner, strip_calls
+from proxy.loop import VIA_HEADER, refuse_loop
 from proxy.overflow import Overflow, detect_overflow
 from proxy.planning import Plan, plan_forward, what_takes_room
 from proxy.relay import intercepting_stream, stream_broke_off
@@ -68,6 +69,7 @@ a streamed prompt over its ``n_ctx`` (its log: "Requested tokens (N) exceed cont
 
 async def chat_completions(request: Request) -> Response:
     state: AppState = request.app.state.ctx
+    refuse_loop(request.headers, state.upstream.instance)
     raw = await read_body(request, state.settings.max_body_bytes)
     body = parse_chat_body(raw)
     incognito = state.settings.incognito or request.headers.get("x-ctx-incognito", "").lower() in ("1", "true")
@@ -304,7 +306,7 @@ class Exchange:
     async def _open(self, body: bytes) -> httpx.Response:
         headers = client_headers(self.request.headers.raw, self.state.own_headers, _CHAT_DROP) + _IDENTITY
         upstream = await self.state.upstream.send("POST", self.request.url.path, self.request.url.query, headers,
-                                                  body)
+                                                  body, via=self.request.headers.get(VIA_HEADER, ""))
         self.ttfb_ms = self._elapsed()
         return upstream
 

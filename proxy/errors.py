@@ -19,6 +19,7 @@ __all__ = [
     "CtxError",
     "NotFound",
     "PayloadTooLarge",
+    "ProxyLoop",
     "Unauthorized",
     "UpstreamBrokeOff",
     "UpstreamMalformed",
@@ -65,6 +66,12 @@ class NotFound(CtxError):
 
 class PayloadTooLarge(CtxError):
     status, type, code = 413, "invalid_request_error", "request_too_large"
+
+
+class ProxyLoop(CtxError):
+    """The request came back to the proxy that sent it (``proxy.loop``): 508 Loop Detected, RFC 5842 §7.2."""
+
+    status, type, code = 508, "server_error", "proxy_loop"
 
 
 class UpstreamUnreachable(CtxError):
