@@ -6,7 +6,7 @@ its ``usage``. An answer whose shape there is not OpenAI's (``choices: ["x"]``, 
 the proxy. The rest of an answer is the upstream's business and passes as it came. Odd figures inside a
 well-formed ``usage`` (negative, fractional) are not refused: ``usage_figure`` makes them "unknown".
 
-``check_completion`` takes a whole buffered answer, ``check_chunk`` one streamed ``data:`` event. Both are pure.
+``parse_completion`` takes a whole buffered answer, ``parse_chunk`` one streamed ``data:`` event. All are pure.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import orjson
 
 from proxy.errors import UpstreamMalformed
 
-__all__ = ["check_chunk", "check_completion", "parse_completion", "usage_figure"]
+__all__ = ["check_chunk", "check_completion", "parse_chunk", "parse_completion", "usage_figure"]
 
 _FIGURE_MAX = 2 ** 53
 """Token counts above this are nonsense (and would not survive a float or SQLite's 64-bit integers)."""
@@ -38,6 +38,17 @@ def check_completion(answer: Any, content: bytes = b"") -> None:
     problem = _completion_problem(answer)
     if problem is not None:
         raise _malformed(problem, content or _dump(answer))
+
+
+def parse_chunk(payload: bytes) -> Any:
+    """One streamed ``data:`` payload (not ``[DONE]``) as JSON, checked: every OpenAI client parses each one, so
+    one that is not JSON would break the client's stream where the proxy can still end it cleanly."""
+    try:
+        chunk = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        raise _malformed("a streamed `data:` event is not JSON", payload) from None
+    check_chunk(chunk, payload)
+    return chunk
 
 
 def check_chunk(chunk: Any, raw: bytes = b"") -> None:
