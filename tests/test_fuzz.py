@@ -8,7 +8,7 @@ are mutated the same way (or replaced by bytes that are not JSON): the client ge
 ``upstream_malformed``, or, once a stream has started, an SSE error event and ``[DONE]``.
 
 Sized to run in well under a minute on a loaded 2-core machine; every failure Hypothesis found is pinned with
-``@example``. ``CTXPROXY_FUZZ_EXAMPLES`` raises the count for a longer run.
+``@example``. ``FUZZ_EXAMPLES`` raises the count for a longer run.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from store import Journal
 from tests.conftest import app_client
 from tests.fakes import FakeUpstream, Reply, completion, stream_chunks, stream_tool_answer, tool_answer
 
-EXAMPLES = int(os.environ.get("CTXPROXY_FUZZ_EXAMPLES", "150"))
+EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "150"))
 """Per test (four of them). 150 runs each in ~5-10 s here."""
 DEEP = "\x00deep\x00"
 """A marker string replaced, once serialised, by nesting too deep for ``json.dumps`` to write."""
@@ -116,14 +116,22 @@ def lab(tmp_path: Path) -> Iterator[tuple[TestClient, FakeUpstream, Journal]]:
         yield client, fake, Journal(tmp_path / "journal.db")
 
 
-def answer_for(body: bytes) -> Reply:
-    """The fake's scripted answer to what the proxy will forward: streamed if the request asked for it."""
+def streams(body: bytes) -> bool:
     try:
-        stream = json.loads(body).get("stream") is True
+        return json.loads(body).get("stream") is True
     except (ValueError, AttributeError, RecursionError):
-        stream = False
-    return Reply(sse=stream_chunks("fine", usage={"prompt_tokens": 9, "completion_tokens": 1, "total_tokens": 10})
-                 if stream else None, body=None if stream else completion("fine"))
+        return False
+
+
+def answers_for(body: bytes, context: bool) -> list[Reply]:
+    """The fake's scripted answers to what the proxy will forward, streamed if the request asked for it: the
+    answer; or first a call of a context tool on the request's own tool result (the proxy runs it and asks again)."""
+    usage = {"prompt_tokens": 9, "completion_tokens": 1, "total_tokens": 10}
+    drop = ("context_drop", {"handles": ["call_1"]})
+    if streams(body):
+        return [Reply(sse=stream_tool_answer(drop, usage=usage))] * context + [Reply(sse=stream_chunks("fine",
+                                                                                                       usage=usage))]
+    return [Reply(body=tool_answer(drop))] * context + [Reply(body=completion("fine"))]
 
 
 def assert_sane(response: httpx.Response, streamed: bool) -> None:
@@ -151,13 +159,13 @@ def assert_journal_whole(journal: Journal) -> None:
     assert unanswered == 0
 
 
-def run(lab: tuple[TestClient, FakeUpstream, Journal], body: bytes, reply: Reply | None = None,
-        stream: bool | None = None) -> httpx.Response:
+def run(lab: tuple[TestClient, FakeUpstream, Journal], body: bytes, replies: list[Reply]) -> httpx.Response:
     client, fake, journal = lab
     fake.replies.clear()
-    fake.enqueue(reply or answer_for(body))
+    for reply in replies:
+        fake.enqueue(reply)
     response = client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
-    streamed = stream if stream is not None else answer_for(body).sse is not None
+    streamed = replies[0].sse is not None
     assert_sane(response, streamed and response.status_code == 200)
     assert_journal_whole(journal)
     return response
@@ -201,7 +209,8 @@ PINNED_REQUESTS = [  # issue #10 item 2, and what this fuzz found before the edg
 
 def pin_requests(test: Callable[..., None], stream: bool) -> Callable[..., None]:
     for body in PINNED_REQUESTS:
-        test = example(body=body.replace(b'"stream": false', b'"stream": true') if stream else body)(test)
+        test = example(body=body.replace(b'"stream": false', b'"stream": true') if stream else body,
+                       context=False)(test)
     return test
 
 
@@ -210,9 +219,9 @@ def test_mutated_requests_never_get_a_500(lab: tuple[TestClient, FakeUpstream, J
     count = counted(f"requests stream={stream}")
 
     @settings(max_examples=EXAMPLES, deadline=None)
-    @given(body=mutated_requests(stream))
-    def check(body: bytes) -> None:
-        count(run(lab, body))
+    @given(body=mutated_requests(stream), context=st.booleans())
+    def check(body: bytes, context: bool) -> None:
+        count(run(lab, body, answers_for(body, context)))
 
     pin_requests(check, stream)()
 
@@ -262,7 +271,7 @@ def test_malformed_upstream_answers_are_502s_or_error_events(
     @settings(max_examples=EXAMPLES, deadline=None)
     @given(reply=mutated_answers(stream))
     def check(reply: Reply) -> None:
-        response = run(lab, body, reply, stream)
+        response = run(lab, body, [reply])
         count(response)
         if response.status_code >= 500:
             assert response.json()["error"]["code"] in ("upstream_malformed", "upstream_disconnected"), response.text
