@@ -25,6 +25,7 @@ from proxy.admin import router as admin_router
 from proxy.chat import chat_completions
 from proxy.edge import read_body
 from proxy.errors import BadRequest, CtxError, log, render_ctx_error, render_http_error, render_unexpected
+from proxy.loop import VIA_HEADER, refuse_loop
 from proxy.responses import FinallyResponse
 from proxy.state import AppState
 from proxy.transport import AiohttpTransport
@@ -83,10 +84,12 @@ def _lifespan(settings: Settings, transport: httpx.AsyncBaseTransport | None, ad
 async def passthrough(request: Request) -> Response:
     """Every other ``/v1/*`` route (models, embeddings, completions, responses…): relayed as it is."""
     state: AppState = request.app.state.ctx
+    refuse_loop(request.headers, state.upstream.instance)
     body = await read_body(request, state.settings.max_body_bytes)
     path = request.scope.get("raw_path", b"").decode("latin-1") or request.url.path  # keep %2F as the client sent it
     upstream = await state.upstream.send(request.method, path, request.url.query,
-                                         client_headers(request.headers.raw, state.own_headers), body)
+                                         client_headers(request.headers.raw, state.own_headers), body,
+                                         via=request.headers.get(VIA_HEADER, ""))
     inner = StreamingResponse(_relayed(upstream), upstream.status_code)
     return FinallyResponse(with_headers(inner, response_headers(upstream)), upstream.aclose)
 

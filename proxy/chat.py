@@ -26,20 +26,24 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from proxy.answers import parse_completion, usage_figure
 from proxy.context import SessionContext
 from proxy.edge import parse_chat_body, read_body
 from proxy.errors import (
     ContextTooLarge,
     CtxError,
     UpstreamBrokeOff,
+    UpstreamMalformed,
     UpstreamTimeout,
     envelope,
     error_response,
+    sse_error,
 )
 from proxy.intercept import ContextRunner, strip_calls
+from proxy.loop import VIA_HEADER, refuse_loop
 from proxy.overflow import Overflow, detect_overflow
 from proxy.planning import Plan, plan_forward, what_takes_room
-from proxy.relay import intercepting_stream
+from proxy.relay import intercepting_stream, stream_broke_off
 from proxy.responses import FinallyResponse
 from proxy.rewrite import canonical_json, content_hash, fingerprint
 from proxy.sse import last_usage
@@ -65,6 +69,7 @@ a streamed prompt over its ``n_ctx`` (its log: "Requested tokens (N) exceed cont
 
 async def chat_completions(request: Request) -> Response:
     state: AppState = request.app.state.ctx
+    refuse_loop(request.headers, state.upstream.instance)
     raw = await read_body(request, state.settings.max_body_bytes)
     body = parse_chat_body(raw)
     incognito = state.settings.incognito or request.headers.get("x-ctx-incognito", "").lower() in ("1", "true")
@@ -136,8 +141,7 @@ class Exchange:
 
     def add_usage(self, usage: dict[str, object] | None) -> None:
         for key in self.totals:
-            value = (usage or {}).get(key)
-            self.totals[key] += value if isinstance(value, int) else 0
+            self.totals[key] += usage_figure(usage, key) or 0
 
     async def lock(self) -> None:
         await self.state.locks.acquire(self.recorded.session_id)
@@ -166,6 +170,8 @@ class Exchange:
             if self.body.get("stream") or upstream.status_code >= 400:
                 return await self._respond(upstream, first)
             content = first if first is not None else await _read(upstream)
+            if upstream.status_code < 300:
+                parse_completion(content)  # an answer the proxy cannot read is a 502 here, not a 500 below
             fenced = bool(plan.rules.fenced)
             answer, calls, said = _fenced_calls(content) if fenced else (*_context_calls(content, self.agent_tools()),
                                                                         "")
@@ -272,8 +278,9 @@ class Exchange:
                 "Set ctx_window to the model's real window, or start a new session.")
 
     def agent_tools(self) -> frozenset[str]:
-        tools = self.body.get("tools") or []
-        return frozenset(t.get("function", {}).get("name") for t in tools if isinstance(t, dict))
+        tools = self.body.get("tools") or []  # checked at the edge; tolerant anyway, a tool list is not ours
+        functions = [t.get("function") for t in tools if isinstance(t, dict)]
+        return frozenset(f["name"] for f in functions if isinstance(f, dict) and isinstance(f.get("name"), str))
 
     def upstream_chunks(self) -> AsyncIterator[bytes]:
         """The rest of the current upstream stream (its first chunk was read ahead by ``_inspect``)."""
@@ -299,7 +306,7 @@ class Exchange:
     async def _open(self, body: bytes) -> httpx.Response:
         headers = client_headers(self.request.headers.raw, self.state.own_headers, _CHAT_DROP) + _IDENTITY
         upstream = await self.state.upstream.send("POST", self.request.url.path, self.request.url.query, headers,
-                                                  body)
+                                                  body, via=self.request.headers.get(VIA_HEADER, ""))
         self.ttfb_ms = self._elapsed()
         return upstream
 
@@ -377,7 +384,7 @@ class Exchange:
                 state["outcome"] = "ok"
             except httpx.TransportError as exc:
                 state["outcome"] = "timeout" if isinstance(exc, httpx.TimeoutException) else "upstream_error"
-                yield _sse_error(f"The upstream stream broke off: {type(exc).__name__}.")
+                yield sse_error(stream_broke_off(exc))
 
         async def done() -> None:
             await upstream.aclose()
@@ -394,20 +401,20 @@ class Exchange:
         if self._finished:
             return
         self._finished = True
-        try:
-            self._calibrate(usage)
-            self.state.metrics.answered(outcome, usage)
+        try:  # the row first: what is learnt from the answer after, so that nothing in it can cost the row
             await self.writer.call(Journal.record_response, ResponseRecord(
                 self.recorded.request_id, self.attempt, outcome, status,
                 body.decode("utf-8", "replace") if body else None, usage, self.ttfb_ms, self._elapsed(), _now()),
                 self._take_deferred())
+            self._calibrate(usage)
+            self.state.metrics.answered(outcome, usage)
         finally:
             if self._locked:
                 self.state.locks.release(self.recorded.session_id)
 
     def _calibrate(self, usage: dict[str, object] | None) -> None:
-        prompt = (usage or {}).get("prompt_tokens")
-        if self.context is None or not isinstance(prompt, int) or not self.estimate:
+        prompt = usage_figure(usage, "prompt_tokens")
+        if self.context is None or not prompt or not self.estimate:
             return
         model = self.body.get("model")
         calibration = self.context.calibration(model).observe(self.estimate, prompt)
@@ -497,13 +504,11 @@ def _usage_of(content: bytes) -> dict[str, object] | None:
 def _outcome_of(exc: BaseException) -> str:
     if isinstance(exc, ContextTooLarge):
         return "context_too_large"
+    if isinstance(exc, UpstreamMalformed):
+        return "upstream_malformed"
     if isinstance(exc, CtxError):
         return {502: "unreachable", 504: "timeout"}.get(exc.status, "error")
     return "client_disconnected" if isinstance(exc, anyio.get_cancelled_exc_class()) else "error"
-
-
-def _sse_error(message: str) -> bytes:
-    return b"data: " + envelope(message, "upstream_error", None, "upstream_stream_error") + b"\n\n"
 
 
 def _now() -> str:

@@ -27,8 +27,8 @@ _SESSION_COLUMNS = [("id", "session"), ("parent_id", "parent"), ("requests", "re
                     ("last_prompt_tokens", "last prompt tok"), ("model", "model"), ("updated_at", "updated")]
 _JOURNAL_COLUMNS = [("request_id", "req"), ("received_at", "received"), ("model", "model"), ("stream", "stream"),
                     ("messages", "msgs"), ("new_messages", "new"), ("body_bytes", "bytes"), ("outcome", "outcome"),
-                    ("status", "status"), ("prompt_tokens", "prompt tok"), ("completion_tokens", "compl tok"),
-                    ("ttfb_ms", "ttfb ms"), ("total_ms", "total ms")]
+                    ("status", "status"), ("attempts", "tries"), ("prompt_tokens", "prompt tok"),
+                    ("completion_tokens", "compl tok"), ("ttfb_ms", "ttfb ms"), ("total_ms", "total ms")]
 
 
 _SCORE_COLUMNS = [("session_id", "session"), ("rounds", "rounds"), ("tool_calls", "tool calls"),

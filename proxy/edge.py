@@ -1,7 +1,10 @@
 """The HTTP edge: read a request body within the size limit and validate the fields the proxy relies on.
 
 Only the keys ctxproxy reads are checked (``proxy.wire``); everything else passes upstream untouched. Each error
-names the offending field in ``param`` (``messages[3].role``) so a client can fix its request.
+names the offending field in ``param`` (``messages[3].role``) so a client can fix its request. A body is also
+refused when the proxy could not write it again (the journal and a rewritten forward re-serialise it): nested
+deeper than ``MAX_DEPTH``, or holding an integer beyond 64 bits. Every refusal happens before anything is
+journaled or forwarded.
 """
 
 from __future__ import annotations
@@ -16,9 +19,14 @@ from starlette.requests import Request
 from proxy.errors import BadRequest, PayloadTooLarge
 from proxy.wire import ChatBody
 
-__all__ = ["parse_chat_body", "read_body"]
+__all__ = ["MAX_DEPTH", "parse_chat_body", "read_body"]
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
+MAX_DEPTH = 254
+"""Levels of nesting a body may have: what orjson writes (it parses 1024, and the stdlib fallback recurses), so the
+journal and a rewritten forward can serialise every accepted body. Real requests nest ~10 deep (a tool's schema)."""
+_INT_RANGE = (-(2 ** 63), 2 ** 64 - 1)
+"""The integers orjson can write (the stdlib fallback parses any)."""
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -46,7 +54,10 @@ def parse_chat_body(raw: bytes) -> ChatBody:
         raise BadRequest("Request body must be a JSON object with a `messages` array.", code="invalid_json")
     _expect(body, "model", str, "a string")
     _expect(body, "stream", bool, "true or false")
+    _check_writable(body)
     _expect(body, "tools", list, "an array of tool definitions")
+    for i, tool in enumerate(body.get("tools") or []):
+        _check_tool(i, tool)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("`messages` must be a non-empty array of chat messages.", param="messages")
@@ -63,25 +74,73 @@ def _loads(raw: bytes) -> Any:
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
+        if "depth" in str(exc):
+            raise _too_deep("the body") from None
         try:
             return _without_surrogates(json.loads(raw))
+        except RecursionError:
+            raise _too_deep("the body") from None
         except ValueError:
             raise BadRequest(f"Request body is not valid JSON: {exc}", code="invalid_json") from None
 
 
 def _without_surrogates(value: Any) -> Any:
+    """``value`` with lone surrogates made U+FFFD, in strings and keys alike."""
     if isinstance(value, str):
         return _SURROGATE.sub("\ufffd", value)
     if isinstance(value, list):
         return [_without_surrogates(v) for v in value]
     if isinstance(value, dict):
-        return {k: _without_surrogates(v) for k, v in value.items()}
+        return {_without_surrogates(k): _without_surrogates(v) for k, v in value.items()}
     return value
+
+
+def _check_writable(body: dict[str, Any]) -> None:
+    """Refuse what the proxy could not serialise again, naming where it is. orjson tells whether (in C, ~10 ms for
+    200 000 messages); only then is the body walked, iteratively, to say where."""
+    try:
+        orjson.dumps(body)
+    except orjson.JSONEncodeError:
+        _find_unwritable(body)
+        raise BadRequest("The request body cannot be serialised again.", code="invalid_json") from None
+
+
+def _find_unwritable(body: dict[str, Any]) -> None:
+    stack: list[tuple[Any, str, int]] = [(v, k, 2) for k, v in body.items()]
+    while stack:
+        value, path, depth = stack.pop()
+        if isinstance(value, dict | list) and depth > MAX_DEPTH:
+            raise _too_deep(f"`{path}`", path)
+        if isinstance(value, dict):
+            stack += [(v, f"{path}.{k}", depth + 1) for k, v in value.items()]
+        elif isinstance(value, list):
+            stack += [(v, f"{path}[{i}]", depth + 1) for i, v in enumerate(value)]
+        elif isinstance(value, int) and not _INT_RANGE[0] <= value <= _INT_RANGE[1]:
+            raise BadRequest(f"`{path}` is an integer beyond 64 bits, which ctxproxy cannot store or forward "
+                             "exactly. Send it as a string or a float.", param=path)
+
+
+def _too_deep(where: str, param: str | None = None) -> BadRequest:
+    return BadRequest(f"{where} nests JSON deeper than {MAX_DEPTH} levels; no chat request needs that. Flatten it.",
+                      param=param, code="invalid_json" if param is None else None)
 
 
 def _expect(obj: dict[str, Any], key: str, kind: type, what: str, where: str = "") -> None:
     if key in obj and obj[key] is not None and not isinstance(obj[key], kind):
         raise BadRequest(f"`{where}{key}` must be {what}, got {type(obj[key]).__name__}.", param=f"{where}{key}")
+
+
+def _check_tool(i: int, tool: Any) -> None:
+    where = f"tools[{i}]"
+    if not isinstance(tool, dict):
+        raise BadRequest(f"`{where}` must be an object such as {{\"type\": \"function\", \"function\": {{...}}}}.",
+                         param=where)
+    _expect(tool, "type", str, "a string such as \"function\"", f"{where}.")
+    if "function" in tool:
+        function = tool["function"]
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise BadRequest(f"`{where}.function` must be an object with a string `name`.",
+                             param=f"{where}.function.name" if isinstance(function, dict) else f"{where}.function")
 
 
 def _check_message(i: int, message: Any) -> None:
@@ -93,12 +152,22 @@ def _check_message(i: int, message: Any) -> None:
     content = message.get("content")
     if content is not None and not isinstance(content, str | list):
         raise BadRequest(f"`{where}content` must be a string, an array of parts or null.", param=f"{where}content")
+    for j, part in enumerate(content if isinstance(content, list) else []):
+        _check_part(f"{where}content[{j}]", part)
     if message["role"] == "tool" and not isinstance(message.get("tool_call_id"), str):
         raise BadRequest(f"`{where}tool_call_id` must name the call this tool message answers.",
                          param=f"{where}tool_call_id")
     _expect(message, "tool_calls", list, "an array of tool calls", where)
     for j, call in enumerate(message.get("tool_calls") or []):
         _check_tool_call(f"{where}tool_calls[{j}]", call)
+
+
+def _check_part(where: str, part: Any) -> None:
+    if isinstance(part, str):
+        return  # not OpenAI's shape, but some clients send bare strings and the upstream may take them
+    if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+        raise BadRequest(f"`{where}` must be a content part: an object with a string `type` such as \"text\".",
+                         param=f"{where}.type" if isinstance(part, dict) else where)
 
 
 def _check_tool_call(where: str, call: Any) -> None:

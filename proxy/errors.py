@@ -19,12 +19,15 @@ __all__ = [
     "CtxError",
     "NotFound",
     "PayloadTooLarge",
+    "ProxyLoop",
     "Unauthorized",
     "UpstreamBrokeOff",
+    "UpstreamMalformed",
     "UpstreamTimeout",
     "UpstreamUnreachable",
     "error_response",
     "render_unexpected",
+    "sse_error",
 ]
 
 log = logging.getLogger("ctxproxy")
@@ -65,6 +68,12 @@ class PayloadTooLarge(CtxError):
     status, type, code = 413, "invalid_request_error", "request_too_large"
 
 
+class ProxyLoop(CtxError):
+    """The request came back to the proxy that sent it (``proxy.loop``): 508 Loop Detected, RFC 5842 §7.2."""
+
+    status, type, code = 508, "server_error", "proxy_loop"
+
+
 class UpstreamUnreachable(CtxError):
     status, type, code = 502, "upstream_error", "upstream_unreachable"
 
@@ -76,12 +85,24 @@ class UpstreamBrokeOff(UpstreamUnreachable):
     code = "upstream_disconnected"
 
 
+class UpstreamMalformed(CtxError):
+    """The upstream answered, but not in the shape ctxproxy reads (``proxy.answers``): its fault, not the client's."""
+
+    status, type, code = 502, "upstream_error", "upstream_malformed"
+
+
 class UpstreamTimeout(CtxError):
     status, type, code = 504, "upstream_error", "upstream_timeout"
 
 
 def envelope(message: str, type_: str, param: str | None, code: str | None) -> bytes:
     return orjson.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}})
+
+
+def sse_error(exc: CtxError) -> bytes:
+    """How a stream whose 200 has left ends when it cannot go on: the error as a ``data:`` event in the envelope
+    (OpenAI's own streams fail this way), then ``[DONE]`` so every client's SSE loop ends cleanly."""
+    return b"data: " + envelope(exc.message, exc.type, exc.param, exc.code) + b"\n\ndata: [DONE]\n\n"
 
 
 def error_response(exc: CtxError, headers: dict[str, str] | None = None) -> Response:

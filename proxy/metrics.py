@@ -11,6 +11,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
+from proxy.answers import usage_figure
+
 __all__ = ["Metrics", "aggregate"]
 
 
@@ -31,8 +33,8 @@ class Metrics:
     def answered(self, outcome: str, usage: dict[str, object] | None) -> None:
         self.requests.labels(outcome).inc()
         for kind in ("prompt_tokens", "completion_tokens"):
-            value = (usage or {}).get(kind)
-            if isinstance(value, int):
+            value = usage_figure(usage, kind)  # an upstream's -5 would make prometheus raise: it counts as unknown
+            if value is not None:
                 self.tokens.labels(kind.removesuffix("_tokens")).inc(value)
 
     def decided(self, kinds: Sequence[str]) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +21,7 @@ import httpx
 import orjson
 from starlette.responses import Response, StreamingResponse
 
-from proxy.errors import CtxError, envelope
+from proxy.errors import CtxError, UpstreamBrokeOff, UpstreamMalformed, UpstreamTimeout, envelope, sse_error
 from proxy.intercept import ContextRunner
 from proxy.responses import FinallyResponse
 from proxy.sse import last_usage
@@ -32,7 +33,9 @@ if TYPE_CHECKING:
     from proxy.chat import Exchange
     from proxy.planning import Plan
 
-__all__ = ["intercepting_stream"]
+__all__ = ["intercepting_stream", "stream_broke_off"]
+
+log = logging.getLogger("ctxproxy")
 
 KEEP_ALIVE = b": ctxproxy is running context tools\n\n"
 KEEP_ALIVE_SECONDS = 5.0
@@ -42,18 +45,13 @@ def intercepting_stream(exchange: Exchange, upstream: httpx.Response, first: byt
                         runner: ContextRunner, raw: bytes, rounds: int) -> Response:
     record: dict[str, Any] = {"outcome": "client_disconnected", "chunks": [], "upstream": upstream, "status": 200}
 
-    async def forward() -> AsyncIterator[bytes]:
+    async def rounds_of() -> AsyncIterator[bytes]:
         current, head, rules, splice = upstream, first, plan.rules, []
         for internal in range(rounds + 1):
             filtered = StreamFilter(exchange.agent_tools(), blocks=bool(rules.fenced))
             record["upstream"], record["chunks"] = current, []
-            try:
-                async for out in _relay(exchange, current, head, filtered, record["chunks"]):
-                    yield out
-            except httpx.TransportError as exc:
-                record["outcome"] = "timeout" if isinstance(exc, httpx.TimeoutException) else "upstream_error"
-                yield _sse_error(f"The upstream stream broke off: {type(exc).__name__}.")
-                return
+            async for out in _relay(exchange, current, head, filtered, record["chunks"]):
+                yield out
             calls = filtered.context_calls
             if calls:
                 results = await runner.execute(calls, rules, exchange.body.get("model"))
@@ -86,7 +84,8 @@ def intercepting_stream(exchange: Exchange, upstream: httpx.Response, first: byt
         await exchange.finish(record["outcome"], record["status"], text,
                               last_usage(text.decode("utf-8", "replace")))
 
-    inner = with_headers(StreamingResponse(forward(), 200, headers=exchange.headers), response_headers(upstream))
+    inner = with_headers(StreamingResponse(_guarded(rounds_of(), record), 200, headers=exchange.headers),
+                         response_headers(upstream))
     return FinallyResponse(inner, done)
 
 
@@ -121,11 +120,11 @@ async def _close(exchange: Exchange, filtered: StreamFilter, record: dict[str, A
 async def _end_early(exchange: Exchange, filtered: StreamFilter, record: dict[str, Any],
                      failure: CtxError | None) -> AsyncIterator[bytes]:
     """The follow-up failed: the agent keeps the text it has, and the stream ends with the reason."""
-    if failure is not None:
-        yield b"data: " + envelope(failure.message, failure.type, failure.param, failure.code) + b"\n\n"
-        record["status"] = failure.status
-    record["outcome"] = "follow_up_failed"
-    record["chunks"] = [failure.message.encode() if failure else b""]
+    said = envelope(failure.message, failure.type, failure.param, failure.code) if failure is not None else b""
+    if said:
+        yield b"data: " + said + b"\n\n"
+    record["outcome"] = "follow_up_failed"  # the status stays the 200 the client got; the failure is the body
+    record["chunks"] = [said]
     for out in filtered.closing("stop"):
         yield out
 
@@ -159,5 +158,26 @@ async def _follow_up(exchange: Exchange, raw: bytes, splice: list[dict[str, Any]
                 await task
 
 
-def _sse_error(message: str) -> bytes:
-    return b"data: " + envelope(message, "upstream_error", None, "upstream_stream_error") + b"\n\n"
+async def _guarded(events: AsyncIterator[bytes], record: dict[str, Any]) -> AsyncIterator[bytes]:
+    """The stream, ending with an error event and ``[DONE]`` whatever breaks: its 200 has left, so an exception
+    here would only cut the connection (the client sees a reset, the journal a disconnect)."""
+    try:
+        async for out in events:
+            yield out
+    except httpx.TransportError as exc:
+        record["outcome"] = "timeout" if isinstance(exc, httpx.TimeoutException) else "upstream_error"
+        yield sse_error(stream_broke_off(exc))
+    except UpstreamMalformed as exc:
+        record["outcome"] = "upstream_malformed"
+        yield sse_error(exc)
+    except Exception:
+        log.exception("a streamed answer failed inside ctxproxy")
+        record["outcome"] = "error"
+        yield sse_error(CtxError("ctxproxy hit an internal error relaying this stream; the details are in its log."))
+
+
+def stream_broke_off(exc: httpx.TransportError) -> CtxError:
+    """A stream the upstream stopped sending after its first byte (the client has had its 200 already)."""
+    error = UpstreamTimeout if isinstance(exc, httpx.TimeoutException) else UpstreamBrokeOff
+    return error(f"The upstream stream broke off: {type(exc).__name__}. See the model server's log.",
+                 code="upstream_stream_error")

@@ -17,6 +17,7 @@ from typing import Any
 
 import orjson
 
+from proxy.answers import parse_chunk
 from proxy.tools.blocks import extract_blocks
 from proxy.tools.schemas import TOOL_NAMES
 
@@ -129,10 +130,7 @@ class StreamFilter:
         payload = event[5:].strip()
         if payload == b"[DONE]":
             return None
-        try:
-            chunk = orjson.loads(payload)
-        except orjson.JSONDecodeError:
-            return event
+        chunk = parse_chunk(payload)  # raises UpstreamMalformed: the relay ends the stream with an error event
         return self._chunk(chunk, event)
 
     def _chunk(self, chunk: Any, raw: bytes) -> bytes | None:

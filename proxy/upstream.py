@@ -14,6 +14,7 @@ import httpx
 from starlette.responses import Response
 
 from proxy.errors import UpstreamBrokeOff, UpstreamTimeout, UpstreamUnreachable
+from proxy.loop import new_instance, onward
 
 __all__ = [
     "HOP_BY_HOP", "Upstream", "client_headers", "redact", "response_headers", "upstream_url", "with_headers",
@@ -24,6 +25,8 @@ HOP_BY_HOP = frozenset({
     "transfer-encoding", "upgrade", "host", "content-length",
 })
 _SENSITIVE_PARTS = ("auth", "key", "token", "secret", "cookie", "password")
+_SERVER_OWN = frozenset({"date", "server"})
+"""Response headers the proxy's own server (uvicorn) writes: the upstream's copies would make each appear twice."""
 
 
 def upstream_url(base: str, client_path: str, query: str = "") -> str:
@@ -46,7 +49,8 @@ def client_headers(headers: Iterable[tuple[bytes, bytes]], own: frozenset[str],
 
 def response_headers(upstream: httpx.Response) -> list[tuple[bytes, bytes]]:
     """The upstream's response headers minus hop-by-hop ones, repeated headers (Set-Cookie) kept apart."""
-    return [(k, v) for k, v in upstream.headers.raw if k.decode("latin-1").lower() not in HOP_BY_HOP]
+    return [(k, v) for k, v in upstream.headers.raw
+            if k.decode("latin-1").lower() not in HOP_BY_HOP and k.decode("latin-1").lower() not in _SERVER_OWN]
 
 
 def with_headers(response: Response, headers: list[tuple[bytes, bytes]]) -> Response:
@@ -75,12 +79,16 @@ class Upstream:
 
     def __init__(self, base: str, transport: httpx.AsyncBaseTransport, connect: float, read: float) -> None:
         self.base, self.transport = base, transport
+        self.instance = new_instance()
+        """This proxy's id in the ``X-Ctx-Via`` chain of every request it sends (``proxy.loop``)."""
         self._timeout = {"connect": connect, "read": read, "write": read, "pool": connect}
 
     async def send(self, method: str, path: str, query: str, headers: list[tuple[bytes, bytes]],
-                   body: bytes) -> httpx.Response:
-        """Send; the answer's body streams. Transport failures become 502/504 with a reason and a next step."""
-        request = httpx.Request(method, upstream_url(self.base, path, query), headers=headers, content=body,
+                   body: bytes, via: str = "") -> httpx.Response:
+        """Send; the answer's body streams. Transport failures become 502/504 with a reason and a next step.
+        ``via``: the ``X-Ctx-Via`` chain the client's request came with (this instance is added to it)."""
+        request = httpx.Request(method, upstream_url(self.base, path, query),
+                                headers=[*headers, onward(via, self.instance)], content=body,
                                 extensions={"timeout": self._timeout})
         try:
             return await self.transport.handle_async_request(request)

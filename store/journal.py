@@ -329,7 +329,8 @@ def _continued(candidates: Sequence[_Head], hashes: Sequence[str]) -> _Head | No
 
 
 def _int_or_none(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    """An integer SQLite can hold (a larger one would make the insert raise and lose the row), else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and -2 ** 63 <= value < 2 ** 63 else None
 
 
 _SESSION_SUMMARY = """
@@ -347,11 +348,15 @@ SELECT s.id, s.parent_id, s.shared_len, s.named, s.created_at, s.updated_at, s.r
 _JOURNAL_ROWS = """
 SELECT r.id AS request_id, r.received_at, r.model, r.stream, r.body_bytes, l.length AS messages,
        json_array_length(l.added) AS new_messages, p.outcome, p.status, p.prompt_tokens, p.completion_tokens,
-       p.ttfb_ms, p.total_ms
+       p.ttfb_ms, p.total_ms,
+       (SELECT COUNT(*) FROM responses a WHERE a.request_id = r.id) AS attempts
   FROM requests r
   JOIN message_lists l ON l.id = r.list_id
-  LEFT JOIN responses p ON p.request_id = r.id AND p.attempt = 0
+  LEFT JOIN responses p ON p.request_id = r.id
+   AND p.attempt = (SELECT MAX(a.attempt) FROM responses a WHERE a.request_id = r.id)
  WHERE r.session_id = ? AND r.id > ?
  ORDER BY r.id
  LIMIT ?
 """
+"""A request's row shows its last attempt, the answer the client got (an overflow retried, a context round, an
+upstream error on a follow-up are earlier attempts: ``request()`` lists them all, and ``attempts`` counts them)."""

@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 from config import Settings, load_settings
 from store import Journal
 from tests.conftest import app_client, chat
-from tests.fakes import FakeUpstream, Reply, stream_chunks
+from tests.fakes import FakeUpstream, Reply, stream_chunks, stream_tool_answer, tool_answer
 
 
 def journal_of(settings: Settings) -> Journal:
@@ -131,3 +131,31 @@ def test_null_content_is_kept_unless_the_upstream_needs_it_empty(tmp_path: Path,
         assert (fake.last_chat.body == raw) == (mode == "keep")  # keep: nothing rewritten, byte for byte
         journaled = journal_of(settings).request(1)
         assert journaled is not None and journaled["messages"][1]["content"] is None  # the client's own, as sent
+
+
+OVERFLOW = Reply(status=400, body={"error": {
+    "code": 400, "type": "exceed_context_size_error", "n_prompt_tokens": 6047, "n_ctx": 4096,
+    "message": "the request exceeds the available context size"}})
+
+
+def test_the_journal_shows_what_the_client_got_not_the_first_attempt(
+        client: TestClient, fake: FakeUpstream, settings: Settings) -> None:
+    """Issue #10 item 10: the client got 200 after a retry, `show` said context_overflow 400 (and the reverse)."""
+    fake.enqueue(OVERFLOW)
+    retried = client.post("/v1/chat/completions", json=chat("one"))
+    fake.enqueue(Reply(body=tool_answer(("context_status", {}))))
+    fake.enqueue(Reply(status=500, body={"error": {"message": "the follow-up failed"}}))
+    failed = client.post("/v1/chat/completions", json=chat("one", retried.json()["choices"][0]["message"]["content"],
+                                                          "two"))
+    assert (retried.status_code, failed.status_code) == (200, 500)
+    entries = journal_of(settings).session_journal(retried.headers["x-ctx-session"])
+    assert [(e["outcome"], e["status"], e["attempts"]) for e in entries] == [("ok", 200, 2), ("upstream_error", 500, 2)]
+    request = journal_of(settings).request(entries[0]["request_id"])
+    attempts = [(r["outcome"], r["status"]) for r in (request or {})["responses"]]
+    assert attempts == [("context_overflow", 400), ("ok", 200)]  # each attempt is still there, in its own row
+    fake.enqueue(Reply(sse=stream_tool_answer(("context_status", {}))))
+    fake.enqueue(Reply(status=500, body={"error": {"message": "the follow-up failed"}}))
+    streamed = client.post("/v1/chat/completions", json=chat("one", "two", "three", stream=True))
+    assert streamed.status_code == 200 and "upstream_follow_up_failed" in streamed.text
+    (entry,) = journal_of(settings).session_journal(streamed.headers["x-ctx-session"], entries[-1]["request_id"])
+    assert (entry["outcome"], entry["status"]) == ("follow_up_failed", 200)

@@ -46,6 +46,22 @@ BAD_BODIES = [
     (b'{"messages": [{"role": "user", "content": "hi"}], "model": 3}', "model"),
     (b'{"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}', "stream"),
     (b'{"messages": [{"role": "user", "content": "hi"}], "tools": {}}', "tools"),
+    # issue #10 item 2: each of these was accepted, then ended in a 500 (some after the upstream was called)
+    (b'{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": "f"}]}',
+     "tools[0].function"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "stream": true, "tools": [{"function": []}]}',
+     "tools[0].function"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "tools": [{"function": {"name": 3}}]}',
+     "tools[0].function.name"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "tools": ["f"]}', "tools[0]"),
+    (b'{"messages": [{"role": "user", "content": [{"type": ["text"], "text": "hi"}]}]}',
+     "messages[0].content[0].type"),
+    (b'{"messages": [{"role": "user", "content": [7]}]}', "messages[0].content[0]"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "x": ' + b"[" * 300 + b"]" * 300 + b"}",
+     "x" + "[0]" * 253),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "x": ' + b"[" * 2000 + b"]" * 2000 + b"}", None),
+    (b'{"messages": [{"role": "user", "content": "\\ud800"}], "x": ' + b"[" * 2000 + b"]" * 2000 + b"}", None),
+    (b'{"messages": [{"role": "user", "content": "\\ud800"}], "n": 123456789012345678901234567890}', "n"),
 ]
 
 
@@ -55,6 +71,14 @@ def test_bad_input_is_a_400_naming_the_field_and_is_not_journaled(
     response = client.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
     assert_envelope(response, 400, "invalid_request_error", param)
     assert fake.chats == [] and rows(settings, "requests") == 0
+
+
+def test_a_lone_surrogate_in_a_key_is_taken_like_one_in_a_value(
+        client: TestClient, fake: FakeUpstream, settings: Settings) -> None:
+    raw = b'{"model": "m", "messages": [{"role": "user", "content": "hi", "\\udc00x": "\\ud83d"}]}'
+    response = client.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+    assert response.status_code == 200, response.text
+    assert rows(settings, "responses") == 1 and len(fake.chats) == 1
 
 
 def test_a_body_over_the_limit_is_a_413(tmp_path: Any, fake: FakeUpstream) -> None:

@@ -4,6 +4,7 @@ nothing is added to or kept from what crosses it."""
 from __future__ import annotations
 
 import gzip
+import re
 import socket
 import threading
 import time
@@ -65,8 +66,8 @@ def test_a_stream_that_stalls_ends_with_an_error_event(tmp_path: Path, fake: tup
         for proxy in proxy_for(tmp_path, url + "/v1", CTXPROXY_UPSTREAM_TIMEOUT="1.5"):
             response = httpx.post(proxy + "/v1/chat/completions", json=BODY | {"stream": True}, timeout=10)
             assert response.status_code == 200
-            last = [line for line in response.text.splitlines() if line.startswith("data: ")][-1]
-            assert '"upstream_stream_error"' in last
+            *_, error, last = [line for line in response.text.splitlines() if line.startswith("data: ")]
+            assert '"upstream_stream_error"' in error and last == "data: [DONE]"
             assert _journaled_outcome(tmp_path) == "timeout"
     finally:
         gate.set()
@@ -92,8 +93,21 @@ def test_the_proxy_adds_no_headers_of_its_own(tmp_path: Path, fake: tuple[FakeUp
                          b"Content-Length: " + str(len(raw)).encode() + b"\r\nConnection: close\r\n\r\n" + raw)
             assert conn.recv(65536).startswith(b"HTTP/1.1 200")
     sent = upstream.last_chat.headers
-    assert set(sent) <= {"host", "content-type", "content-length", "accept-encoding"}
+    assert set(sent) <= {"host", "content-type", "content-length", "accept-encoding", "x-ctx-via"}
     assert sent["accept-encoding"] == "identity"  # the proxy reads the answer, so it asks for it plain
+    assert re.fullmatch("[0-9a-f]{12}", sent["x-ctx-via"])  # the loop guard's hop id, nothing about the client
+
+
+def test_an_answer_has_one_date_and_one_server_header(tmp_path: Path, fake: tuple[FakeUpstream, str]) -> None:
+    """Issue #10 item 11: the upstream's Date and Server came on top of uvicorn's own."""
+    _, url = fake
+    for proxy in proxy_for(tmp_path, url + "/v1"):
+        for path, body in (("/v1/chat/completions", BODY), ("/v1/chat/completions", BODY | {"stream": True}),
+                           ("/v1/models", None)):
+            response = httpx.request("POST" if body else "GET", proxy + path, json=body, timeout=10)
+            assert response.status_code == 200
+            names = [k.lower() for k, _ in response.headers.raw]
+            assert (names.count(b"date"), names.count(b"server")) == (1, 1), response.headers.raw
 
 
 def test_upstream_cookies_are_not_kept(tmp_path: Path, fake: tuple[FakeUpstream, str]) -> None:

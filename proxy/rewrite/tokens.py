@@ -210,6 +210,7 @@ class MessageCounter:
         if isinstance(part, str):
             return self.text_counter.count(part)
         kind = part.get("type") if isinstance(part, Mapping) else None
+        kind = kind if isinstance(kind, str) else None  # a list here is unhashable: counted as JSON below
         if kind in _IMAGE_PARTS:
             return IMAGE_TOKENS
         if kind in _TEXT_PARTS and isinstance(part.get(kind), str):
