@@ -20,8 +20,8 @@ from proxy.rewrite.state import Rules
 from proxy.state import AppState
 from proxy.tools.apply import Outcome, View, apply_intent, render_overflow
 from proxy.tools.intents import Ctx, ReadOverflow, ToolError, parse_call
-from proxy.tools.mirror import maintenance_rounds, revise
-from proxy.tools.offer import split_calls
+from proxy.tools.mirror import maintenance_rounds, mirror_path, revise
+from proxy.tools.offer import split_calls, turn_in
 from proxy.tools.schemas import TOOL_NAMES
 from store import Journal, JournalWriter, OverflowBody
 
@@ -35,6 +35,8 @@ class ContextRunner:
         self.session_id, self.request_id = session_id, request_id
         self.messages, self.hashes = messages, hashes
         self.round = 0
+        """The agent's round in its turn (``Turn.round``), which every ``context_op`` event carries: the proxy's
+        own re-asks within one client request are not rounds of the agent."""
         self.events: list[dict[str, Any]] = []
         """The events of the latest ``execute`` (a stream also carries them as SSE comments)."""
         self.all_events: list[dict[str, Any]] = []
@@ -43,7 +45,8 @@ class ContextRunner:
 
     async def execute(self, calls: list[dict[str, Any]], rules: Rules, model: str | None) -> list[dict[str, Any]]:
         """Run the calls in order; each sees the effect of the ones before it."""
-        self.round += 1
+        state = self.ctx.state if self.ctx.state is not None else self._view(rules, 0, "").state
+        self.round = turn_in(self.messages, state).round
         self.events = []
         results = []
         for call in calls:
@@ -83,7 +86,9 @@ class ContextRunner:
                             seen=len(self.messages)).state  # every result here has arrived before
             self.ctx.state = None  # the next projection recomputes from the decisions, which now include these
         model_pins = sum(1 for source in state.pins.values() if source == "model")
-        return View(self.messages, state, rules, self.app.counter, max_pins, approval_pattern, model_pins)
+        mirror = self.ctx.mirror or mirror_path(self.app.settings, self.session_id)
+        return View(self.messages, state, rules, self.app.counter, max_pins, approval_pattern, model_pins,
+                    str(mirror), self.ctx.mirror_revision)
 
     async def _journal(self, outcome: Outcome) -> None:
         overflow = [OverflowBody(w.overflow_id, w.body, w.tool, w.call_id) for w in outcome.writes]

@@ -24,12 +24,11 @@ from proxy.errors import ContextTooLarge
 from proxy.rewrite import Projection, Report, Rules, budget_for, canonical_json, message_hash, project, violations
 from proxy.rewrite.fenced import presets_for, route_of
 from proxy.rewrite.identity import content_text
-from proxy.rewrite.project import PASTE
 from proxy.rewrite.state import sha256_text
 from proxy.state import AppState
 from proxy.tools.blocks import NOTE
-from proxy.tools.mirror import PARAGRAPH, mirror_document
-from proxy.tools.offer import REMINDER, person_asked, turn_of, with_context_tools
+from proxy.tools.mirror import PARAGRAPH, mirror_document, mirror_path
+from proxy.tools.offer import REMINDER, person_asked, turn_in, with_context_tools
 from proxy.wire import ChatBody
 from store import ForwardRecord, IncomingRequest, Journal, JournalWriter, OverflowBody, RecordedRequest
 
@@ -134,8 +133,7 @@ def _mirror(ctx: SessionContext, settings: Settings, session_id: str, p: Project
     mirror stays on (rewritten on every request) until the context is back under the target."""
     above = p.report.scaled > p.report.target
     if (p.report.elided or p.report.folded) and above:
-        ctx.mirror = ctx.mirror or (Path(settings.mirror_dir) if settings.mirror_dir else
-                                    settings.data_path / "mirror" / session_id) / "LIVE_CONTEXT.json"
+        ctx.mirror = ctx.mirror or mirror_path(settings, session_id)
     if ctx.mirror is None or not above:
         return None
     if ctx.mirror_written and ctx.mirror.exists() and sha256_text(ctx.mirror.read_text()) != ctx.mirror_written[0]:
@@ -154,11 +152,11 @@ def _offered(ctx: SessionContext, settings: Settings, body: ChatBody, messages: 
     """The offer rule; an offer holds for the rest of the turn (``ctx.offered_turn``)."""
     if not settings.tools_enabled or not (body.get("tools") or settings.native_tools or rules.fenced):
         return False
-    turn = turn_of(messages, {i for i, r in p.state.fenced.items() if r.command != PASTE})
+    turn = turn_in(messages, p.state)
     key = p.state.ids[turn.start] if p.state.ids else ""
     usage = p.report.scaled / rules.budget.budget  # after cuts the window is never reached: judge by the budget
     if ctx.offered_turn == key or usage >= settings.offer_pct or person_asked(messages, turn, settings.offer_phrases) \
-            or (settings.offer_round and turn.rounds >= settings.offer_round):
+            or (settings.offer_round and turn.round >= settings.offer_round):
         ctx.offered_turn = key
         return True
     return False

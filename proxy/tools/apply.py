@@ -44,6 +44,10 @@ class View:
     max_pins: int
     approval_pattern: str
     model_pins: int
+    mirror: str = ""
+    """Where the live mirror (LIVE_CONTEXT.json) is or would be written, for ``ctx status``."""
+    revision: int = 0
+    """The last mirror revision accepted (0: none yet)."""
 
 
 @dataclass(frozen=True)
@@ -302,8 +306,10 @@ def _note(intent: Note, view: View) -> Outcome:
 
 
 def _ctx(intent: Ctx, view: View) -> Outcome:
-    if intent.action == "status":
-        return Outcome("status", status_text(view, 8), True)
+    if intent.action == "status":  # the second seed: the mirror's path, the budget, the target, the last revision
+        accepted = f"revision {view.revision}" if view.revision else "none yet"
+        return Outcome("status", status_text(view, 8) + f"\nMirror: {view.mirror or 'none'} (last accepted "
+                       f"{accepted}; it is written when the automatic cuts cannot reach the target).", True)
     if intent.action == "commit":
         raise TypeError("ctx commit reads the mirror file: the runner serves it (proxy.tools.mirror)")
     return _clear(intent, view)
@@ -320,18 +326,22 @@ def _results(view: View) -> list[_Unit]:
 
 
 def _clear(intent: Ctx, view: View) -> Outcome:
-    """Select by call_ids or ``before``; then the masks narrow: ``tool`` keeps that tool's results, ``keep_last``
-    spares the newest of them. Results already cut are skipped; if none is left, there is nothing to clear."""
+    """Select by ``call_ids`` or ``before``, and the masks narrow that selection: ``tool`` keeps that tool's
+    results, ``keep_last`` spares the newest of them. Without a selection the masks select by themselves (the
+    second seed's ``{"action": "clear", "keep_last": 3, "tool": "read"}``: every ``read`` result but the last
+    three). Results already cut are skipped; if none is left, there is nothing to clear."""
     every = _results(view)
-    if not intent.call_ids and intent.before is None:
-        return Outcome("clear", "ctx clear: nothing selected. Name call_ids, or before; keep_last and tool only "
-                       "narrow a selection.", False)
+    if not intent.call_ids and intent.before is None and not intent.tool and intent.keep_last is None:
+        return Outcome("clear", "ctx clear: nothing selected. Name call_ids, before, tool or keep_last.", False)
     chosen = [u for u in every if u.handle in intent.call_ids or view.state.ids[u.i] in intent.call_ids]
     if intent.before is not None:
         cut_off = next((u for u in every if intent.before in (u.handle, view.state.ids[u.i])), None)
         chosen += [u for u in every if cut_off is not None and (u.i, u.k or 0) < (cut_off.i, cut_off.k or 0)]
+    if not intent.call_ids and intent.before is None:
+        chosen = list(every)  # the masks alone: they select from every result
+    chosen = sorted(dict.fromkeys(chosen), key=lambda u: (u.i, u.k or 0))
     if intent.tool:
-        chosen = [u for u in chosen if _call_of(view, u)[0].split()[0:1] == [intent.tool]]
+        chosen = [u for u in chosen if _program(_call_of(view, u)[0]) == intent.tool]
     if intent.keep_last:
         chosen = chosen[: max(0, len(chosen) - intent.keep_last)]
     chosen = [u for u in dict.fromkeys(chosen) if not _unit_cut(view, u) and view.state.out[u.i] is not None]
@@ -343,6 +353,12 @@ def _clear(intent: Ctx, view: View) -> Outcome:
         "Dropped by you (context_drop)", "Cleared by you (ctx clear)"), d.overflow_id, source="model")
         for d in outcome.decisions)
     return Outcome("clear", text, outcome.ok, outcome.handles, outcome.tokens_freed, decisions, outcome.writes)
+
+
+def _program(tool: str) -> str:
+    """A tool's name, or a text-protocol command's program (``ls -la src`` → ``ls``)."""
+    words = tool.split()
+    return words[0] if words else tool
 
 
 def _preserved(bodies: Sequence[str], approval_pattern: str) -> list[str]:

@@ -14,14 +14,16 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from config import Settings
 from proxy.rewrite.decisions import Decision, OverflowWrite
 from proxy.rewrite.identity import content_text
 from proxy.rewrite.state import sha256_text
 from proxy.rewrite.stubs import stub_line
 
-__all__ = ["PARAGRAPH", "Revision", "maintenance_rounds", "mirror_document", "revise"]
+__all__ = ["PARAGRAPH", "Revision", "maintenance_rounds", "mirror_document", "mirror_path", "revise"]
 
 _FILE_TOOL = re.compile(r"read|view|open|cat|edit|write|create|patch|replace|insert", re.I)
 _SHELL_TOOL = re.compile(r"bash|shell|run|exec|terminal|command|python", re.I)
@@ -32,6 +34,12 @@ PARAGRAPH = ("[ctxproxy] You manage your context: it no longer fits by the autom
              "the file with your own tools — remove or shorten tool results (entries with role \"tool\"); leave "
              "every other entry as it is — and call ctx with {{\"action\": \"commit\"}}. The confirmation comes "
              "as the next system line.")
+
+
+def mirror_path(settings: Settings, session_id: str) -> Path:
+    """Where a session's LIVE_CONTEXT.json goes: under ``mirror_dir`` (the agent's workspace) or the data dir."""
+    folder = Path(settings.mirror_dir) if settings.mirror_dir else settings.data_path / "mirror" / session_id
+    return folder / "LIVE_CONTEXT.json"
 
 
 def mirror_document(session: str, revision: int, ids: Sequence[str], messages: Sequence[dict[str, Any]]) -> str:
