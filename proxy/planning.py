@@ -21,14 +21,26 @@ import orjson
 from config import Settings
 from proxy.context import SessionContext
 from proxy.errors import ContextTooLarge
-from proxy.rewrite import Projection, Report, Rules, budget_for, canonical_json, message_hash, project, violations
+from proxy.rewrite import (
+    Decision,
+    Projection,
+    Report,
+    Rules,
+    budget_for,
+    canonical_json,
+    message_hash,
+    project,
+    violations,
+)
+from proxy.rewrite.decisions import CUTS
 from proxy.rewrite.fenced import presets_for, route_of
 from proxy.rewrite.identity import content_text
 from proxy.rewrite.state import sha256_text
 from proxy.state import AppState
-from proxy.tools.blocks import NOTE
+from proxy.tools.blocks import NOTE, RESTORE_NOTE
 from proxy.tools.mirror import PARAGRAPH, mirror_document, mirror_path
 from proxy.tools.offer import REMINDER, person_asked, turn_in, with_context_tools
+from proxy.tools.schemas import CONTEXT_TOOLS, READ_TOOL
 from proxy.wire import ChatBody
 from store import ForwardRecord, IncomingRequest, Journal, JournalWriter, OverflowBody, RecordedRequest
 
@@ -87,19 +99,23 @@ async def plan_forward(app: AppState, writer: JournalWriter, ctx: SessionContext
     offered = offer and (_offered(ctx, settings, body, messages, p, rules) or (
         (compact is not None or ctx.mirror is not None) and settings.tools_enabled))
     notices = [] if splice else _notices(ctx, settings, p, rules, offered)  # follow-ups carry the tool results
-    syntax = [{"role": "system", "content": NOTE}] if offered and rules.fenced else []
+    restorable = settings.tools_enabled and _restorable(ctx.decisions, p.new)
+    syntax = [{"role": "system", "content": NOTE if offered else RESTORE_NOTE}] \
+        if rules.fenced and (offered or restorable) else []
     if compact is not None:
         syntax.append({"role": "system", "content": COMPACT + (f" The person adds: {compact}" if compact else "")})
     if mirror is not None:
         syntax.append({"role": "system", "content": PARAGRAPH.format(path=mirror)})
     sent = p.messages + syntax + notices + list(splice or [])
     payload: dict[str, Any] = {**body, "messages": sent}
-    if offered and not rules.fenced:
-        payload["tools"] = with_context_tools(body.get("tools"))
+    listed = CONTEXT_TOOLS if offered else (READ_TOOL,) if restorable and may_offer else ()
+    if listed and not rules.fenced:
+        payload["tools"] = with_context_tools(body.get("tools"), listed)
     hashes = p.hashes + [message_hash(m) for m in sent[len(p.messages):]]
     filled = settings.null_content == "empty" and _fill_null_content(sent, hashes)
-    changed = p.changed or len(sent) != len(p.messages) or offered or filled
-    estimate = p.report.estimate - (app.context_tools_tokens() if may_offer and not offered else 0)
+    changed = p.changed or len(sent) != len(p.messages) or bool(listed) or filled
+    estimate = p.report.estimate - (app.context_tools_tokens() - (app.read_tool_tokens() if listed else 0)
+                                    if may_offer and not offered else 0)
     record = _forward_record(recorded, incoming, ctx, p, attempt, k, sent, hashes, changed,
                              None if splice else estimate)  # a splice's tokens are not in the estimate
     deferred = None
@@ -114,6 +130,13 @@ async def plan_forward(app: AppState, writer: JournalWriter, ctx: SessionContext
     ctx.state = p.state
     ctx.sent_list = (list_id, hashes)
     return Plan(orjson.dumps(payload) if changed else raw, estimate, k, p, rules, offered, deferred)
+
+
+def _restorable(decisions: Sequence[Decision], new: Sequence[Decision]) -> bool:
+    """Whether the session has ever cut anything: from its first stub on, ``read_overflow`` is listed on every
+    request (native: in the tool list, byte-identical from then on; fenced: named in a note), so no stub points
+    at a tool the model does not have. Decided from the journaled decisions, so a restart lists it the same."""
+    return any(d.kind in CUTS or d.kind == "fold" for d in (*decisions, *new))
 
 
 def _fill_null_content(sent: list[dict[str, Any]], hashes: list[str]) -> bool:

@@ -147,3 +147,56 @@ def test_ctx_status_names_the_mirror_and_the_last_accepted_revision(client: Test
     status = results_of(fake)[0]
     assert f"Mirror: {tmp_path / 'ws' / 'LIVE_CONTEXT.json'} (last accepted none yet" in status
     assert "budget " in status and "cuts stop at " in status
+
+
+# --- the way back is always listed --------------------------------------------------------------------------------
+
+@pytest.fixture
+def spilling(tmp_path: Path, fake: FakeUpstream) -> Iterator[TestClient]:
+    settings = load_settings(env={"CTXPROXY_DATA_DIR": str(tmp_path / "data"), "CTXPROXY_UPSTREAM": "http://u.test/v1",
+                                  "CTXPROXY_CTX_WINDOW": "131072", "CTXPROXY_SPILL_CHARS": "3000"})
+    with app_client(settings, httpx.ASGITransport(app=fake)) as test_client:
+        yield test_client
+
+
+def test_read_overflow_is_listed_from_the_first_stub_on_byte_stable(spilling: TestClient, fake: FakeUpstream) -> None:
+    spilling.post("/v1/chat/completions", json={"model": "m", "tools": AGENT_TOOLS, "messages": native(2)})
+    assert names(fake) == ["read"]  # nothing cut yet: nothing to list
+    msgs = native(3)
+    msgs[-1]["content"] = "x " * 4000  # spilled on arrival
+    spilling.post("/v1/chat/completions", json={"model": "m", "tools": AGENT_TOOLS, "messages": msgs})
+    assert "[overflow id=" in fake.chats[-1].json()["messages"][-1]["content"]
+    assert names(fake) == ["read", "read_overflow"]
+    first = fake.chats[-1].json()["tools"]
+    msgs += native(4)[-2:]
+    spilling.post("/v1/chat/completions", json={"model": "m", "tools": AGENT_TOOLS, "messages": msgs})
+    assert fake.chats[-1].json()["tools"] == first
+
+
+def test_a_restart_lists_read_overflow_the_same(tmp_path: Path, fake: FakeUpstream) -> None:
+    env = {"CTXPROXY_DATA_DIR": str(tmp_path / "data"), "CTXPROXY_UPSTREAM": "http://u.test/v1",
+           "CTXPROXY_CTX_WINDOW": "131072", "CTXPROXY_SPILL_CHARS": "3000"}
+    msgs = native(3)
+    msgs[-1]["content"] = "x " * 4000
+    for _ in range(2):
+        with app_client(load_settings(env=env), httpx.ASGITransport(app=fake)) as client:
+            client.post("/v1/chat/completions", json={"model": "m", "tools": AGENT_TOOLS, "messages": msgs})
+        msgs = [*msgs, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "go on"}]
+    assert fake.chats[-1].json()["tools"] == fake.chats[-2].json()["tools"]
+    assert names(fake) == ["read", "read_overflow"]
+
+
+def test_a_fenced_session_is_told_how_to_read_back_from_its_first_stub(spilling: TestClient,
+                                                                       fake: FakeUpstream) -> None:
+    from proxy.tools.blocks import RESTORE_NOTE
+
+    msgs = fenced(2)
+    spilling.post("/v1/chat/completions", json={"model": "m", "messages": msgs})
+    assert all(m["content"] != RESTORE_NOTE for m in fake.chats[-1].json()["messages"])
+    msgs[-1]["content"] = "<returncode>0</returncode>\n<output>\n" + "y " * 4000 + "\n</output>"
+    fake.enqueue(Reply(body=completion("```context\n{\"tool\": \"read_overflow\", \"id\": \"0\"}\n```\n")))
+    fake.enqueue(Reply(body=completion("ok\n```bash\nls\n```")))
+    spilling.post("/v1/chat/completions", json={"model": "m", "messages": msgs})
+    sent = fake.chats[-2].json()["messages"]
+    assert "[overflow id=" in sent[-2]["content"] and sent[-1]["content"] == RESTORE_NOTE
+    assert "read_overflow: no cut content with id 0" in fake.chats[-1].json()["messages"][-1]["content"]

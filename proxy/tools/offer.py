@@ -77,11 +77,12 @@ def _asking(phrases: tuple[str, ...]) -> re.Pattern[str]:
     return re.compile(r"(?<![\w./-])(?:" + "|".join(words) + r")(?![\w/-]|\.\w)", re.I)
 
 
-def with_context_tools(agent_tools: list[Any] | None) -> list[Any]:
+def with_context_tools(agent_tools: list[Any] | None,
+                       ours: Sequence[dict[str, Any]] = CONTEXT_TOOLS) -> list[Any]:
     """The agent's tools, then ours (an agent tool of the same name wins: we do not shadow it)."""
     own = list(agent_tools or [])
     taken = {t.get("function", {}).get("name") for t in own if isinstance(t, dict)}
-    return own + [t for t in CONTEXT_TOOLS if t["function"]["name"] not in taken]
+    return own + [t for t in ours if t["function"]["name"] not in taken]
 
 
 @dataclass(frozen=True)

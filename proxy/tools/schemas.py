@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["CONTEXT_TOOLS", "TOOL_NAMES"]
+__all__ = ["CONTEXT_TOOLS", "READ_TOOL", "TOOL_NAMES"]
 
 _HANDLES = {"type": "array", "items": {"type": "string"},
             "description": "Handles of results you have read: a tool result's tool_call_id (e.g. call_7)."}
@@ -47,3 +47,6 @@ CONTEXT_TOOLS: tuple[dict[str, Any], ...] = (
 )
 
 TOOL_NAMES = frozenset(tool["function"]["name"] for tool in CONTEXT_TOOLS)
+
+READ_TOOL = next(tool for tool in CONTEXT_TOOLS if tool["function"]["name"] == "read_overflow")
+"""Listed alone from a session's first stub on, when the others are not offered: the way back is always there."""
