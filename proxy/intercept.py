@@ -105,7 +105,8 @@ class ContextRunner:
         view = self._view(rules, 0, "")
         state = view.state
         judged = self.ctx.mirror_written[1] if self.ctx.mirror_written else {}
-        revision = revise(path.read_text(), state.ids, state.hashes, self.messages, state.out, rules.storage, judged)
+        tools = {state.ids[i]: name for i, (name, _) in state.result_calls.items()}
+        revision = revise(path.read_text(), state.ids, state.hashes, self.messages, state.out, rules, judged, tools)
         self.ctx.mirror_written = None  # committed or refused: the next request writes the mirror afresh
         if revision.ok and revision.decisions:
             spans = maintenance_rounds(self.messages, rounds(self.messages, 0), path.name)

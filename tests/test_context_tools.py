@@ -3,6 +3,7 @@ the next upstream request, and what was cut comes back byte for byte (non-stream
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from config import load_settings
+from proxy.rewrite.stubs import parse_stub
 from proxy.tools.schemas import CONTEXT_TOOLS, TOOL_NAMES
 from tests.conftest import app_client
 from tests.fakes import FakeUpstream, Reply, completion, stream_chunks, stream_tool_answer, tool_answer
@@ -422,6 +424,7 @@ def test_the_mirror_is_written_and_an_edit_that_removes_results_is_applied(
     assert "ctx commit: applied, 2 tool result(s) cut." in results_of(fake)[-1]
     sent = {m.get("tool_call_id"): m["content"] for m in fake.chats[-1].json()["messages"] if m["role"] == "tool"}
     assert sent["call_8"].startswith("[overflow id=") and "Cut by you in the mirror" in sent["call_8"]
+    assert parse_stub(sent["call_8"].splitlines()[0])["tool"] == "read_file"  # type: ignore[index]  # not "?"
     assert not sent["call_10"].startswith("[overflow")
     assert journaled_ops(path) == [("commit", 1, "ctx commit: applied, 2 tool result(s) cut.")]
 
@@ -491,3 +494,47 @@ def test_a_mirror_edit_that_makes_a_result_longer_is_refused(
     fake.enqueue(Reply(body=completion("ok")))
     ask(client, crowded())
     assert "was made longer, not cut" in results_of(fake)[-1]
+
+
+def test_a_mirror_edit_that_shortens_call_arguments_is_applied(
+        mirrored: tuple[TestClient, Path], fake: FakeUpstream) -> None:
+    client, path = mirrored
+    msgs = crowded()
+    body = "".join(f"def f{i}(): return {i}\n" for i in range(100))
+    msgs[-4]["tool_calls"][0]["function"] = {"name": "write_file",
+                                             "arguments": json.dumps({"path": "m.py", "content": body})}
+    ask(client, msgs)
+    draft = json.loads(path.read_text())
+    entry = next(e for e in draft["messages"] if (e.get("tool_calls") or [{}])[0].get("id") == "call_12")
+    entry["tool_calls"][0]["function"]["arguments"] = json.dumps({"path": "m.py", "content": "(100 one-liners)"})
+    path.write_text(json.dumps(draft))
+    fake.enqueue(Reply(body=tool_answer(("ctx", {"action": "commit"}))))
+    fake.enqueue(Reply(body=completion("ok")))
+    ask(client, msgs)
+    assert "ctx commit: applied, 0 tool result(s) and the arguments of 1 call(s) cut." in results_of(fake)[-1]
+    ask(client, [*msgs, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "go on"}])
+    call = next(c for m in fake.chats[-1].json()["messages"] for c in m.get("tool_calls") or []
+                if c["id"] == "call_12")
+    assert call["function"]["name"] == "write_file"
+    arguments = json.loads(call["function"]["arguments"])
+    kept, line, *_ = arguments["content"].split("\n")
+    assert arguments["path"] == "m.py" and kept == "(100 one-liners)"
+    assert parse_stub(line) == {"id": hashlib.sha256(body.encode()).hexdigest(), "tool": "write_file",
+                                "bytes": str(len(body)), "call_id": "call_12", "storage": "disk"}
+    session = client.get("/ctx/sessions").json()["sessions"][0]["id"]
+    oid = hashlib.sha256(body.encode()).hexdigest()
+    assert client.get(f"/ctx/sessions/{session}/overflow/{oid}").content == body.encode()
+
+
+def test_a_mirror_edit_that_changes_a_calls_name_is_refused(
+        mirrored: tuple[TestClient, Path], fake: FakeUpstream) -> None:
+    client, path = mirrored
+    ask(client, crowded())
+    draft = json.loads(path.read_text())
+    entry = next(e for e in draft["messages"] if (e.get("tool_calls") or [{}])[0].get("id") == "call_12")
+    entry["tool_calls"][0]["function"]["name"] = "bash"
+    path.write_text(json.dumps(draft))
+    fake.enqueue(Reply(body=tool_answer(("ctx", {"action": "commit"}))))
+    fake.enqueue(Reply(body=completion("ok")))
+    ask(client, crowded())
+    assert "were changed (only their arguments may be shortened)" in results_of(fake)[-1]

@@ -24,7 +24,7 @@ from proxy.rewrite.identity import content_text
 from proxy.rewrite.project import PASTE
 from proxy.rewrite.segments import segment_target
 from proxy.rewrite.state import Counter, Rules, State, sha256_text
-from proxy.rewrite.stubs import stub_line
+from proxy.rewrite.stubs import full_output, program, stub_line
 from proxy.tools.intents import Ctx, Drop, Intent, Note, Pin, Status, Unpin
 
 __all__ = ["Outcome", "View", "apply_intent", "render_overflow"]
@@ -341,7 +341,7 @@ def _clear(intent: Ctx, view: View) -> Outcome:
         chosen = list(every)  # the masks alone: they select from every result
     chosen = sorted(dict.fromkeys(chosen), key=lambda u: (u.i, u.k or 0))
     if intent.tool:
-        chosen = [u for u in chosen if _program(_call_of(view, u)[0]) == intent.tool]
+        chosen = [u for u in chosen if program(_call_of(view, u)[0]) == intent.tool]
     if intent.keep_last:
         chosen = chosen[: max(0, len(chosen) - intent.keep_last)]
     chosen = [u for u in dict.fromkeys(chosen) if not _unit_cut(view, u) and view.state.out[u.i] is not None]
@@ -353,12 +353,6 @@ def _clear(intent: Ctx, view: View) -> Outcome:
         "Dropped by you (context_drop)", "Cleared by you (ctx clear)"), d.overflow_id, source="model")
         for d in outcome.decisions)
     return Outcome("clear", text, outcome.ok, outcome.handles, outcome.tokens_freed, decisions, outcome.writes)
-
-
-def _program(tool: str) -> str:
-    """A tool's name, or a text-protocol command's program (``ls -la src`` → ``ls``)."""
-    words = tool.split()
-    return words[0] if words else tool
 
 
 def _preserved(bodies: Sequence[str], approval_pattern: str) -> list[str]:
@@ -373,8 +367,9 @@ def _preserved(bodies: Sequence[str], approval_pattern: str) -> list[str]:
 
 
 def _stub(view: View, unit: _Unit, body: str) -> str:
-    tool, call_id = _call_of(view, unit)
-    return stub_line(sha256_text(body), tool, len(body.encode()), call_id, view.rules.storage)
+    tool, call_id, oid = *_call_of(view, unit), sha256_text(body)
+    return "\n".join([stub_line(oid, tool, len(body.encode()), call_id, view.rules.storage),
+                      *full_output(oid, view.rules.storage, view.rules.overflow_dir)])
 
 
 def _restore(view: View, overflow_id: str) -> str:
