@@ -14,6 +14,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from proxy.context import SessionContext
+from proxy.outfiles import write_outfiles
 from proxy.rewrite import project
 from proxy.rewrite.cuts import hide_decision, rounds
 from proxy.rewrite.state import Rules
@@ -74,7 +75,7 @@ class ContextRunner:
             return await self._commit(rules)
         outcome = apply_intent(intent, self._view(rules, settings.max_pins, settings.approval_pattern))
         if outcome.decisions:
-            await self._journal(outcome)
+            await self._journal(outcome, rules)
         if outcome.ok and outcome.op != "status":  # the next request hears what changed, not what was looked at
             self.ctx.confirmations.append(outcome.text)
         return self._event(outcome.op, outcome.ok, outcome.text, outcome)
@@ -90,10 +91,11 @@ class ContextRunner:
         return View(self.messages, state, rules, self.app.counter, max_pins, approval_pattern, model_pins,
                     str(mirror), self.ctx.mirror_revision)
 
-    async def _journal(self, outcome: Outcome) -> None:
+    async def _journal(self, outcome: Outcome, rules: Rules) -> None:
         overflow = [OverflowBody(w.overflow_id, w.body, w.tool, w.call_id) for w in outcome.writes]
         await self.writer.call(Journal.add_decisions, self.session_id, [asdict(d) for d in outcome.decisions],
                                _now(), self.request_id, overflow)
+        await write_outfiles(rules.overflow_dir, [(w.overflow_id, w.body) for w in outcome.writes])
         self.ctx.decisions += outcome.decisions
 
     async def _commit(self, rules: Rules) -> str:
@@ -113,7 +115,7 @@ class ContextRunner:
             hides = tuple(hide_decision(state, start, end) for start, end in spans)
             outcome = Outcome("commit", revision.text, True, tuple(d.target for d in revision.decisions),
                               0, revision.decisions + hides, revision.writes)
-            await self._journal(outcome)
+            await self._journal(outcome, rules)
             self.ctx.mirror_revision += 1
             self.ctx.confirmations.append(f"Mirror revision {self.ctx.mirror_revision} applied: {revision.text}")
             return self._event("commit", True, revision.text, outcome)

@@ -21,18 +21,9 @@ import orjson
 from config import Settings
 from proxy.context import SessionContext
 from proxy.errors import ContextTooLarge
-from proxy.rewrite import (
-    Decision,
-    Projection,
-    Report,
-    Rules,
-    budget_for,
-    canonical_json,
-    message_hash,
-    project,
-    violations,
-)
-from proxy.rewrite.decisions import CUTS
+from proxy.outfiles import outfiles_dir, write_outfiles
+from proxy.rewrite import Projection, Report, Rules, budget_for, canonical_json, message_hash, project, violations
+from proxy.rewrite.decisions import CUTS, Decision
 from proxy.rewrite.fenced import presets_for, route_of
 from proxy.rewrite.identity import content_text
 from proxy.rewrite.state import sha256_text
@@ -86,7 +77,8 @@ async def plan_forward(app: AppState, writer: JournalWriter, ctx: SessionContext
     messages = cast(list[dict[str, Any]], body["messages"])
     presets = presets_for(settings.fenced_presets)
     fenced = presets if route_of(messages, body.get("tools"), settings.route, presets) == "fenced" else ()
-    rules = Rules(budget_for(settings, window), k, INCOGNITO_STORAGE if incognito else "disk", tools, fenced)
+    rules = Rules(budget_for(settings, window), k, INCOGNITO_STORAGE if incognito else "disk", tools, fenced,
+                  outfiles_dir(settings, incognito))
     messages = cast(list[dict[str, Any]], body["messages"])
     previous, ctx.state = ctx.state, None  # consumed by project(); only a journaled projection gives it back
     p = project(messages, incoming.hashes, ctx.decisions, rules, app.counter, previous, recorded.seen)
@@ -125,6 +117,7 @@ async def plan_forward(app: AppState, writer: JournalWriter, ctx: SessionContext
         deferred, list_id = record, recorded.list_id
     else:
         list_id = await writer.call(Journal.record_forward, record)
+        await write_outfiles(rules.overflow_dir, [(w.overflow_id, w.body) for w in p.writes])
     ctx.decisions += p.new
     app.metrics.decided([d.kind for d in p.new])
     ctx.state = p.state

@@ -200,3 +200,57 @@ def test_a_fenced_session_is_told_how_to_read_back_from_its_first_stub(spilling:
     sent = fake.chats[-2].json()["messages"]
     assert "[overflow id=" in sent[-2]["content"] and sent[-1]["content"] == RESTORE_NOTE
     assert "read_overflow: no cut content with id 0" in fake.chats[-1].json()["messages"][-1]["content"]
+
+
+# --- files the agent can grep -------------------------------------------------------------------------------------
+
+@pytest.fixture
+def grep_dir(tmp_path: Path, fake: FakeUpstream) -> Iterator[tuple[TestClient, Path]]:
+    settings = load_settings(env={"CTXPROXY_DATA_DIR": str(tmp_path / "data"), "CTXPROXY_UPSTREAM": "http://u.test/v1",
+                                  "CTXPROXY_CTX_WINDOW": "131072", "CTXPROXY_SPILL_CHARS": "3000",
+                                  "CTXPROXY_OVERFLOW_DIR": str(tmp_path / "ws" / ".overflow")})
+    with app_client(settings, httpx.ASGITransport(app=fake)) as test_client:
+        yield test_client, tmp_path / "ws" / ".overflow"
+
+
+def test_with_overflow_dir_every_cut_body_is_a_file_the_stub_names(grep_dir: tuple[TestClient, Path],
+                                                                   fake: FakeUpstream) -> None:
+    import hashlib
+
+    client, folder = grep_dir
+    msgs = native(4, size=100)
+    big = "".join(f"log line {i}\n" for i in range(600))
+    msgs[-1]["content"] = big
+    fake.enqueue(Reply(body=tool_answer(("context_drop", {"handles": ["call_0"]}))))
+    fake.enqueue(Reply(body=completion("ok")))
+    client.post("/v1/chat/completions", json={"model": "m", "tools": AGENT_TOOLS, "messages": msgs})
+    sent = {m.get("tool_call_id"): m["content"] for m in fake.chats[-1].json()["messages"] if m["role"] == "tool"}
+    for call_id, body in (("call_3", big), ("call_0", msgs[3]["content"])):  # a spill, then the model's drop
+        path = folder / f"{hashlib.sha256(body.encode()).hexdigest()}.out"
+        assert path.read_text() == body
+        assert f"[full output: {path}]" in sent[call_id].splitlines()
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        f"{hashlib.sha256(b.encode()).hexdigest()}.out" for b in (big, msgs[3]["content"]))  # no partial file
+
+
+def test_a_fenced_spill_names_its_file_inside_the_wrapper(grep_dir: tuple[TestClient, Path],
+                                                          fake: FakeUpstream) -> None:
+    client, folder = grep_dir
+    msgs = fenced(2)
+    msgs[-1]["content"] = "<returncode>0</returncode>\n<output>\n" + "z " * 4000 + "\n</output>"
+    client.post("/v1/chat/completions", json={"model": "m", "messages": msgs})
+    content = fake.chats[-1].json()["messages"][-2]["content"]
+    assert content.endswith("\n</output>") and "[full output: " in content
+    (name,) = [p.name for p in folder.iterdir()]
+    assert f"[full output: {folder / name}]" in content
+
+
+def test_incognito_never_writes_to_overflow_dir(grep_dir: tuple[TestClient, Path], fake: FakeUpstream) -> None:
+    client, folder = grep_dir
+    msgs = native(3)
+    msgs[-1]["content"] = "x " * 4000
+    client.post("/v1/chat/completions", json={"model": "m", "tools": AGENT_TOOLS, "messages": msgs},
+                headers={"X-Ctx-Incognito": "1"})
+    content = fake.chats[-1].json()["messages"][-1]["content"]
+    assert "storage=memory-only (incognito)]" in content and "[full output:" not in content
+    assert not folder.exists()
