@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from proxy.rewrite.decisions import Decision
 from proxy.rewrite.fenced import PRESETS
+from proxy.rewrite.invariants import violations
 from proxy.rewrite.state import Rules, sha256_text
 from proxy.rewrite.stubs import argument_stub, elision_marker, parse_stub, program, spill_stub, stub_line
 from proxy.tools.apply import View, apply_intent
@@ -79,6 +80,8 @@ def test_every_stub_a_native_projection_emits_parses(rounds: list[tuple[str, str
     drop = apply_intent(Drop(tuple(str(msgs[i].get("tool_call_id")) for i in state.tool_indices)), view)
     lines = _stub_lines(p.messages) + [d.replacement.split("\n", 1)[0] for d in drop.decisions]
     assert all(parse_stub(line) is not None for line in lines), lines
+    assert violations(msgs, p.messages) == []  # argument cuts among them: calls intact, pairs kept
+    assert run(msgs, rules, list(p.new)).messages == p.messages  # re-applied from the journal: the same bytes
 
 
 @given(st.lists(st.tuples(st.text(min_size=1, max_size=40).filter(lambda t: "`" not in t), st.integers(0, 5000)),
