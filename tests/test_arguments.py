@@ -67,3 +67,14 @@ def test_arguments_that_are_not_a_json_object_or_hold_nothing_large_are_left_alo
     assert nested is not None and json.loads(nested.arguments)["edits"][0]["old"] == "a"
     assert json.loads(nested.arguments)["edits"][0]["new"].startswith("[overflow id=")
     assert args_target("m", "c7") == "m>args:c7"
+
+
+def test_a_writing_agent_keeps_every_round_where_results_alone_would_fold() -> None:
+    """60 file writes of ~4 KB at a 16k window: without argument cuts the oldest rounds fold (17 folds, 8 of the 60
+    assistant texts left); with them nothing folds and every assistant text stays."""
+    rules = Rules(budget(16384, spill_chars=100_000))
+    projections, decisions = session(prefixes(writes(60)), rules)
+    assert not any(d.kind == "fold" for d in decisions)
+    assert all(p.report.estimate <= rules.budget.budget for p in projections)
+    texts = [m["content"] for m in projections[-1].messages if m["role"] == "assistant"]
+    assert texts == [f"Writing m{k}." for k in range(60)]

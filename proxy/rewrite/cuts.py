@@ -38,14 +38,16 @@ def elide(state: State, messages: Sequence[dict[str, Any]], rules: Rules, counte
           new: list[Decision], writes: list[OverflowWrite], keep_results: int) -> None:
     keep = set(state.tool_indices[-keep_results:]) if keep_results else set()
     newest_round = max((r.round for r in state.fenced.values()), default=0)
-    kept_calls = {messages[j].get("tool_call_id") for j in keep}
+    # Arguments: only the newest call is kept whole. A write's body is the model's own text, already on disk, and
+    # a few of them outweigh every result: sparing them as results are spared would fold whole rounds instead.
+    kept_calls = {messages[j].get("tool_call_id") for j in state.tool_indices[-1:]} if keep_results else set()
     answered = max(state.tool_indices, default=-1)
     for i in sorted([*state.tool_indices, *state.fenced, *state.call_indices]):
         if rules.scaled(state.total + rules.tools_tokens) <= rules.budget.target:
             return
         if i in keep or state.out[i] is None or state.ids[i] in state.pins:
             continue
-        if messages[i].get("role") == "assistant":  # an old call's arguments, unless its result is kept
+        if messages[i].get("role") == "assistant":  # an old call's arguments
             calls = {c.get("id") for c in messages[i].get("tool_calls") or []}
             if i < answered and not calls & kept_calls:
                 _elide_arguments(state, i, messages[i], rules, counter, new, writes)
