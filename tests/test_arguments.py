@@ -78,3 +78,19 @@ def test_a_writing_agent_keeps_every_round_where_results_alone_would_fold() -> N
     assert all(p.report.estimate <= rules.budget.budget for p in projections)
     texts = [m["content"] for m in projections[-1].messages if m["role"] == "assistant"]
     assert texts == [f"Writing m{k}." for k in range(60)]
+
+
+def test_a_pin_on_a_call_whose_arguments_were_cut_restores_them() -> None:
+    from proxy.tools.apply import View, apply_intent
+    from proxy.tools.intents import Pin
+    from tests.test_project import CharCounter
+
+    rules = Rules(budget(16384, spill_chars=100_000))
+    msgs = writes(20)
+    projections, decisions = session(prefixes(msgs), rules)
+    assert ">args:call_0" in next(d.target for d in decisions if ">args:" in d.target)
+    view = View(msgs, projections[-1].state, rules, CharCounter(), 20, "approval_id=\\S+", 0)
+    pin = apply_intent(Pin((), "Writing m0."), view)
+    assert pin.ok, pin.text
+    again = run(msgs, rules, [*decisions, *pin.decisions])
+    assert again.messages[2] == msgs[2]  # pinned: whole again

@@ -194,7 +194,8 @@ def _pin(intent: Pin, view: View) -> Outcome:
         handle, i, mid = unit.handle, unit.i, view.state.ids[unit.i]
         if mid in view.state.pins:
             refused.append(f"{handle}: already pinned")
-        elif _unit_cut(view, unit) or (unit.k is not None and _is_cut(view, i)):
+        elif (_unit_cut(view, unit) or (unit.k is not None and _is_cut(view, i))) \
+                and view.messages[i].get("role") != "assistant":  # a call's cut arguments: the pin restores them
             refused.append(f"{handle}: already cut (a stub or a note); read_overflow restores it")
         elif room <= 0:
             refused.append(f"{handle}: you hold {view.max_pins} pins, the most allowed; unpin one first")
