@@ -538,3 +538,24 @@ def test_a_mirror_edit_that_changes_a_calls_name_is_refused(
     fake.enqueue(Reply(body=completion("ok")))
     ask(client, crowded())
     assert "were changed (only their arguments may be shortened)" in results_of(fake)[-1]
+
+
+def test_ctx_status_reports_the_last_accepted_revision_after_a_restart(tmp_path: Path, fake: FakeUpstream) -> None:
+    env = {"CTXPROXY_DATA_DIR": str(tmp_path / "data"), "CTXPROXY_UPSTREAM": "http://u.test/v1",
+           "CTXPROXY_CTX_WINDOW": "16384", "CTXPROXY_SPILL_CHARS": "100000", "CTXPROXY_KEEP_RESULTS": "8",
+           "CTXPROXY_MIRROR_DIR": str(tmp_path / "ws")}
+    path = tmp_path / "ws" / "LIVE_CONTEXT.json"
+    with app_client(load_settings(env=env), httpx.ASGITransport(app=fake)) as client:
+        ask(client, crowded())
+        draft = json.loads(path.read_text())
+        draft["messages"] = [e for e in draft["messages"] if e.get("tool_call_id") != "call_8"]
+        path.write_text(json.dumps(draft))
+        fake.enqueue(Reply(body=tool_answer(("ctx", {"action": "commit"}), ("ctx", {"action": "status"}))))
+        fake.enqueue(Reply(body=completion("ok")))
+        ask(client, crowded())
+        assert f"Mirror: {path} (last accepted revision 1;" in results_of(fake)[-1]
+    with app_client(load_settings(env=env), httpx.ASGITransport(app=fake)) as client:  # a restart
+        fake.enqueue(Reply(body=tool_answer(("ctx", {"action": "status"}))))
+        fake.enqueue(Reply(body=completion("ok")))
+        ask(client, [*crowded(), {"role": "assistant", "content": "ok"}, {"role": "user", "content": "go on"}])
+        assert "(last accepted revision 1;" in results_of(fake)[-1]
