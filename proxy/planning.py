@@ -92,13 +92,7 @@ async def plan_forward(app: AppState, writer: JournalWriter, ctx: SessionContext
         (compact is not None or ctx.mirror is not None) and settings.tools_enabled))
     notices = [] if splice else _notices(ctx, settings, p, rules, offered)  # follow-ups carry the tool results
     restorable = settings.tools_enabled and _restorable(ctx.decisions, p.new)
-    syntax = [{"role": "system", "content": NOTE if offered else RESTORE_NOTE}] \
-        if rules.fenced and (offered or restorable) else []
-    if compact is not None:
-        syntax.append({"role": "system", "content": COMPACT + (f" The person adds: {compact}" if compact else "")})
-    if mirror is not None:
-        syntax.append({"role": "system", "content": PARAGRAPH.format(path=mirror)})
-    sent = p.messages + syntax + notices + list(splice or [])
+    sent = p.messages + _guidance(rules, offered, restorable, compact, mirror) + notices + list(splice or [])
     payload: dict[str, Any] = {**body, "messages": sent}
     listed = CONTEXT_TOOLS if offered else (READ_TOOL,) if restorable and may_offer else ()
     if listed and not rules.fenced:
@@ -123,6 +117,18 @@ async def plan_forward(app: AppState, writer: JournalWriter, ctx: SessionContext
     ctx.state = p.state
     ctx.sent_list = (list_id, hashes)
     return Plan(orjson.dumps(payload) if changed else raw, estimate, k, p, rules, offered, deferred)
+
+
+def _guidance(rules: Rules, offered: bool, restorable: bool, compact: str | None,
+              mirror: Path | None) -> list[dict[str, Any]]:
+    """System lines after the projection: the fenced call syntax (all the tools, or only the way back), the
+    /compact request, the mirror paragraph."""
+    lines = [NOTE if offered else RESTORE_NOTE] if rules.fenced and (offered or restorable) else []
+    if compact is not None:
+        lines.append(COMPACT + (f" The person adds: {compact}" if compact else ""))
+    if mirror is not None:
+        lines.append(PARAGRAPH.format(path=mirror))
+    return [{"role": "system", "content": line} for line in lines]
 
 
 def _restorable(decisions: Sequence[Decision], new: Sequence[Decision]) -> bool:
