@@ -118,6 +118,8 @@ class Settings:
     fenced_presets: tuple[tuple[str, str], ...] = _opt((), parse_presets, "your own text-protocol formats: "
                                                        "[{name, pattern with (?P<body>…)}], tried first")
     mirror_dir: str = _opt("", parse_str, 'where LIVE_CONTEXT.json is written; "" = <data_dir>/mirror')
+    overflow_dir: str = _opt("", parse_str, "also write every cut body here as <id>.out, named in its stub, for an "
+                             'agent without read_overflow (e.g. its workspace); "" = off; never in incognito')
     # --- not settable by key: built by load_settings ------------------------------------------------------------
     profiles: tuple[ModelProfile, ...] = field(default=(), metadata={"internal": True})
     explicit: frozenset[str] = field(default=frozenset(), metadata={"internal": True})

@@ -72,4 +72,6 @@ class SessionContexts:
         calibration = self.models.get(model, Calibration())
         for estimate, actual in samples:
             calibration = calibration.observe(estimate, actual)
-        return SessionContext([Decision(**row) for row in rows], calibrations={model: calibration})
+        revisions = await writer.call(Journal.mirror_revisions, session_id)
+        return SessionContext([Decision(**row) for row in rows], calibrations={model: calibration},
+                              mirror_revision=revisions)

@@ -14,14 +14,15 @@ from datetime import UTC, datetime
 from typing import Any
 
 from proxy.context import SessionContext
+from proxy.outfiles import write_outfiles
 from proxy.rewrite import project
 from proxy.rewrite.cuts import hide_decision, rounds
 from proxy.rewrite.state import Rules
 from proxy.state import AppState
 from proxy.tools.apply import Outcome, View, apply_intent, render_overflow
 from proxy.tools.intents import Ctx, ReadOverflow, ToolError, parse_call
-from proxy.tools.mirror import maintenance_rounds, revise
-from proxy.tools.offer import split_calls
+from proxy.tools.mirror import maintenance_rounds, mirror_path, revise
+from proxy.tools.offer import split_calls, turn_in
 from proxy.tools.schemas import TOOL_NAMES
 from store import Journal, JournalWriter, OverflowBody
 
@@ -35,6 +36,8 @@ class ContextRunner:
         self.session_id, self.request_id = session_id, request_id
         self.messages, self.hashes = messages, hashes
         self.round = 0
+        """The agent's round in its turn (``Turn.round``), which every ``context_op`` event carries: the proxy's
+        own re-asks within one client request are not rounds of the agent."""
         self.events: list[dict[str, Any]] = []
         """The events of the latest ``execute`` (a stream also carries them as SSE comments)."""
         self.all_events: list[dict[str, Any]] = []
@@ -43,7 +46,8 @@ class ContextRunner:
 
     async def execute(self, calls: list[dict[str, Any]], rules: Rules, model: str | None) -> list[dict[str, Any]]:
         """Run the calls in order; each sees the effect of the ones before it."""
-        self.round += 1
+        state = self.ctx.state if self.ctx.state is not None else self._view(rules, 0, "").state
+        self.round = turn_in(self.messages, state).round
         self.events = []
         results = []
         for call in calls:
@@ -71,7 +75,7 @@ class ContextRunner:
             return await self._commit(rules)
         outcome = apply_intent(intent, self._view(rules, settings.max_pins, settings.approval_pattern))
         if outcome.decisions:
-            await self._journal(outcome)
+            await self._journal(outcome, rules)
         if outcome.ok and outcome.op != "status":  # the next request hears what changed, not what was looked at
             self.ctx.confirmations.append(outcome.text)
         return self._event(outcome.op, outcome.ok, outcome.text, outcome)
@@ -83,12 +87,15 @@ class ContextRunner:
                             seen=len(self.messages)).state  # every result here has arrived before
             self.ctx.state = None  # the next projection recomputes from the decisions, which now include these
         model_pins = sum(1 for source in state.pins.values() if source == "model")
-        return View(self.messages, state, rules, self.app.counter, max_pins, approval_pattern, model_pins)
+        mirror = self.ctx.mirror or mirror_path(self.app.settings, self.session_id)
+        return View(self.messages, state, rules, self.app.counter, max_pins, approval_pattern, model_pins,
+                    str(mirror), self.ctx.mirror_revision)
 
-    async def _journal(self, outcome: Outcome) -> None:
+    async def _journal(self, outcome: Outcome, rules: Rules) -> None:
         overflow = [OverflowBody(w.overflow_id, w.body, w.tool, w.call_id) for w in outcome.writes]
         await self.writer.call(Journal.add_decisions, self.session_id, [asdict(d) for d in outcome.decisions],
                                _now(), self.request_id, overflow)
+        await write_outfiles(rules.overflow_dir, [(w.overflow_id, w.body) for w in outcome.writes])
         self.ctx.decisions += outcome.decisions
 
     async def _commit(self, rules: Rules) -> str:
@@ -100,14 +107,15 @@ class ContextRunner:
         view = self._view(rules, 0, "")
         state = view.state
         judged = self.ctx.mirror_written[1] if self.ctx.mirror_written else {}
-        revision = revise(path.read_text(), state.ids, state.hashes, self.messages, state.out, rules.storage, judged)
+        tools = {state.ids[i]: name for i, (name, _) in state.result_calls.items()}
+        revision = revise(path.read_text(), state.ids, state.hashes, self.messages, state.out, rules, judged, tools)
         self.ctx.mirror_written = None  # committed or refused: the next request writes the mirror afresh
         if revision.ok and revision.decisions:
             spans = maintenance_rounds(self.messages, rounds(self.messages, 0), path.name)
             hides = tuple(hide_decision(state, start, end) for start, end in spans)
             outcome = Outcome("commit", revision.text, True, tuple(d.target for d in revision.decisions),
                               0, revision.decisions + hides, revision.writes)
-            await self._journal(outcome)
+            await self._journal(outcome, rules)
             self.ctx.mirror_revision += 1
             self.ctx.confirmations.append(f"Mirror revision {self.ctx.mirror_revision} applied: {revision.text}")
             return self._event("commit", True, revision.text, outcome)

@@ -21,15 +21,17 @@ import orjson
 from config import Settings
 from proxy.context import SessionContext
 from proxy.errors import ContextTooLarge
+from proxy.outfiles import outfiles_dir, write_outfiles
 from proxy.rewrite import Projection, Report, Rules, budget_for, canonical_json, message_hash, project, violations
+from proxy.rewrite.decisions import CUTS, Decision
 from proxy.rewrite.fenced import presets_for, route_of
 from proxy.rewrite.identity import content_text
-from proxy.rewrite.project import PASTE
 from proxy.rewrite.state import sha256_text
 from proxy.state import AppState
-from proxy.tools.blocks import NOTE
-from proxy.tools.mirror import PARAGRAPH, mirror_document
-from proxy.tools.offer import REMINDER, person_asked, turn_of, with_context_tools
+from proxy.tools.blocks import NOTE, RESTORE_NOTE
+from proxy.tools.mirror import PARAGRAPH, mirror_document, mirror_path
+from proxy.tools.offer import REMINDER, person_asked, turn_in, with_context_tools
+from proxy.tools.schemas import CONTEXT_TOOLS, READ_TOOL
 from proxy.wire import ChatBody
 from store import ForwardRecord, IncomingRequest, Journal, JournalWriter, OverflowBody, RecordedRequest
 
@@ -75,7 +77,8 @@ async def plan_forward(app: AppState, writer: JournalWriter, ctx: SessionContext
     messages = cast(list[dict[str, Any]], body["messages"])
     presets = presets_for(settings.fenced_presets)
     fenced = presets if route_of(messages, body.get("tools"), settings.route, presets) == "fenced" else ()
-    rules = Rules(budget_for(settings, window), k, INCOGNITO_STORAGE if incognito else "disk", tools, fenced)
+    rules = Rules(budget_for(settings, window), k, INCOGNITO_STORAGE if incognito else "disk", tools, fenced,
+                  outfiles_dir(settings, incognito))
     messages = cast(list[dict[str, Any]], body["messages"])
     previous, ctx.state = ctx.state, None  # consumed by project(); only a journaled projection gives it back
     p = project(messages, incoming.hashes, ctx.decisions, rules, app.counter, previous, recorded.seen)
@@ -88,19 +91,17 @@ async def plan_forward(app: AppState, writer: JournalWriter, ctx: SessionContext
     offered = offer and (_offered(ctx, settings, body, messages, p, rules) or (
         (compact is not None or ctx.mirror is not None) and settings.tools_enabled))
     notices = [] if splice else _notices(ctx, settings, p, rules, offered)  # follow-ups carry the tool results
-    syntax = [{"role": "system", "content": NOTE}] if offered and rules.fenced else []
-    if compact is not None:
-        syntax.append({"role": "system", "content": COMPACT + (f" The person adds: {compact}" if compact else "")})
-    if mirror is not None:
-        syntax.append({"role": "system", "content": PARAGRAPH.format(path=mirror)})
-    sent = p.messages + syntax + notices + list(splice or [])
+    restorable = settings.tools_enabled and _restorable(ctx.decisions, p.new)
+    sent = p.messages + _guidance(rules, offered, restorable, compact, mirror) + notices + list(splice or [])
     payload: dict[str, Any] = {**body, "messages": sent}
-    if offered and not rules.fenced:
-        payload["tools"] = with_context_tools(body.get("tools"))
+    listed = CONTEXT_TOOLS if offered else (READ_TOOL,) if restorable and may_offer else ()
+    if listed and not rules.fenced:
+        payload["tools"] = with_context_tools(body.get("tools"), listed)
     hashes = p.hashes + [message_hash(m) for m in sent[len(p.messages):]]
     filled = settings.null_content == "empty" and _fill_null_content(sent, hashes)
-    changed = p.changed or len(sent) != len(p.messages) or offered or filled
-    estimate = p.report.estimate - (app.context_tools_tokens() if may_offer and not offered else 0)
+    changed = p.changed or len(sent) != len(p.messages) or bool(listed) or filled
+    estimate = p.report.estimate - (app.context_tools_tokens() - (app.read_tool_tokens() if listed else 0)
+                                    if may_offer and not offered else 0)
     record = _forward_record(recorded, incoming, ctx, p, attempt, k, sent, hashes, changed,
                              None if splice else estimate)  # a splice's tokens are not in the estimate
     deferred = None
@@ -110,11 +111,31 @@ async def plan_forward(app: AppState, writer: JournalWriter, ctx: SessionContext
         deferred, list_id = record, recorded.list_id
     else:
         list_id = await writer.call(Journal.record_forward, record)
+        await write_outfiles(rules.overflow_dir, [(w.overflow_id, w.body) for w in p.writes])
     ctx.decisions += p.new
     app.metrics.decided([d.kind for d in p.new])
     ctx.state = p.state
     ctx.sent_list = (list_id, hashes)
     return Plan(orjson.dumps(payload) if changed else raw, estimate, k, p, rules, offered, deferred)
+
+
+def _guidance(rules: Rules, offered: bool, restorable: bool, compact: str | None,
+              mirror: Path | None) -> list[dict[str, Any]]:
+    """System lines after the projection: the fenced call syntax (all the tools, or only the way back), the
+    /compact request, the mirror paragraph."""
+    lines = [NOTE if offered else RESTORE_NOTE] if rules.fenced and (offered or restorable) else []
+    if compact is not None:
+        lines.append(COMPACT + (f" The person adds: {compact}" if compact else ""))
+    if mirror is not None:
+        lines.append(PARAGRAPH.format(path=mirror))
+    return [{"role": "system", "content": line} for line in lines]
+
+
+def _restorable(decisions: Sequence[Decision], new: Sequence[Decision]) -> bool:
+    """Whether the session has ever cut anything: from its first stub on, ``read_overflow`` is listed on every
+    request (native: in the tool list, byte-identical from then on; fenced: named in a note), so no stub points
+    at a tool the model does not have. Decided from the journaled decisions, so a restart lists it the same."""
+    return any(d.kind in CUTS or d.kind == "fold" for d in (*decisions, *new))
 
 
 def _fill_null_content(sent: list[dict[str, Any]], hashes: list[str]) -> bool:
@@ -134,8 +155,7 @@ def _mirror(ctx: SessionContext, settings: Settings, session_id: str, p: Project
     mirror stays on (rewritten on every request) until the context is back under the target."""
     above = p.report.scaled > p.report.target
     if (p.report.elided or p.report.folded) and above:
-        ctx.mirror = ctx.mirror or (Path(settings.mirror_dir) if settings.mirror_dir else
-                                    settings.data_path / "mirror" / session_id) / "LIVE_CONTEXT.json"
+        ctx.mirror = ctx.mirror or mirror_path(settings, session_id)
     if ctx.mirror is None or not above:
         return None
     if ctx.mirror_written and ctx.mirror.exists() and sha256_text(ctx.mirror.read_text()) != ctx.mirror_written[0]:
@@ -154,11 +174,11 @@ def _offered(ctx: SessionContext, settings: Settings, body: ChatBody, messages: 
     """The offer rule; an offer holds for the rest of the turn (``ctx.offered_turn``)."""
     if not settings.tools_enabled or not (body.get("tools") or settings.native_tools or rules.fenced):
         return False
-    turn = turn_of(messages, {i for i, r in p.state.fenced.items() if r.command != PASTE})
+    turn = turn_in(messages, p.state)
     key = p.state.ids[turn.start] if p.state.ids else ""
     usage = p.report.scaled / rules.budget.budget  # after cuts the window is never reached: judge by the budget
     if ctx.offered_turn == key or usage >= settings.offer_pct or person_asked(messages, turn, settings.offer_phrases) \
-            or (settings.offer_round and turn.rounds >= settings.offer_round):
+            or (settings.offer_round and turn.round >= settings.offer_round):
         ctx.offered_turn = key
         return True
     return False

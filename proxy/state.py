@@ -16,7 +16,7 @@ from proxy.hashing import MessageHasher
 from proxy.metrics import Metrics
 from proxy.rewrite import canonical_json
 from proxy.rewrite.tokens import MessageCounter
-from proxy.tools.schemas import CONTEXT_TOOLS
+from proxy.tools.schemas import CONTEXT_TOOLS, READ_TOOL
 from proxy.upstream import Upstream
 from proxy.window import WindowDetector
 from store import JournalWriter
@@ -78,6 +78,10 @@ class AppState:
         if self._context_tools_tokens is None:
             self._context_tools_tokens = self.counter.count_text(canonical_json(list(CONTEXT_TOOLS)).decode())
         return self._context_tools_tokens
+
+    def read_tool_tokens(self) -> int:
+        """What ``read_overflow``'s schema costs, listed alone once the session holds a stub."""
+        return self.counter.count_text(canonical_json([READ_TOOL]).decode())
 
     def journal_for(self, incognito: bool) -> JournalWriter:
         return self.incognito_journal if incognito or self.settings.incognito else self.journal

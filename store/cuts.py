@@ -120,6 +120,13 @@ class CutsMixin:
                  op["result"], json.dumps(op["handles"]), op["tokens_freed"], json.dumps(op["overflow_ids"]),
                  op["created_at"]])
 
+    def mirror_revisions(self, session_id: str) -> int:
+        """How many mirror revisions of the session were accepted: ``ctx commit`` calls that applied cuts (a commit
+        that cut nothing names no handle)."""
+        row = self.conn.execute("SELECT COUNT(*) FROM context_ops WHERE session_id = ? AND op = 'commit' AND ok = 1"
+                                " AND handles != '[]'", [session_id]).fetchone()
+        return int(row[0])
+
     def scorecard(self) -> list[dict[str, Any]]:
         """One row per turn (a person's message and the rounds it started): tokens in and out, per round and per
         tool call, and the model's context ops."""

@@ -158,7 +158,7 @@ def m003_context_ops(db: Database) -> None:
             id INTEGER PRIMARY KEY,
             session_id TEXT NOT NULL REFERENCES sessions(id),
             request_id INTEGER NOT NULL REFERENCES requests(id),
-            round INTEGER NOT NULL,          -- the proxy's internal round within the client request
+            round INTEGER NOT NULL,          -- the agent's round in its turn (see docs/api/sse_events.json)
             op TEXT NOT NULL,                -- status | pin | unpin | drop | note | read_overflow
             ok INTEGER NOT NULL,             -- 0 when nothing was applied
             arguments TEXT NOT NULL,         -- the call's arguments as the model sent them

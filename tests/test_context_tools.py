@@ -3,6 +3,7 @@ the next upstream request, and what was cut comes back byte for byte (non-stream
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from config import load_settings
+from proxy.rewrite.stubs import parse_stub
 from proxy.tools.schemas import CONTEXT_TOOLS, TOOL_NAMES
 from tests.conftest import app_client
 from tests.fakes import FakeUpstream, Reply, completion, stream_chunks, stream_tool_answer, tool_answer
@@ -380,10 +382,11 @@ def test_ctx_clear_selects_then_the_masks_narrow_and_a_repeat_has_nothing_to_cle
     first, again, masks_alone, commit = results_of(fake)
     assert "clear: applied to call_0, call_2, call_3." in first  # before call_5, read_file only, the newest spared
     assert "nothing to clear" in again and "masks only" not in again
-    assert "nothing selected" in masks_alone and "there is no LIVE_CONTEXT.json to commit" in commit
+    assert "clear: applied to call_1." in masks_alone  # the masks alone select: all but the newest two
+    assert "there is no LIVE_CONTEXT.json to commit" in commit
     sent = {m.get("tool_call_id"): m["content"] for m in fake.chats[-1].json()["messages"] if m["role"] == "tool"}
     assert sent["call_0"].startswith("[overflow id=") and "Cleared by you (ctx clear)" in sent["call_0"]
-    assert not sent["call_1"].startswith("[overflow") and not sent["call_4"].startswith("[overflow")
+    assert sent["call_1"].startswith("[overflow") and not sent["call_4"].startswith("[overflow")
 
 
 # --- the live mirror ---------------------------------------------------------------------------------------------
@@ -421,6 +424,7 @@ def test_the_mirror_is_written_and_an_edit_that_removes_results_is_applied(
     assert "ctx commit: applied, 2 tool result(s) cut." in results_of(fake)[-1]
     sent = {m.get("tool_call_id"): m["content"] for m in fake.chats[-1].json()["messages"] if m["role"] == "tool"}
     assert sent["call_8"].startswith("[overflow id=") and "Cut by you in the mirror" in sent["call_8"]
+    assert parse_stub(sent["call_8"].splitlines()[0])["tool"] == "read_file"  # type: ignore[index]  # not "?"
     assert not sent["call_10"].startswith("[overflow")
     assert journaled_ops(path) == [("commit", 1, "ctx commit: applied, 2 tool result(s) cut.")]
 
@@ -490,3 +494,68 @@ def test_a_mirror_edit_that_makes_a_result_longer_is_refused(
     fake.enqueue(Reply(body=completion("ok")))
     ask(client, crowded())
     assert "was made longer, not cut" in results_of(fake)[-1]
+
+
+def test_a_mirror_edit_that_shortens_call_arguments_is_applied(
+        mirrored: tuple[TestClient, Path], fake: FakeUpstream) -> None:
+    client, path = mirrored
+    msgs = crowded()
+    body = "".join(f"def f{i}(): return {i}\n" for i in range(100))
+    msgs[-2]["tool_calls"][0]["function"] = {"name": "write_file",
+                                             "arguments": json.dumps({"path": "m.py", "content": body})}
+    ask(client, msgs)  # the newest call's arguments are whole: the model may shorten them itself
+    draft = json.loads(path.read_text())
+    entry = next(e for e in draft["messages"] if (e.get("tool_calls") or [{}])[0].get("id") == "call_13")
+    entry["tool_calls"][0]["function"]["arguments"] = json.dumps({"path": "m.py", "content": "(100 one-liners)"})
+    path.write_text(json.dumps(draft))
+    fake.enqueue(Reply(body=tool_answer(("ctx", {"action": "commit"}))))
+    fake.enqueue(Reply(body=completion("ok")))
+    ask(client, msgs)
+    assert "ctx commit: applied, 0 tool result(s) and the arguments of 1 call(s) cut." in results_of(fake)[-1]
+    ask(client, [*msgs, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "go on"}])
+    call = next(c for m in fake.chats[-1].json()["messages"] for c in m.get("tool_calls") or []
+                if c["id"] == "call_13")
+    assert call["function"]["name"] == "write_file"
+    arguments = json.loads(call["function"]["arguments"])
+    kept, line, *_ = arguments["content"].split("\n")
+    assert arguments["path"] == "m.py" and kept == "(100 one-liners)"
+    assert parse_stub(line) == {"id": hashlib.sha256(body.encode()).hexdigest(), "tool": "write_file",
+                                "bytes": str(len(body)), "call_id": "call_13", "storage": "disk"}
+    session = client.get("/ctx/sessions").json()["sessions"][0]["id"]
+    oid = hashlib.sha256(body.encode()).hexdigest()
+    assert client.get(f"/ctx/sessions/{session}/overflow/{oid}").content == body.encode()
+
+
+def test_a_mirror_edit_that_changes_a_calls_name_is_refused(
+        mirrored: tuple[TestClient, Path], fake: FakeUpstream) -> None:
+    client, path = mirrored
+    ask(client, crowded())
+    draft = json.loads(path.read_text())
+    entry = next(e for e in draft["messages"] if (e.get("tool_calls") or [{}])[0].get("id") == "call_12")
+    entry["tool_calls"][0]["function"]["name"] = "bash"
+    path.write_text(json.dumps(draft))
+    fake.enqueue(Reply(body=tool_answer(("ctx", {"action": "commit"}))))
+    fake.enqueue(Reply(body=completion("ok")))
+    ask(client, crowded())
+    assert "were changed (only their arguments may be shortened)" in results_of(fake)[-1]
+
+
+def test_ctx_status_reports_the_last_accepted_revision_after_a_restart(tmp_path: Path, fake: FakeUpstream) -> None:
+    env = {"CTXPROXY_DATA_DIR": str(tmp_path / "data"), "CTXPROXY_UPSTREAM": "http://u.test/v1",
+           "CTXPROXY_CTX_WINDOW": "16384", "CTXPROXY_SPILL_CHARS": "100000", "CTXPROXY_KEEP_RESULTS": "8",
+           "CTXPROXY_MIRROR_DIR": str(tmp_path / "ws")}
+    path = tmp_path / "ws" / "LIVE_CONTEXT.json"
+    with app_client(load_settings(env=env), httpx.ASGITransport(app=fake)) as client:
+        ask(client, crowded())
+        draft = json.loads(path.read_text())
+        draft["messages"] = [e for e in draft["messages"] if e.get("tool_call_id") != "call_8"]
+        path.write_text(json.dumps(draft))
+        fake.enqueue(Reply(body=tool_answer(("ctx", {"action": "commit"}), ("ctx", {"action": "status"}))))
+        fake.enqueue(Reply(body=completion("ok")))
+        ask(client, crowded())
+        assert f"Mirror: {path} (last accepted revision 1;" in results_of(fake)[-1]
+    with app_client(load_settings(env=env), httpx.ASGITransport(app=fake)) as client:  # a restart
+        fake.enqueue(Reply(body=tool_answer(("ctx", {"action": "status"}))))
+        fake.enqueue(Reply(body=completion("ok")))
+        ask(client, [*crowded(), {"role": "assistant", "content": "ok"}, {"role": "user", "content": "go on"}])
+        assert "(last accepted revision 1;" in results_of(fake)[-1]

@@ -336,7 +336,7 @@ def test_a_huge_fenced_result_is_spilled_inside_its_wrapper() -> None:
     p = run(msgs, fenced_rules(32768))
     content = p.messages[-1]["content"]
     assert content.startswith("<returncode>0</returncode>\n<output>\n[overflow id=")
-    assert content.endswith("\n</output>") and "call_id=r2.1" in content and "tool=pytest -k case1" in content
+    assert content.endswith("\n</output>") and "call_id=r2.1 " in content and " tool=pytest bytes=" in content
     assert [(w.overflow_id, w.body) for w in p.writes] == [(sha256_text(big), big)]
     fenced = {i: r.segments for i, r in p.state.fenced.items()}
     assert violations(msgs, p.messages, fenced=fenced) == []

@@ -20,6 +20,7 @@ import json
 from collections.abc import Collection, Sequence
 from typing import Any
 
+from proxy.rewrite.arguments import args_target, cut_arguments, with_arguments
 from proxy.rewrite.budget import MIN_CUT_CHARS
 from proxy.rewrite.decisions import Decision, OverflowWrite
 from proxy.rewrite.fenced import text_of
@@ -38,10 +39,19 @@ def elide(state: State, messages: Sequence[dict[str, Any]], rules: Rules, counte
           new: list[Decision], writes: list[OverflowWrite], keep_results: int, keep_rounds: int) -> None:
     keep = set(state.tool_indices[-keep_results:]) if keep_results else set()
     newest_round = max((r.round for r in state.fenced.values()), default=0)
-    for i in sorted([*state.tool_indices, *state.fenced]):
+    # Arguments: only the newest call is kept whole. A write's body is the model's own text, already on disk, and
+    # a few of them outweigh every result: sparing them as results are spared would fold whole rounds instead.
+    kept_calls = {messages[j].get("tool_call_id") for j in state.tool_indices[-1:]} if keep_results else set()
+    answered = max(state.tool_indices, default=-1)
+    for i in sorted([*state.tool_indices, *state.fenced, *state.call_indices]):
         if rules.scaled(state.total + rules.tools_tokens) <= rules.budget.target:
             return
         if i in keep or state.out[i] is None or state.ids[i] in state.pins:
+            continue
+        if messages[i].get("role") == "assistant":  # an old call's arguments
+            calls = {c.get("id") for c in messages[i].get("tool_calls") or []}
+            if i < answered and not calls & kept_calls:
+                _elide_arguments(state, i, messages[i], rules, counter, new, writes)
             continue
         if i in state.fenced:
             if state.fenced[i].round > newest_round - keep_rounds:
@@ -61,6 +71,30 @@ def elide(state: State, messages: Sequence[dict[str, Any]], rules: Rules, counte
         _replace(state, i, {**messages[i], "content": decision.replacement}, counter)
 
 
+def _elide_arguments(state: State, i: int, message: dict[str, Any], rules: Rules, counter: Counter,
+                     new: list[Decision], writes: list[OverflowWrite]) -> None:
+    """Each call of an assistant message whose arguments hold a large string value: that value becomes a stub."""
+    replaced = {}
+    for call in message.get("tool_calls") or []:
+        function, call_id = call.get("function") or {}, str(call.get("id"))
+        target = args_target(state.ids[i], call_id)
+        decided = state.decided.get(target)
+        if decided is not None and decided.message_hash == state.hashes[i]:
+            continue  # cut already (re-applied on ingest)
+        cut = cut_arguments(str(function.get("arguments") or ""), str(function.get("name", "?")), call_id,
+                            rules.storage, rules.overflow_dir)
+        if cut is None:
+            continue
+        decision = Decision("elide", target, state.hashes[i], cut.arguments, cut.writes[0].overflow_id)
+        state.decided[target] = decision
+        new.append(decision)
+        writes.extend(cut.writes)
+        replaced[call.get("id")] = cut.arguments
+    current = state.out[i]
+    if replaced and current is not None:
+        _replace(state, i, with_arguments(current, replaced), counter)
+
+
 def _elide_fenced(state: State, i: int, message: dict[str, Any], rules: Rules, counter: Counter,
                   new: list[Decision], writes: list[OverflowWrite]) -> None:
     """Each result body of a results message that is not cut yet becomes a marker; the wrapper stays."""
@@ -75,7 +109,7 @@ def _elide_fenced(state: State, i: int, message: dict[str, Any], rules: Rules, c
         call_id = f"paste.{result.round}" if result.command == "paste" else f"r{result.round}.{k + 1}"
         tool = result.command or "fenced"
         marker = elision_marker(sha256_text(body), tool, call_id, rules.storage, body,
-                                json.dumps({"command": result.command}))
+                                json.dumps({"command": result.command}), rules.overflow_dir)
         current = decided.replacement if decided is not None and decided.message_hash == state.hashes[i] else body
         if len(body) < MIN_CUT_CHARS or len(marker) >= len(current):
             replacements[k] = current
@@ -107,7 +141,7 @@ def _elision(state: State, i: int, message: dict[str, Any], rules: Rules) -> Dec
     if tool == READ_OVERFLOW:
         return None
     overflow_id = decided.overflow_id if decided is not None else sha256_text(content)
-    marker = elision_marker(overflow_id, tool, call_id, rules.storage, content, arguments)
+    marker = elision_marker(overflow_id, tool, call_id, rules.storage, content, arguments, rules.overflow_dir)
     if len(marker) >= len(str(current.get("content"))):
         return None
     return Decision("elide", state.ids[i], state.hashes[i], marker, overflow_id)
@@ -171,17 +205,17 @@ def fold(state: State, messages: Sequence[dict[str, Any]], rules: Rules, counter
         return
     if not required and rules.scaled(total + rules.tools_tokens + _FOLD_STUB_TOKENS) > rules.budget.target:
         return
-    decision = _fold_decision(state, messages, start, end, rules.storage)
+    decision = _fold_decision(state, messages, start, end, rules)
     writes.append(OverflowWrite(decision.overflow_id, canonical_json(list(messages[start:end])).decode(), "fold", ""))
     state.fold = decision
     new.append(decision)
     apply_fold(state, decision, messages, counter)
 
 
-def _fold_decision(state: State, messages: Sequence[dict[str, Any]], start: int, end: int, storage: str) -> Decision:
+def _fold_decision(state: State, messages: Sequence[dict[str, Any]], start: int, end: int, rules: Rules) -> Decision:
     body = canonical_json(list(messages[start:end]))
     overflow_id = sha256_text(body.decode())
-    stub = fold_stub(overflow_id, messages[start:end], len(body), storage)
+    stub = fold_stub(overflow_id, messages[start:end], len(body), rules.storage, rules.overflow_dir)
     return Decision("fold", state.ids[start], _digest(state.hashes[start:end]), stub, overflow_id,
                     until=state.ids[end - 1], count=end - start)
 

@@ -4,6 +4,8 @@
   folded together, never apart);
 - system, user and assistant messages are byte-identical, except where a fold stub stands for whole rounds;
 - a cut tool result keeps its place, role and ``tool_call_id``: only its content changes;
+- an assistant message with an argument cut keeps its text and each call's id, type and name: only arguments
+  change, and they stay a JSON object;
 - pinned messages are byte-identical.
 
 The proxy runs it on every request it forwards (from the first message a projection touched); the property tests
@@ -12,6 +14,7 @@ run it on every generated history.
 
 from __future__ import annotations
 
+import json
 import re
 from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
@@ -103,8 +106,37 @@ def _compare(i: int, before: dict[str, Any], after: dict[str, Any], pinned: bool
         return []
     if pinned:
         return [f"message {i} is pinned but changed"]
+    if before.get("role") == "assistant" and _only_arguments(before, after):
+        return []
     if before.get("role") in _KEPT_ROLES:
         return [f"message {i} ({before.get('role')}) changed"]
     if {k: v for k, v in after.items() if k != "content"} != {k: v for k, v in before.items() if k != "content"}:
         return [f"message {i} ({before.get('role')}) changed more than its content"]
     return []
+
+
+def _only_arguments(before: dict[str, Any], after: dict[str, Any]) -> bool:
+    """Only call arguments changed (an argument cut): the text, each call's id, type and name as they were, and
+    the new arguments still a JSON object."""
+    calls, cut = before.get("tool_calls") or [], after.get("tool_calls") or []
+    if _without(before, "tool_calls") != _without(after, "tool_calls") or len(calls) != len(cut):
+        return False
+    for a, b in zip(calls, cut, strict=True):
+        fa, fb = a.get("function") or {}, b.get("function") or {}
+        if _without(a, "function") != _without(b, "function") or _without(fa, "arguments") != _without(fb,
+                                                                                                    "arguments"):
+            return False
+        if fa.get("arguments") != fb.get("arguments") and not _json_object(fb.get("arguments")):
+            return False
+    return True
+
+
+def _without(message: Any, key: str) -> dict[str, Any]:
+    return {k: v for k, v in message.items() if k != key} if isinstance(message, dict) else {}
+
+
+def _json_object(text: Any) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except (TypeError, ValueError):
+        return False

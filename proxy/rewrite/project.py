@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
+from proxy.rewrite.arguments import args_target, with_arguments
 from proxy.rewrite.budget import MIN_CUT_CHARS, Budget
 from proxy.rewrite.cuts import apply_fold, apply_hides, elide, fold
 from proxy.rewrite.decisions import CUTS, Decision, OverflowWrite
@@ -152,6 +153,9 @@ def _ingest(state: State, i: int, messages: Sequence[dict[str, Any]], message_ha
         state.tool_indices.append(i)
         state.result_calls[i] = state.calls.get(str(message.get("tool_call_id")), ("?", ""))
         out = _cut_tool_result(state, mid, message, message_hash, rules, new, writes, spill=i >= seen)
+    elif message.get("role") == "assistant" and message.get("tool_calls"):
+        state.call_indices.append(i)
+        out = _cut_calls(state, mid, message, message_hash)
     elif message.get("role") == "user":
         result = _results_of(state, i, messages, rules)
         if result is not None:
@@ -181,7 +185,7 @@ def _cut_tool_result(state: State, mid: str, message: dict[str, Any], message_ha
     assert isinstance(content, str)
     overflow_id = sha256_text(content)
     stub = spill_stub(overflow_id, tool, call_id, rules.storage, content, rules.budget.preview_head,
-                      rules.budget.preview_tail)
+                      rules.budget.preview_tail, rules.overflow_dir)
     if len(stub) >= len(content):
         return message  # its stub would not be smaller
     decision = Decision("spill", mid, message_hash, stub, overflow_id)
@@ -189,6 +193,18 @@ def _cut_tool_result(state: State, mid: str, message: dict[str, Any], message_ha
     new.append(decision)
     writes.append(OverflowWrite(overflow_id, content, tool, call_id))
     return {**message, "content": stub}
+
+
+def _cut_calls(state: State, mid: str, message: dict[str, Any], message_hash: str) -> dict[str, Any]:
+    """The assistant message as it goes out: the argument cuts decided for its calls re-applied, byte for byte."""
+    if mid in state.pins:
+        return message
+    replaced = {}
+    for call in message.get("tool_calls") or []:
+        decided = state.decided.get(args_target(mid, str(call.get("id"))))
+        if decided is not None and decided.message_hash == message_hash:
+            replaced[call.get("id")] = decided.replacement
+    return with_arguments(message, replaced) if replaced else message
 
 
 def _results_of(state: State, i: int, messages: Sequence[dict[str, Any]], rules: Rules) -> FencedResult | None:
@@ -227,7 +243,7 @@ def _cut_segments(state: State, mid: str, message: dict[str, Any], message_hash:
         elif spill and (_should_spill(body, "", rules.budget) or result.command == PASTE):
             head, tail = (PASTE_HEAD, PASTE_TAIL) if result.command == PASTE else (rules.budget.preview_head,
                                                                                    rules.budget.preview_tail)
-            stub = spill_stub(sha256_text(body), tool, call_id, rules.storage, body, head, tail)
+            stub = spill_stub(sha256_text(body), tool, call_id, rules.storage, body, head, tail, rules.overflow_dir)
             if len(stub) < len(body):
                 decision = Decision("spill", target, message_hash, stub, sha256_text(body))
                 state.decided[target] = decision

@@ -31,6 +31,8 @@ class Rules:
     tools_tokens: int = 0
     fenced: tuple[Preset, ...] = ()
     """The text-protocol presets in force (empty on the native route)."""
+    overflow_dir: str = ""
+    """Where cut bodies are also written as ``<id>.out`` for the agent's own tools ("" = not): stubs name the file."""
 
     def scaled(self, estimate: int) -> int:
         return math.ceil(round(estimate * self.k, 9))  # 50 × 1.1 is 55, not 55.000000000000007 → 56
@@ -53,6 +55,8 @@ class State:
     result_calls: dict[int, tuple[str, str]] = field(default_factory=dict)
     """The call each result answers (index → name, arguments), fixed when the result arrives: ids get reused."""
     tool_indices: list[int] = field(default_factory=list)
+    call_indices: list[int] = field(default_factory=list)
+    """Assistant messages with tool calls: their large arguments may be cut (``proxy.rewrite.arguments``)."""
     fenced: dict[int, FencedResult] = field(default_factory=dict)
     """Text-protocol results messages (index → round, segments, command): cut result by result."""
     rounds: int = 0

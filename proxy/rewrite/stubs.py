@@ -4,6 +4,11 @@ Every stub opens with one machine-readable line and says where the original is a
 
     [overflow id=<sha256> tool=<name> bytes=<n> call_id=<id> storage=<disk|memory-only (incognito)>]
 
+That first line is one grammar for every cut — spills, elisions, drops, clears, mirror cuts, argument cuts — and
+parses as key=value (``parse_stub``): ``tool`` and ``call_id`` are bare tokens, or JSON-quoted when they hold a
+space, a quote, ``=`` or ``]``; a text-protocol command line is reduced to its program (``pytest -k x`` →
+``pytest``: the elision line shows the command). ``storage`` runs to the closing bracket. Extra lines follow it.
+
 A spill keeps a head/tail preview (the result was too big to keep, not too old); an elision keeps one preview
 line and the tool's command tail; a fold stands for whole rounds.
 """
@@ -16,7 +21,8 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["elision_marker", "fold_stub", "looks_binary", "spill_stub", "stub_line"]
+__all__ = ["STUB_LINE", "argument_stub", "elision_marker", "fold_stub", "full_output", "looks_binary", "parse_stub",
+           "program", "spill_stub", "stub_line"]
 
 _LINE = 100
 _ODD = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffd]")
@@ -24,8 +30,35 @@ _CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029]")
 _COMMAND_KEYS = ("command", "cmd", "path", "file", "pattern", "query", "url")
 
 
+_BARE = re.compile(r'[^\s"\]=\\]+')
+_TOKEN = r'"(?:[^"\\]|\\.)*"|[^\s"\]=\\]+'
+STUB_LINE = re.compile(rf"\[overflow id=(?P<id>[0-9a-f]{{64}}) tool=(?P<tool>{_TOKEN}) bytes=(?P<bytes>\d+) "
+                       rf"call_id=(?P<call_id>{_TOKEN}) storage=(?P<storage>disk|memory-only \(incognito\))\]")
+"""The first line of every stub (one grammar): ``parse_stub`` reads it back."""
+
+
 def stub_line(overflow_id: str, tool: str, nbytes: int, call_id: str, storage: str) -> str:
-    return f"[overflow id={overflow_id} tool={tool} bytes={nbytes} call_id={call_id} storage={storage}]"
+    return f"[overflow id={overflow_id} tool={_token(program(tool))} bytes={nbytes} call_id={_token(call_id)} " \
+           f"storage={storage}]"
+
+
+def program(tool: str) -> str:
+    """A tool's name; a command line (``cd /repo && pytest -x``) reduced to its program (``cd``)."""
+    words = tool.split()
+    return words[0].rsplit("/", 1)[-1] or words[0] if len(words) > 1 else tool
+
+
+def _token(value: str) -> str:
+    return value if _BARE.fullmatch(value) else json.dumps(value)  # ASCII: no line separator inside
+
+
+def parse_stub(line: str) -> dict[str, str] | None:
+    """The fields of a stub's first line (quoted values unquoted), or None when it is not one."""
+    match = STUB_LINE.fullmatch(line)
+    if match is None:
+        return None
+    fields = match.groupdict()
+    return {k: json.loads(v) if v.startswith('"') else v for k, v in fields.items()}
 
 
 def _intact(overflow_id: str, storage: str) -> str:
@@ -33,7 +66,28 @@ def _intact(overflow_id: str, storage: str) -> str:
     return f"The original is {where}: read_overflow id={overflow_id} returns it (offset, limit, grep)."
 
 
-def spill_stub(overflow_id: str, tool: str, call_id: str, storage: str, content: str, head: int, tail: int) -> str:
+def full_output(overflow_id: str, storage: str, overflow_dir: str) -> list[str]:
+    """The ``[full output: <path>]`` line (the second seed) when cut bodies are also written as files the agent
+    can grep (``overflow_dir``); none in incognito, which writes nothing."""
+    if not overflow_dir or storage != "disk":
+        return []
+    return [f"[full output: {overflow_dir.rstrip('/')}/{overflow_id}.out]"]
+
+
+def argument_stub(overflow_id: str, tool: str, call_id: str, storage: str, value: str, key: str,
+                  overflow_dir: str = "") -> str:
+    """What stands in a call's arguments in place of one large string value."""
+    lines = [line.strip() for line in value.splitlines() if line.strip()] or [""]
+    preview = f'"{_clip(_printable(lines[0]))}" … "{_clip(_printable(lines[-1]))}"'
+    return "\n".join([
+        stub_line(overflow_id, tool, len(value.encode()), call_id, storage),
+        f"Argument `{_clip(key) or '?'}` elided to save context ({len(value)} characters): {preview}. "
+        f"{_intact(overflow_id, storage)}", *full_output(overflow_id, storage, overflow_dir),
+    ])
+
+
+def spill_stub(overflow_id: str, tool: str, call_id: str, storage: str, content: str, head: int, tail: int,
+               overflow_dir: str = "") -> str:
     nbytes = len(content.encode())
     binary = looks_binary(content)
     kind = "looks binary" if binary else "was too large to keep inline"
@@ -43,10 +97,12 @@ def spill_stub(overflow_id: str, tool: str, call_id: str, storage: str, content:
         stub_line(overflow_id, tool, nbytes, call_id, storage),
         f"Spilled on arrival: the output {kind}. {_intact(overflow_id, storage)} Head and tail:",
         _printable(front), f"[… {hidden} characters not shown …]", _printable(back),
+        *full_output(overflow_id, storage, overflow_dir),
     ])
 
 
-def elision_marker(overflow_id: str, tool: str, call_id: str, storage: str, content: str, arguments: str) -> str:
+def elision_marker(overflow_id: str, tool: str, call_id: str, storage: str, content: str, arguments: str,
+                   overflow_dir: str = "") -> str:
     nbytes = len(content.encode())
     lines = [line.strip() for line in content.splitlines() if line.strip()] or [""]
     command = _command_tail(arguments)
@@ -54,10 +110,12 @@ def elision_marker(overflow_id: str, tool: str, call_id: str, storage: str, cont
     return "\n".join([
         stub_line(overflow_id, tool, nbytes, call_id, storage),
         f"Elided to save context{f' ({command})' if command else ''}: {preview}. {_intact(overflow_id, storage)}",
+        *full_output(overflow_id, storage, overflow_dir),
     ])
 
 
-def fold_stub(overflow_id: str, messages: Sequence[dict[str, Any]], nbytes: int, storage: str) -> str:
+def fold_stub(overflow_id: str, messages: Sequence[dict[str, Any]], nbytes: int, storage: str,
+              overflow_dir: str = "") -> str:
     roles = Counter(str(m.get("role")) for m in messages)
     tools = Counter(call.get("function", {}).get("name", "?") for m in messages for call in m.get("tool_calls") or [])
     used = ", ".join(f"{name} x{n}" for name, n in sorted(tools.items())) or "no tools"
@@ -66,6 +124,7 @@ def fold_stub(overflow_id: str, messages: Sequence[dict[str, Any]], nbytes: int,
         f"Earlier history folded to fit the context window: {roles.get('assistant', 0)} assistant, "
         f"{roles.get('tool', 0)} tool and {roles.get('user', 0)} user messages ({used}). "
         + _intact(overflow_id, storage).replace("The original is", "The originals are"),
+        *full_output(overflow_id, storage, overflow_dir),
     ])
 
 

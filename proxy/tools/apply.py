@@ -25,7 +25,7 @@ from proxy.rewrite.identity import content_text
 from proxy.rewrite.project import PASTE
 from proxy.rewrite.segments import segment_target
 from proxy.rewrite.state import Counter, Rules, State, sha256_text
-from proxy.rewrite.stubs import stub_line
+from proxy.rewrite.stubs import full_output, program, stub_line
 from proxy.tools.intents import Ctx, Drop, Intent, Note, Pin, Status, Unpin
 
 __all__ = ["Outcome", "View", "apply_intent", "render_overflow"]
@@ -45,6 +45,10 @@ class View:
     max_pins: int
     approval_pattern: str
     model_pins: int
+    mirror: str = ""
+    """Where the live mirror (LIVE_CONTEXT.json) is or would be written, for ``ctx status``."""
+    revision: int = 0
+    """The last mirror revision accepted (0: none yet)."""
 
 
 @dataclass(frozen=True)
@@ -191,7 +195,8 @@ def _pin(intent: Pin, view: View) -> Outcome:
         handle, i, mid = unit.handle, unit.i, view.state.ids[unit.i]
         if mid in view.state.pins:
             refused.append(f"{handle}: already pinned")
-        elif _unit_cut(view, unit) or (unit.k is not None and _is_cut(view, i)):
+        elif (_unit_cut(view, unit) or (unit.k is not None and _is_cut(view, i))) \
+                and view.messages[i].get("role") != "assistant":  # a call's cut arguments: the pin restores them
             refused.append(f"{handle}: already cut (a stub or a note); read_overflow restores it")
         elif room <= 0:
             refused.append(f"{handle}: you hold {view.max_pins} pins, the most allowed; unpin one first")
@@ -303,8 +308,10 @@ def _note(intent: Note, view: View) -> Outcome:
 
 
 def _ctx(intent: Ctx, view: View) -> Outcome:
-    if intent.action == "status":
-        return Outcome("status", status_text(view, 8), True)
+    if intent.action == "status":  # the second seed: the mirror's path, the budget, the target, the last revision
+        accepted = f"revision {view.revision}" if view.revision else "none yet"
+        return Outcome("status", status_text(view, 8) + f"\nMirror: {view.mirror or 'none'} (last accepted "
+                       f"{accepted}; it is written when the automatic cuts cannot reach the target).", True)
     if intent.action == "commit":
         raise TypeError("ctx commit reads the mirror file: the runner serves it (proxy.tools.mirror)")
     return _clear(intent, view)
@@ -321,18 +328,22 @@ def _results(view: View) -> list[_Unit]:
 
 
 def _clear(intent: Ctx, view: View) -> Outcome:
-    """Select by call_ids or ``before``; then the masks narrow: ``tool`` keeps that tool's results, ``keep_last``
-    spares the newest of them. Results already cut are skipped; if none is left, there is nothing to clear."""
+    """Select by ``call_ids`` or ``before``, and the masks narrow that selection: ``tool`` keeps that tool's
+    results, ``keep_last`` spares the newest of them. Without a selection the masks select by themselves (the
+    second seed's ``{"action": "clear", "keep_last": 3, "tool": "read"}``: every ``read`` result but the last
+    three). Results already cut are skipped; if none is left, there is nothing to clear."""
     every = _results(view)
-    if not intent.call_ids and intent.before is None:
-        return Outcome("clear", "ctx clear: nothing selected. Name call_ids, or before; keep_last and tool only "
-                       "narrow a selection.", False)
+    if not intent.call_ids and intent.before is None and not intent.tool and intent.keep_last is None:
+        return Outcome("clear", "ctx clear: nothing selected. Name call_ids, before, tool or keep_last.", False)
     chosen = [u for u in every if u.handle in intent.call_ids or view.state.ids[u.i] in intent.call_ids]
     if intent.before is not None:
         cut_off = next((u for u in every if intent.before in (u.handle, view.state.ids[u.i])), None)
         chosen += [u for u in every if cut_off is not None and (u.i, u.k or 0) < (cut_off.i, cut_off.k or 0)]
+    if not intent.call_ids and intent.before is None:
+        chosen = list(every)  # the masks alone: they select from every result
+    chosen = sorted(dict.fromkeys(chosen), key=lambda u: (u.i, u.k or 0))
     if intent.tool:
-        chosen = [u for u in chosen if _call_of(view, u)[0].split()[0:1] == [intent.tool]]
+        chosen = [u for u in chosen if program(_call_of(view, u)[0]) == intent.tool]
     if intent.keep_last:
         chosen = chosen[: max(0, len(chosen) - intent.keep_last)]
     chosen = [u for u in dict.fromkeys(chosen) if not _unit_cut(view, u) and view.state.out[u.i] is not None]
@@ -358,8 +369,9 @@ def _preserved(bodies: Sequence[str], approval_pattern: str) -> list[str]:
 
 
 def _stub(view: View, unit: _Unit, body: str) -> str:
-    tool, call_id = _call_of(view, unit)
-    return stub_line(sha256_text(body), tool, len(body.encode()), call_id, view.rules.storage)
+    tool, call_id, oid = *_call_of(view, unit), sha256_text(body)
+    return "\n".join([stub_line(oid, tool, len(body.encode()), call_id, view.rules.storage),
+                      *full_output(oid, view.rules.storage, view.rules.overflow_dir)])
 
 
 def _restore(view: View, overflow_id: str) -> str:

@@ -18,7 +18,7 @@ import json
 import re
 from typing import Any
 
-__all__ = ["NOTE", "extract_blocks", "has_command", "results_message"]
+__all__ = ["NOTE", "RESTORE_NOTE", "extract_blocks", "has_command", "results_message"]
 
 _BLOCK = re.compile(r"```context[ \t]*\n(?P<call>.*?)\n?```[ \t]*\n?", re.S)
 _FENCE = re.compile(r"```")
@@ -32,6 +32,12 @@ NOTE = ("[ctxproxy] You can manage your own context. Write a fenced block tagged
         "tool}. "
         "A handle is r<round>.<i> (the i-th result of that round) or "
         "r<round> (all of them). The block is taken out of your message and its result comes back to you.")
+
+RESTORE_NOTE = ("[ctxproxy] Some content was cut from your context; each [overflow id=...] stub says where. To read "
+                "it back, write a fenced block tagged `context` holding one JSON call, e.g.\n```context\n"
+                '{"tool": "read_overflow", "id": "<the id in the stub>", "grep": "error"}\n```\n'
+                "(also offset, limit). The block is taken out of your message and the content comes back to you.")
+"""On the fenced route, from the session's first stub on, when the full NOTE is not offered."""
 
 
 def extract_blocks(text: str) -> tuple[str, list[dict[str, Any]]]:

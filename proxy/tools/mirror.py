@@ -14,14 +14,17 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from config import Settings
+from proxy.rewrite.arguments import ArgumentCut, args_target
 from proxy.rewrite.decisions import Decision, OverflowWrite
 from proxy.rewrite.identity import content_text
-from proxy.rewrite.state import sha256_text
-from proxy.rewrite.stubs import stub_line
+from proxy.rewrite.state import Rules, sha256_text
+from proxy.rewrite.stubs import full_output, stub_line
 
-__all__ = ["PARAGRAPH", "Revision", "maintenance_rounds", "mirror_document", "revise"]
+__all__ = ["PARAGRAPH", "Revision", "maintenance_rounds", "mirror_document", "mirror_path", "revise"]
 
 _FILE_TOOL = re.compile(r"read|view|open|cat|edit|write|create|patch|replace|insert", re.I)
 _SHELL_TOOL = re.compile(r"bash|shell|run|exec|terminal|command|python", re.I)
@@ -32,6 +35,12 @@ PARAGRAPH = ("[ctxproxy] You manage your context: it no longer fits by the autom
              "the file with your own tools — remove or shorten tool results (entries with role \"tool\"); leave "
              "every other entry as it is — and call ctx with {{\"action\": \"commit\"}}. The confirmation comes "
              "as the next system line.")
+
+
+def mirror_path(settings: Settings, session_id: str) -> Path:
+    """Where a session's LIVE_CONTEXT.json goes: under ``mirror_dir`` (the agent's workspace) or the data dir."""
+    folder = Path(settings.mirror_dir) if settings.mirror_dir else settings.data_path / "mirror" / session_id
+    return folder / "LIVE_CONTEXT.json"
 
 
 def mirror_document(session: str, revision: int, ids: Sequence[str], messages: Sequence[dict[str, Any]]) -> str:
@@ -50,10 +59,12 @@ class Revision:
 
 
 def revise(draft_text: str, ids: Sequence[str], hashes: Sequence[str], originals: Sequence[dict[str, Any]],
-           current: Sequence[dict[str, Any] | None], storage: str, written: Mapping[str, str]) -> Revision:
+           current: Sequence[dict[str, Any] | None], rules: Rules, written: Mapping[str, str],
+           tools: Mapping[str, str]) -> Revision:
     """The draft's cuts as decisions, or the reason it is refused (nothing is applied then). ``written``: each
     entry's text as the mirror gave it (identity → text); the draft is judged against that, not against what the
-    projection became since, and messages newer than the mirror are not the draft's business."""
+    projection became since, and messages newer than the mirror are not the draft's business. ``tools``: the tool
+    each result answers (identity → name), for its stub."""
     try:
         draft = {e["id"]: e for e in json.loads(draft_text)["messages"] if isinstance(e, dict) and "id" in e}
     except (ValueError, KeyError, TypeError) as exc:
@@ -62,20 +73,26 @@ def revise(draft_text: str, ids: Sequence[str], hashes: Sequence[str], originals
     if unknown:
         return Revision(False, f"ctx commit: refused, the draft names messages that are not in your context: "
                                f"{', '.join(unknown[:5])}. Nothing applied.")
-    decisions, writes, problems = [], [], []
+    decisions: list[Decision] = []
+    writes: list[OverflowWrite] = []
+    problems: list[str] = []
     for mid, message_hash, original, now in zip(ids, hashes, originals, current, strict=True):
         if now is None or mid not in written:
             continue  # folded, or newer than the mirror
-        problem, decision, write = _one(mid, message_hash, original, now, written[mid], draft.get(mid), storage)
-        problems += [problem] if problem else []
-        decisions += [decision] if decision else []
-        writes += [write] if write else []
+        judged = _one(mid, message_hash, original, now, written[mid], draft.get(mid), rules, tools.get(mid, "?"))
+        problems += [judged.problem] if judged.problem else []
+        decisions += judged.decisions
+        writes += judged.writes
     if problems:
         return Revision(False, "ctx commit: refused, nothing applied: " + "; ".join(problems[:5]) +
-                        ". Only tool results may be removed or shortened; restore the rest and commit again.")
+                        ". Only tool results and the string values of call arguments may be removed or shortened; "
+                        "restore the rest and commit again.")
     if not decisions:
         return Revision(True, "ctx commit: the draft cuts nothing; nothing to apply.")
-    return Revision(True, f"ctx commit: applied, {len(decisions)} tool result(s) cut.", tuple(decisions),
+    calls = sum(">args:" in d.target for d in decisions)
+    also = f" and the arguments of {calls} call(s)" if calls else ""
+    return Revision(True, f"ctx commit: applied, {len(decisions) - calls} tool result(s){also} cut.",
+                    tuple(decisions),
                     tuple(writes))
 
 
@@ -98,25 +115,104 @@ def maintenance_rounds(messages: Sequence[dict[str, Any]], spans: Sequence[tuple
     return found
 
 
+@dataclass(frozen=True)
+class _Judged:
+    """What the draft does to one message: why it is refused, or the decisions and bodies it makes."""
+
+    problem: str | None = None
+    decisions: tuple[Decision, ...] = ()
+    writes: tuple[OverflowWrite, ...] = ()
+
+
 def _one(mid: str, message_hash: str, original: dict[str, Any], now: dict[str, Any], given: str,
-         entry: dict[str, Any] | None, storage: str) -> tuple[str | None, Decision | None, OverflowWrite | None]:
+         entry: dict[str, Any] | None, rules: Rules, tool: str) -> _Judged:
     role = now.get("role")
     after = None if entry is None else content_text(entry.get("content"))
     if role != "tool":
         if entry is None:
-            return f"the {role} message {mid} was removed", None, None
+            return _Judged(f"the {role} message {mid} was removed")
         if after != given:
-            return f"the {role} message {mid} was changed", None, None
-        if entry.get("tool_calls", now.get("tool_calls")) != now.get("tool_calls"):
-            return f"the call arguments of {mid} were changed (not supported yet)", None, None
-        return None, None, None
+            return _Judged(f"the {role} message {mid} was changed")
+        drafted = entry.get("tool_calls", now.get("tool_calls"))
+        if drafted != now.get("tool_calls"):
+            return _arguments_edit(mid, message_hash, original, now, drafted, rules)
+        return _Judged()
     if after == given:
-        return None, None, None
+        return _Judged()
     if after is not None and len(after) >= len(given):
-        return f"the tool result {mid} was made longer, not cut", None, None
-    body = content_text(original.get("content"))
-    line = stub_line(sha256_text(body), "?", len(body.encode()), str(original.get("tool_call_id")), storage)
-    kept = f"{after}\n" if after else ""
-    text = f"{kept}{line}\nCut by you in the mirror. The original is restorable: read_overflow id={sha256_text(body)}."
+        return _Judged(f"the tool result {mid} was made longer, not cut")
+    body, call_id = content_text(original.get("content")), str(original.get("tool_call_id"))
+    kept = f"\n{after}" if after else ""
+    text = _cut_text(sha256_text(body), tool, body, call_id, rules, "Cut by you in the mirror.") + kept
     decision = Decision("drop", mid, message_hash, text, sha256_text(body), source="model")
-    return None, decision, OverflowWrite(sha256_text(body), body, "?", str(original.get("tool_call_id")))
+    return _Judged(None, (decision,), (OverflowWrite(sha256_text(body), body, tool, call_id),))
+
+
+def _cut_text(oid: str, tool: str, body: str, call_id: str, rules: Rules, what: str) -> str:
+    return "\n".join([stub_line(oid, tool, len(body.encode()), call_id, rules.storage),
+                      f"{what} The original is restorable: read_overflow id={oid}.",
+                      *full_output(oid, rules.storage, rules.overflow_dir)])
+
+
+def _arguments_edit(mid: str, message_hash: str, original: dict[str, Any], now: dict[str, Any], drafted: Any,
+                    rules: Rules) -> _Judged:
+    """Calls whose arguments the draft shortened: each shortened string value keeps the model's text and a stub
+    (its original restorable); the call's id, name and every other value stay. Anything else is refused."""
+    calls, given = drafted if isinstance(drafted, list) else [], now.get("tool_calls") or []
+    agent = {c.get("id"): c for c in original.get("tool_calls") or []}
+    if len(calls) != len(given) or any(not isinstance(d, dict) or _frame(d) != _frame(g)
+                                       for d, g in zip(calls, given, strict=False)):
+        return _Judged(f"the calls of {mid} were changed (only their arguments may be shortened)")
+    decisions: list[Decision] = []
+    writes: list[OverflowWrite] = []
+    for draft, shown in zip(calls, given, strict=True):
+        before, after = shown["function"].get("arguments"), draft["function"].get("arguments")
+        if after == before:
+            continue
+        call_id, name = str(shown.get("id")), str(shown["function"].get("name"))
+        if before != (agent.get(shown.get("id")) or {}).get("function", {}).get("arguments"):
+            return _Judged(f"the arguments of call {call_id} are already cut")
+        cut = _shortened(str(before), after, name, call_id, rules)
+        if isinstance(cut, str):
+            return _Judged(f"call {call_id}: {cut}")
+        decisions.append(Decision("drop", args_target(mid, call_id), message_hash, cut.arguments,
+                                  cut.writes[0].overflow_id, source="model"))
+        writes += cut.writes
+    return _Judged(None, tuple(decisions), tuple(writes))
+
+
+def _frame(call: dict[str, Any]) -> tuple[Any, ...]:
+    function = call.get("function")
+    function = function if isinstance(function, dict) else {}
+    return call.get("id"), call.get("type"), function.get("name"), tuple(sorted(function))
+
+
+def _shortened(before: str, after: Any, tool: str, call_id: str, rules: Rules) -> ArgumentCut | str:
+    """The model's shortened arguments with a stub after each value it shortened, or why they are refused."""
+    try:
+        old, new = json.loads(before), json.loads(after) if isinstance(after, str) else None
+    except json.JSONDecodeError:
+        return "the arguments must stay valid JSON"
+    writes: list[OverflowWrite] = []
+
+    def merge(was: Any, now: Any, key: str) -> Any:
+        if isinstance(was, str) and isinstance(now, str) and len(now) < len(was):
+            oid = sha256_text(was)
+            writes.append(OverflowWrite(oid, was, tool, call_id))
+            stub = _cut_text(oid, tool, was, call_id, rules, f"Argument `{key}` shortened by you in the mirror.")
+            return f"{now}\n{stub}" if now.strip() else stub
+        if isinstance(was, dict) and isinstance(now, dict) and was.keys() == now.keys():
+            return {k: merge(was[k], now[k], str(k)) for k in was}
+        if isinstance(was, list) and isinstance(now, list) and len(was) == len(now):
+            return [merge(w, n, key) for w, n in zip(was, now, strict=True)]
+        if was != now:
+            raise ValueError(key)
+        return was
+
+    try:
+        merged = merge(old, new, "")
+    except ValueError as exc:
+        return f"only string values of the arguments may be shortened (`{exc}` was changed otherwise)"
+    if not writes:
+        return "the arguments were changed, not shortened"
+    return ArgumentCut(json.dumps(merged, ensure_ascii=False), tuple(writes))

@@ -3,18 +3,27 @@
 Offer rule (DESIGN.md §5): tools enabled, and usage ≥ ``offer_pct`` of the window, or the turn's round ≥
 ``offer_round``, or the person asked (a configured phrase or a tool's name in their latest message). Once offered
 they stay offered for the rest of the turn, appended after the agent's own tools, byte-identical each time.
-A turn starts at the person's latest message; its rounds are the assistant tool-call rounds since then.
+A turn starts at the person's latest message; its rounds are the agent's tool rounds since then: assistant
+messages with tool calls on the native route, results messages on the fenced one (a text-protocol agent has no
+``tool_calls``, and it is the case the round rule was written for). The round the model answers now is one more.
+
+Phrases and tool names match whole words only: "ctx" does not fire on "ctxproxy", and the bare name ``ctx`` (a
+common variable name) counts only followed by one of its actions ("ctx clear").
 """
 
 from __future__ import annotations
 
+import functools
+import re
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from proxy.rewrite.project import PASTE
+from proxy.rewrite.state import State
 from proxy.tools.schemas import CONTEXT_TOOLS, TOOL_NAMES
 
-__all__ = ["Split", "Turn", "person_asked", "split_calls", "turn_of", "with_context_tools"]
+__all__ = ["Split", "Turn", "person_asked", "split_calls", "turn_in", "turn_of", "with_context_tools"]
 
 REMINDER = ("[ctxproxy] Your context is nearly full. You can free it yourself: context_status shows what takes "
             "the room; context_drop and context_note cut results you no longer need (restorable).")
@@ -25,29 +34,55 @@ class Turn:
     start: int
     """Index of the person's latest message (0 when there is none)."""
     rounds: int
-    """Assistant tool-call rounds since then."""
+    """The agent's tool rounds since then (native tool-call rounds, or fenced results messages)."""
+
+    @property
+    def round(self) -> int:
+        """The round the model is answering now: 1 for its first answer after the person's message."""
+        return self.rounds + 1
 
 
 def turn_of(messages: Sequence[dict[str, Any]], results: Collection[int] = ()) -> Turn:
     """``results``: indices of user messages that carry a text-protocol round's results (not the person's)."""
     start = next((i for i in range(len(messages) - 1, -1, -1)
                   if messages[i].get("role") == "user" and i not in results), 0)
-    rounds = sum(1 for m in messages[start:] if m.get("role") == "assistant" and m.get("tool_calls"))
+    rounds = sum(1 for i, m in enumerate(messages[start:], start)
+                 if (m.get("role") == "assistant" and m.get("tool_calls")) or i in results)
     return Turn(start, rounds)
+
+
+def turn_in(messages: Sequence[dict[str, Any]], state: State) -> Turn:
+    """The turn of a projected request: the fenced results messages its projection found are the agent's rounds
+    (a person's paste is not)."""
+    return turn_of(messages, {i for i, r in state.fenced.items() if r.command != PASTE and i < len(messages)})
 
 
 def person_asked(messages: Sequence[dict[str, Any]], turn: Turn, phrases: Sequence[str]) -> bool:
     message = messages[turn.start] if messages else {}
     content = message.get("content") if message.get("role") == "user" else None
-    text = (content if isinstance(content, str) else "").lower()
-    return any(p.lower() in text for p in phrases) or any(name in text for name in TOOL_NAMES)
+    text = content if isinstance(content, str) else ""
+    return bool(_asking(tuple(phrases)).search(text))
 
 
-def with_context_tools(agent_tools: list[Any] | None) -> list[Any]:
+_ACTIONS = r"\s+(?:status|clear|commit)\b"
+"""``ctx`` alone is a variable name in half the code a person pastes: it counts only as ``ctx <action>``."""
+
+
+@functools.lru_cache(maxsize=8)
+def _asking(phrases: tuple[str, ...]) -> re.Pattern[str]:
+    """One pattern for the phrases and the tool names, each a whole word (not inside an identifier, a path or a
+    dotted name: ``ctxproxy``, ``ctx.state``, ``my_ctx`` do not count)."""
+    names = [re.escape(n) + (_ACTIONS if n == "ctx" else "") for n in sorted(TOOL_NAMES)]
+    words = [re.escape(p.strip()) for p in phrases if p.strip()] + names
+    return re.compile(r"(?<![\w./-])(?:" + "|".join(words) + r")(?![\w/-]|\.\w)", re.I)
+
+
+def with_context_tools(agent_tools: list[Any] | None,
+                       ours: Sequence[dict[str, Any]] = CONTEXT_TOOLS) -> list[Any]:
     """The agent's tools, then ours (an agent tool of the same name wins: we do not shadow it)."""
     own = list(agent_tools or [])
     taken = {t.get("function", {}).get("name") for t in own if isinstance(t, dict)}
-    return own + [t for t in CONTEXT_TOOLS if t["function"]["name"] not in taken]
+    return own + [t for t in ours if t["function"]["name"] not in taken]
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["CONTEXT_TOOLS", "TOOL_NAMES"]
+__all__ = ["CONTEXT_TOOLS", "READ_TOOL", "TOOL_NAMES"]
 
 _HANDLES = {"type": "array", "items": {"type": "string"},
             "description": "Handles of results you have read: a tool result's tool_call_id (e.g. call_7)."}
@@ -38,11 +38,15 @@ CONTEXT_TOOLS: tuple[dict[str, Any], ...] = (
               "stub: a page at a time, or the lines matching a regular expression.",
               {"id": {"type": "string"}, "offset": {"type": "integer", "minimum": 0},
                "limit": {"type": "integer", "minimum": 1, "maximum": 20000}, "grep": {"type": "string"}}, ["id"]),
-    _function("ctx", "status: your context's budget and what you cleared. clear: cut tool results — those in "
-              "call_ids, or every one before `before`; keep_last and tool only narrow that selection.",
+    _function("ctx", "status: your context's budget, the mirror and what you cleared. clear: cut tool results — "
+              "those in call_ids, or every one before `before`; tool and keep_last narrow that selection, or "
+              "select by themselves (tool=read, keep_last=3: every read result but the last three).",
               {"action": {"type": "string", "enum": ["status", "clear", "commit"]},
                "call_ids": {"type": "array", "items": {"type": "string"}}, "before": {"type": "string"},
                "keep_last": {"type": "integer", "minimum": 0}, "tool": {"type": "string"}}, []),
 )
 
 TOOL_NAMES = frozenset(tool["function"]["name"] for tool in CONTEXT_TOOLS)
+
+READ_TOOL = next(tool for tool in CONTEXT_TOOLS if tool["function"]["name"] == "read_overflow")
+"""Listed alone from a session's first stub on, when the others are not offered: the way back is always there."""
