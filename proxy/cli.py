@@ -19,7 +19,8 @@ from typing import Any
 from config import Settings, SettingsError, load_settings
 from proxy import __version__
 from proxy.tables import render_table
-from store import Journal
+from store import Journal, JournalUnavailable, open_journal
+from store.failures import storage_errors
 
 __all__ = ["main"]
 
@@ -46,7 +47,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SettingsError as exc:
         print(f"ctxproxy: {exc}", file=sys.stderr)
         return 2
-    return int(args.run(settings, args))
+    try:
+        with storage_errors(_journal_path(settings)):
+            return int(args.run(settings, args))
+    except JournalUnavailable as exc:  # a full, read-only or corrupt journal: its path and the fix, no traceback
+        print(f"ctxproxy: {exc}", file=sys.stderr)
+        return 2
+
+
+def _journal_path(settings: Settings) -> Path:
+    return settings.data_path / "journal.db"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -92,6 +102,7 @@ def _serve(settings: Settings, args: argparse.Namespace) -> int:
 
     from proxy.app import create_app
 
+    open_journal(_journal_path(settings), settings.journal_sync, check=True).close()  # refused here: no traceback
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level,
                 proxy_headers=False, server_header=False, access_log=settings.access_log)
     return 0
@@ -124,11 +135,11 @@ def _replay(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _open_journal(settings: Settings) -> Journal | None:
-    path = settings.data_path / "journal.db"
+    path = _journal_path(settings)
     if not path.exists():
         print(f"No journal at {path} yet: start `ctxproxy serve` and send it a request.", file=sys.stderr)
         return None
-    return Journal(path, settings.journal_sync)
+    return open_journal(path, settings.journal_sync)
 
 
 def _sessions(settings: Settings, args: argparse.Namespace) -> int:

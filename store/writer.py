@@ -3,16 +3,24 @@
 SQLite allows one writer at a time; rather than contend for the lock, all calls (writes and the few operator
 reads) are queued on a single-thread executor that owns the connection, as datasette's write thread does. The
 event loop only awaits a future, so a commit never blocks other requests.
+
+A storage failure (disk full, a read-only or corrupt file, an I/O error) leaves here as the proxy's own error,
+``StorageFull`` (507) or ``StorageError`` (503), whose message names the file and the fix (``store.failures``):
+the request handlers render it like any other. Each call is its own transaction, rolled back on failure, so the
+next call starts clean: once the disk has room again, requests are journaled again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import sqlite3
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+from proxy.errors import CtxError, StorageError, StorageFull
+from store.failures import explain
 from store.journal import Journal
 
 __all__ = ["JournalWriter"]
@@ -29,8 +37,29 @@ class JournalWriter:
 
     async def call(self, method: Callable[..., T], *args: object) -> T:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, functools.partial(method, self.journal, *args))
+        return await loop.run_in_executor(self._executor, functools.partial(self._guarded, method, *args))
+
+    def _guarded(self, method: Callable[..., T], *args: object) -> T:
+        try:
+            return method(self.journal, *args)
+        except sqlite3.Error as exc:
+            error = storage_error(exc, self.journal)
+            if error is None:
+                raise
+            raise error from exc
 
     def close(self) -> None:
         self._executor.submit(self.journal.close).result()
         self._executor.shutdown(wait=True)
+
+
+def storage_error(exc: sqlite3.Error, journal: Journal) -> CtxError | None:
+    """The proxy's own error for a storage failure; None for anything else (a constraint, a misuse: a bug, which
+    stays as it is, for the log and a 500)."""
+    problem = explain(exc, journal.path)
+    if problem.kind == "full":
+        return StorageFull(problem.message)
+    if problem.kind != "unavailable" or isinstance(exc, sqlite3.OperationalError):
+        return StorageError(problem.message)
+    return None
+
