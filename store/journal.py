@@ -26,6 +26,7 @@ from sqlite_utils import Database
 from store.cuts import CutsMixin, ForwardRecord
 from store.migrations import migrations
 from store.recovery import ANSWERED, INTERRUPTED, RecoveryMixin
+from store.retention import RetentionMixin
 
 __all__ = ["IncomingRequest", "Journal", "RecordedRequest", "ResponseRecord", "prefix_digest"]
 
@@ -104,7 +105,7 @@ class _Placement:
     parent_id: str | None
 
 
-class Journal(CutsMixin, RecoveryMixin):
+class Journal(CutsMixin, RecoveryMixin, RetentionMixin):
     """One SQLite database. ``path=None`` keeps everything in memory (incognito: nothing touches the disk)."""
 
     def __init__(self, path: Path | None, sync: str = "normal") -> None:
