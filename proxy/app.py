@@ -2,8 +2,8 @@
 
 The lifespan owns the one upstream transport (connection pool) and the journals (starlette's lifespan pattern);
 nothing is built at import time. Starting, it checks the journal (whole, writable) and marks the requests a crash
-left in flight ``interrupted`` (``store.failures.open_journal``). ``upstream_transport`` lets in-process tests put
-an ``httpx.MockTransport`` (or ``ASGITransport``) where the network is; by default it is
+left in flight ``interrupted`` (``store.failures``, ``store.recovery``). ``upstream_transport`` lets in-process
+tests put an ``httpx.MockTransport`` (or ``ASGITransport``) where the network is; by default it is
 ``proxy.transport.AiohttpTransport``.
 """
 
@@ -66,8 +66,10 @@ def _lifespan(settings: Settings, transport: httpx.AsyncBaseTransport | None, ad
               ) -> Callable[[Starlette], AbstractAsyncContextManager[None]]:
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        journal = JournalWriter(open_journal(settings.data_path / "journal.db", settings.journal_sync, check=True,
-                                             now=datetime.now(UTC).isoformat(timespec="milliseconds")))
+        journal = JournalWriter(open_journal(settings.data_path / "journal.db", settings.journal_sync, check=True))
+        marked = await journal.call(Journal.mark_interrupted, datetime.now(UTC).isoformat(timespec="milliseconds"))
+        if marked:
+            log.warning("%d requests were in flight when ctxproxy last stopped: journaled as interrupted", marked)
         incognito = JournalWriter(Journal(None))
         upstream = Upstream(settings.upstream, transport or AiohttpTransport(), settings.upstream_connect_timeout,
                             settings.upstream_timeout)

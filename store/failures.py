@@ -3,8 +3,8 @@
 SQLite says "database or disk is full", "unable to open database file" or "database disk image is malformed",
 without the path or a way out. ``explain`` turns any error the journal raised (``sqlite3.Error`` or the
 ``OSError`` of creating its directory) into a ``JournalUnavailable`` whose message names the file and the fix;
-``open_journal`` opens a journal for a server (checked, writable, requests a crash left in flight marked) or for
-a reader, raising only that. The proxy renders it (``store.writer``), the CLI prints it: never a traceback.
+``open_journal`` opens a journal for a server (checked whole and writable) or for a reader, raising only that.
+The proxy renders it (``store.writer``), the CLI prints it: never a traceback.
 """
 
 from __future__ import annotations
@@ -86,20 +86,17 @@ def _writable(directory: Path) -> bool:
         return False
 
 
-def open_journal(path: Path, sync: str = "normal", *, check: bool = False, now: str | None = None) -> Journal:
+def open_journal(path: Path, sync: str = "normal", *, check: bool = False) -> Journal:
     """The journal at ``path``, or ``JournalUnavailable``. ``check`` (a server starting): the file is whole
-    (``PRAGMA quick_check``) and writable. ``now``: requests a crash left in flight are marked interrupted at
-    that time (only a server starting on its own data dir may). A reader (the CLI) only opens it."""
+    (``PRAGMA quick_check``) and writable. A reader (the CLI) only opens it."""
     try:
         journal = Journal(path, sync)
     except (sqlite3.Error, OSError) as exc:  # OSError: creating its directory
         raise explain(exc, path) from None
     try:
-        with storage_errors(path):
-            if check:
+        if check:
+            with storage_errors(path):
                 _check(journal)
-            if now is not None:
-                journal.mark_interrupted(now)
     except JournalUnavailable:
         journal.close()
         raise
