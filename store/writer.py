@@ -8,6 +8,10 @@ A storage failure (disk full, a read-only or corrupt file, an I/O error) leaves 
 ``StorageFull`` (507) or ``StorageError`` (503), whose message names the file and the fix (``store.failures``):
 the request handlers render it like any other. Each call is its own transaction, rolled back on failure, so the
 next call starts clean: once the disk has room again, requests are journaled again.
+
+An answer that could not be journaled that way (often after the client got it) is kept in memory and written
+before the next call: left unwritten, its request would look in flight until the next restart, and the
+session's next request would fork it (``store.journal._continued``).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import sqlite3
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -27,6 +32,10 @@ __all__ = ["JournalWriter"]
 
 T = TypeVar("T")
 
+UNWRITTEN = 10_000
+"""Answers kept in memory while the disk is full; beyond, the oldest are dropped (a restart marks their requests
+interrupted)."""
+
 
 class JournalWriter:
     """Runs ``Journal`` methods on the writer thread: ``await writer.call(Journal.record_request, req)``."""
@@ -34,21 +43,36 @@ class JournalWriter:
     def __init__(self, journal: Journal) -> None:
         self.journal = journal
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ctxproxy-journal")
+        self._unwritten: deque[tuple[object, ...]] = deque(maxlen=UNWRITTEN)
 
     async def call(self, method: Callable[..., T], *args: object) -> T:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, functools.partial(self._guarded, method, *args))
 
     def _guarded(self, method: Callable[..., T], *args: object) -> T:
+        self._write_unwritten()
         try:
             return method(self.journal, *args)
         except sqlite3.Error as exc:
             error = storage_error(exc, self.journal)
             if error is None:
                 raise
+            if method is Journal.record_response:
+                self._unwritten.append(args)
             raise error from exc
 
+    def _write_unwritten(self) -> None:
+        while self._unwritten:
+            try:
+                Journal.record_response(self.journal, *self._unwritten[0])  # type: ignore[arg-type]
+            except sqlite3.IntegrityError:
+                pass  # written after all (or its request is gone): nothing left to do for it
+            except sqlite3.Error:
+                return  # still no room: kept for the next call
+            self._unwritten.popleft()
+
     def close(self) -> None:
+        self._executor.submit(self._write_unwritten).result()
         self._executor.submit(self.journal.close).result()
         self._executor.shutdown(wait=True)
 

@@ -15,12 +15,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+from starlette.types import Message, Receive, Scope, Send
 
 from config import load_settings
 from proxy.errors import StorageError, StorageFull
 from store import Journal, JournalUnavailable, JournalWriter, open_journal
 from tests.conftest import app_client, chat
-from tests.fakes import FakeUpstream
+from tests.fakes import FakeUpstream, receive_body
 from tests.test_journal import incoming, record, run
 
 CTXPROXY = str(Path(sys.executable).with_name("ctxproxy"))
@@ -176,6 +177,42 @@ def test_a_full_disk_is_507_storage_full_and_the_proxy_recovers_once_there_is_ro
             again = client.post("/v1/chat/completions", json=chat(big))
             assert again.status_code == 200, again.text
             assert client.get("/ctx/sessions").json()["sessions"]
+
+
+class FillingUpstream(FakeUpstream):
+    """The fake upstream, except that a chat saying ``fill the disk`` fills it before the answer: the request's
+    row is written, its answer's row cannot be."""
+
+    def __init__(self, filler: Path) -> None:
+        super().__init__()
+        self.filler = filler
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = await receive_body(receive) if scope["type"] == "http" else b""
+        if b"fill the disk" in body:
+            _fill(self.filler)
+
+        async def replay() -> Message:
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await super().__call__(scope, replay if scope["type"] == "http" else receive, send)
+
+
+def test_an_answer_the_full_disk_kept_out_is_journaled_once_there_is_room_and_the_session_continues(
+        tmp_path: Path) -> None:
+    with small_disk(tmp_path / "disk") as disk:
+        settings = load_settings(env={"CTXPROXY_DATA_DIR": str(disk / "data"), "CTXPROXY_UPSTREAM": "http://u.test/v1"})
+        with app_client(settings, httpx.ASGITransport(app=FillingUpstream(disk / "filler"))) as client:
+            first = client.post("/v1/chat/completions", json=chat("please fill the disk " + "x" * 30_000))
+            (disk / "filler").unlink()
+            second = client.post("/v1/chat/completions", json=chat("please fill the disk " + "x" * 30_000,
+                                                                    "echo: done", "and now?"))
+            assert second.status_code == 200, second.text
+            assert second.headers["x-ctx-session"] == first.headers["x-ctx-session"]  # continued, not forked
+        journal = Journal(disk / "data" / "journal.db")
+        answered = journal.request(1)
+        journal.close()
+        assert answered is not None and [r["outcome"] for r in answered["responses"]] == ["ok"]
 
 
 def test_a_journal_call_that_hits_a_full_database_raises_storage_full(tmp_path: Path) -> None:
