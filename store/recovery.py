@@ -33,9 +33,14 @@ class RecoveryMixin:
         return cursor.rowcount
 
     def probe_write(self) -> None:
-        """Take the write lock and let it go: raises now, not at the first request, if the file is read-only."""
+        """Write, and roll it back: raises now, not at the first request, if the file is read-only. (Taking the
+        write lock is not enough: SQLite grants it on a file it opened read-only, and refuses the first page.)"""
+        version = self.conn.execute("PRAGMA user_version").fetchone()[0]
         self.conn.execute("BEGIN IMMEDIATE")
-        self.conn.execute("ROLLBACK")
+        try:
+            self.conn.execute(f"PRAGMA user_version = {int(version)}")
+        finally:
+            self.conn.execute("ROLLBACK")
 
     def integrity_problems(self, limit: int = 5) -> list[str]:
         """``PRAGMA quick_check``: what is wrong with the file (the first few), or nothing. O(size), no index

@@ -93,11 +93,11 @@ def test_a_file_that_is_not_a_journal_is_one_clear_line(tmp_path: Path, command:
 
 
 @contextlib.contextmanager
-def read_only(directory: Path) -> Iterator[None]:
-    """``directory`` read-only for this process: a read-only bind mount for root (whom modes do not stop), the
-    modes otherwise."""
+def read_only(target: Path) -> Iterator[None]:
+    """``target`` (a directory and its files, or one file) read-only for this process: a read-only bind mount for
+    root (whom modes do not stop), the modes otherwise."""
     if os.geteuid() != 0:
-        modes = {p: p.stat().st_mode for p in [directory, *directory.iterdir()]}
+        modes = {p: p.stat().st_mode for p in [target, *(target.iterdir() if target.is_dir() else [])]}
         for p in modes:
             p.chmod(0o555 if p.is_dir() else 0o444)
         try:
@@ -106,14 +106,14 @@ def read_only(directory: Path) -> Iterator[None]:
             for p, mode in modes.items():
                 p.chmod(mode)
         return
-    mounted = subprocess.run(f"mount --bind {directory} {directory} && mount -o remount,ro,bind {directory}",
+    mounted = subprocess.run(f"mount --bind {target} {target} && mount -o remount,ro,bind {target}",
                              shell=True, capture_output=True, check=False)
     if mounted.returncode:
         pytest.skip(f"cannot mount read-only: {mounted.stderr.decode().strip()}")
     try:
         yield
     finally:
-        _unmount(directory)
+        _unmount(target)
 
 
 def _unmount(directory: Path) -> None:
@@ -130,6 +130,12 @@ def test_a_read_only_data_dir_is_one_clear_line(tmp_path: Path, command: list[st
     path = _journal_with_rows(data, rounds=2)
     with read_only(data):
         _refused(_ctxproxy(*command, data=data), path, "read-only", "writable")
+
+
+def test_a_read_only_journal_file_is_refused_at_start_not_at_the_first_request(tmp_path: Path) -> None:
+    path = _journal_with_rows(tmp_path, rounds=2)
+    with read_only(path):
+        _refused(_ctxproxy("serve", "--port", "9", data=tmp_path), path, "read-only", "writable")
 
 
 @contextlib.contextmanager
