@@ -53,6 +53,10 @@ class RetentionMixin:
             self.conn.commit()
         return report
 
+    def data_version(self) -> int:
+        """Changes when another connection (``ctxproxy prune``) committed since this one last looked."""
+        return int(self.conn.execute("PRAGMA data_version").fetchone()[0])
+
     def vacuum(self) -> None:
         """Give the freed pages back to the file system (rewrites the file: needs as much free space again)."""
         self.conn.execute("VACUUM")

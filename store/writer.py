@@ -44,12 +44,17 @@ class JournalWriter:
         self.journal = journal
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ctxproxy-journal")
         self._unwritten: deque[tuple[object, ...]] = deque(maxlen=UNWRITTEN)
+        self._data_version: int | None = None
+        self.generation = 0
+        """Counts the times another process wrote the journal (``ctxproxy prune``): what the proxy remembers of
+        its sessions (``proxy.context``) is keyed by it, so nothing read before such a write is used after."""
 
     async def call(self, method: Callable[..., T], *args: object) -> T:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, functools.partial(self._guarded, method, *args))
 
     def _guarded(self, method: Callable[..., T], *args: object) -> T:
+        self._notice_other_writers()
         self._write_unwritten()
         try:
             return method(self.journal, *args)
@@ -60,6 +65,15 @@ class JournalWriter:
             if method is Journal.record_response:
                 self._unwritten.append(args)
             raise error from exc
+
+    def _notice_other_writers(self) -> None:
+        try:
+            version = self.journal.data_version()
+        except sqlite3.Error:
+            return  # the call itself will meet the same failure, and report it
+        if self._data_version is not None and version != self._data_version:
+            self.generation += 1
+        self._data_version = version
 
     def _write_unwritten(self) -> None:
         while self._unwritten:

@@ -89,13 +89,17 @@ def test_pruning_everything_then_vacuum_leaves_an_empty_working_journal(journal:
     record(journal, incoming(run(1)[-1], n=1))  # and it takes requests again
 
 
+def _spilling_messages(opening: str) -> list[dict[str, Any]]:
+    big = f"{opening}: line of output\n" * 2000
+    return [{"role": "system", "content": "sys"}, {"role": "user", "content": opening},
+            {"role": "assistant", "content": None,
+             "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "sh", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": big}]
+
+
 def _spilling(client: Any, opening: str) -> tuple[str, str]:
     """A request whose tool result spills on arrival: its session and the stub's overflow id."""
-    big = f"{opening}: line of output\n" * 2000
-    messages = [{"role": "system", "content": "sys"}, {"role": "user", "content": opening},
-                {"role": "assistant", "content": None,
-                 "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "sh", "arguments": "{}"}}]},
-                {"role": "tool", "tool_call_id": "call_1", "content": big}]
+    messages = _spilling_messages(opening)
     answer = client.post("/v1/chat/completions", json={"model": "m", "messages": messages})
     assert answer.status_code == 200
     journal = Journal(Path(client.app_state_dir) / "journal.db")
@@ -126,6 +130,26 @@ def test_ctxproxy_prune_while_serving_keeps_the_stubs_of_the_remaining_sessions_
         assert client.get(f"/ctx/sessions/{old}").status_code == 404
     assert main(["sessions", "--json", "--data-dir", str(data)]) == 0
     assert [s["id"] for s in json.loads(capsys.readouterr().out)] == [new]
+
+
+def test_a_session_pruned_while_serving_starts_anew_when_its_client_comes_back(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    settings = load_settings(env={"CTXPROXY_DATA_DIR": str(data), "CTXPROXY_UPSTREAM": "http://u.test/v1"})
+    fake = FakeUpstream()
+    with app_client(settings, httpx.ASGITransport(app=fake)) as client:
+        client.app_state_dir = str(data)  # type: ignore[attr-defined]
+        session, _ = _spilling(client, "a task")
+        assert main(["prune", "--older-than", "0s", "--data-dir", str(data)]) == 0
+        more = [*_spilling_messages("a task"), {"role": "assistant", "content": "done"},
+                {"role": "user", "content": "and then?"}]
+        again = client.post("/v1/chat/completions", json={"model": "m", "messages": more})
+        assert again.status_code == 200, again.text
+        assert again.headers["x-ctx-session"] == session  # the same id, a new session: its history went
+        stubs = [m["content"] for m in fake.last_chat.json()["messages"] if "[overflow id=" in (m["content"] or "")]
+        assert stubs  # what the proxy remembered of the pruned session is not used: every stub restores
+        for stub in stubs:
+            oid = stub.split("[overflow id=")[1].split()[0]
+            assert client.get(f"/ctx/sessions/{session}/overflow/{oid}").status_code == 200
 
 
 @pytest.mark.parametrize("duration", ["30", "d", "1 d", "3y", "1.5h"])
