@@ -155,14 +155,14 @@ def small_disk(directory: Path, size: str = "2m") -> Iterator[Path]:
 
 
 def _fill(path: Path) -> None:
-    """Write ``path`` until the disk has no room left."""
-    with path.open("wb") as f:
-        try:
-            while True:
-                f.write(b"\0" * 65536)
-                f.flush()
-        except OSError as exc:
-            assert exc.errno == errno.ENOSPC
+    """Write ``path`` until the disk has not one page left."""
+    with path.open("wb", buffering=0) as f:
+        for chunk in (1 << 16, 1 << 12):
+            try:
+                while True:
+                    f.write(b"\0" * chunk)
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC
 
 
 def test_a_full_disk_is_507_storage_full_and_the_proxy_recovers_once_there_is_room(tmp_path: Path) -> None:
