@@ -40,17 +40,26 @@ class RetentionMixin:
     conn: sqlite3.Connection
 
     def prune(self, before: str, dry_run: bool = False) -> PruneReport:
-        """Remove the sessions last active before ``before`` (an ISO timestamp, as the journal writes them)."""
-        self.conn.execute("BEGIN IMMEDIATE")
+        """Remove the sessions last active before ``before`` (an ISO timestamp, as the journal writes them).
+
+        Foreign keys are checked once, over the whole result, rather than per deleted row: most child columns
+        (``requests.list_id``, ``message_lists.base_id``...) have no index, and a row-by-row check made a prune
+        of 5 000 requests take 13 s instead of a fraction of one."""
+        self.conn.execute("PRAGMA foreign_keys = OFF")  # outside a transaction: inside one it is a no-op
         try:
-            report = self._prune(before, dry_run)
-        except BaseException:
-            self.conn.rollback()
-            raise
-        if dry_run:
-            self.conn.rollback()
-        else:
-            self.conn.commit()
+            self.conn.execute("BEGIN IMMEDIATE")
+            try:
+                report = self._prune(before, dry_run)
+                _no_dangling_rows(self.conn)
+            except BaseException:
+                self.conn.rollback()
+                raise
+            if dry_run:
+                self.conn.rollback()
+            else:
+                self.conn.commit()
+        finally:
+            self.conn.execute("PRAGMA foreign_keys = ON")
         return report
 
     def data_version(self) -> int:
@@ -74,6 +83,12 @@ class RetentionMixin:
         chars = [r[0] for r in self.conn.execute(_DELETE_BLOBS).fetchall()]
         return PruneReport(sessions, idle - len(sessions), counts[_REQUESTS], lists, len(chars), sum(chars),
                            dry_run)
+
+
+def _no_dangling_rows(conn: sqlite3.Connection) -> None:
+    dangling = conn.execute("PRAGMA foreign_key_check").fetchmany(3)
+    if dangling:  # a row still refers to one the prune removed: nothing is removed
+        raise sqlite3.IntegrityError(f"prune would leave rows referring to removed ones: {dangling}")
 
 
 _CHOOSE = """
