@@ -1,14 +1,17 @@
 """The ASGI app: ``create_app(settings)`` wires routes, error rendering and the lifespan.
 
 The lifespan owns the one upstream transport (connection pool) and the journals (starlette's lifespan pattern);
-nothing is built at import time. ``upstream_transport`` lets in-process tests put an ``httpx.MockTransport`` (or
-``ASGITransport``) where the network is; by default it is ``proxy.transport.AiohttpTransport``.
+nothing is built at import time. Starting, it checks the journal (whole, writable) and marks the requests a crash
+left in flight ``interrupted`` (``store.failures``, ``store.recovery``). ``upstream_transport`` lets in-process
+tests put an ``httpx.MockTransport`` (or ``ASGITransport``) where the network is; by default it is
+``proxy.transport.AiohttpTransport``.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from datetime import UTC, datetime
 
 import httpx
 from fastapi import FastAPI
@@ -31,7 +34,7 @@ from proxy.state import AppState
 from proxy.transport import AiohttpTransport
 from proxy.upstream import Upstream, client_headers, response_headers, with_headers
 from proxy.window import WindowDetector
-from store import Journal, JournalWriter
+from store import Journal, JournalWriter, open_journal
 
 __all__ = ["create_app"]
 
@@ -64,7 +67,10 @@ def _lifespan(settings: Settings, transport: httpx.AsyncBaseTransport | None, ad
               ) -> Callable[[Starlette], AbstractAsyncContextManager[None]]:
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        journal = JournalWriter(Journal(settings.data_path / "journal.db", settings.journal_sync))
+        journal = JournalWriter(open_journal(settings.data_path / "journal.db", settings.journal_sync, check=True))
+        marked = await journal.call(Journal.mark_interrupted, datetime.now(UTC).isoformat(timespec="milliseconds"))
+        if marked:
+            log.warning("%d requests were in flight when ctxproxy last stopped: journaled as interrupted", marked)
         incognito = JournalWriter(Journal(None))
         upstream = Upstream(settings.upstream, transport or AiohttpTransport(), settings.upstream_connect_timeout,
                             settings.upstream_timeout)

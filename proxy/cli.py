@@ -13,13 +13,15 @@ import os
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 from config import Settings, SettingsError, load_settings
 from proxy import __version__
 from proxy.tables import render_table
-from store import Journal
+from store import Journal, JournalUnavailable, open_journal
+from store.failures import storage_errors
 
 __all__ = ["main"]
 
@@ -46,7 +48,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SettingsError as exc:
         print(f"ctxproxy: {exc}", file=sys.stderr)
         return 2
-    return int(args.run(settings, args))
+    try:
+        with storage_errors(_journal_path(settings)):
+            return int(args.run(settings, args))
+    except JournalUnavailable as exc:  # a full, read-only or corrupt journal: its path and the fix, no traceback
+        print(f"ctxproxy: {exc}", file=sys.stderr)
+        return 2
+
+
+def _journal_path(settings: Settings) -> Path:
+    return settings.data_path / "journal.db"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -64,6 +75,13 @@ def _parser() -> argparse.ArgumentParser:
                       _doctor)
     doctor.add_argument("--upstream", help="OpenAI-compatible base URL to check")
     doctor.add_argument("--model", help="the model whose window to look up")
+    prune = _command(commands, "prune", "remove sessions idle for longer than DURATION, and the bodies only they "
+                     "referred to", _prune)
+    prune.add_argument("--older-than", dest="older_than", required=True, type=_duration, metavar="DURATION",
+                       help="idle time: a number and s, m, h, d or w (30d, 12h)")
+    prune.add_argument("--dry-run", dest="dry_run", action="store_true", help="print what would go, change nothing")
+    prune.add_argument("--vacuum", action="store_true",
+                       help="then shrink the file (rewrites it: needs as much free space again)")
     show = _command(commands, "show", "show one session and its journal", _show)
     show.add_argument("session_id")
     show.add_argument("--limit", type=int, default=200, help="journal entries to print (default 200)")
@@ -92,6 +110,7 @@ def _serve(settings: Settings, args: argparse.Namespace) -> int:
 
     from proxy.app import create_app
 
+    open_journal(_journal_path(settings), settings.journal_sync, check=True).close()  # refused here: no traceback
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level,
                 proxy_headers=False, server_header=False, access_log=settings.access_log)
     return 0
@@ -126,11 +145,11 @@ def _replay(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _open_journal(settings: Settings) -> Journal | None:
-    path = settings.data_path / "journal.db"
+    path = _journal_path(settings)
     if not path.exists():
         print(f"No journal at {path} yet: start `ctxproxy serve` and send it a request.", file=sys.stderr)
         return None
-    return Journal(path, settings.journal_sync)
+    return open_journal(path, settings.journal_sync)
 
 
 def _sessions(settings: Settings, args: argparse.Namespace) -> int:
@@ -169,6 +188,35 @@ def _scorecard(settings: Settings, args: argparse.Namespace) -> int:
     print(render_table(table, _SCORE_COLUMNS))
     means = aggregate(rows)
     print("\nmeans: " + ", ".join(f"{k.removeprefix('avg_')} {v}" for k, v in means.items() if v is not None))
+    return 0
+
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def _duration(text: str) -> timedelta:
+    number, unit = text[:-1], text[-1:]
+    if not number.isdigit() or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration: write a number and s, m, h, d or w (30d)")
+    return timedelta(seconds=int(number) * _UNITS[unit])
+
+
+def _prune(settings: Settings, args: argparse.Namespace) -> int:
+    journal = _open_journal(settings)
+    if journal is None:
+        return 1
+    cutoff = (datetime.now(UTC) - args.older_than).isoformat(timespec="milliseconds")
+    report = journal.prune(cutoff, dry_run=args.dry_run)
+    if args.vacuum and not args.dry_run:
+        journal.vacuum()
+    if args.json:
+        print(json.dumps(asdict(report) | {"cutoff": cutoff}, indent=2))
+        return 0
+    verb = "Would remove" if report.dry_run else "Removed"
+    print("\n".join(report.sessions) + ("\n" if report.sessions else ""), end="")
+    print(f"{verb} {len(report.sessions)} sessions idle since before {cutoff}: {report.requests} requests, "
+          f"{report.blobs} bodies ({report.blob_chars:,} characters). Kept {report.kept_for_children} idle sessions "
+          "that a newer session descends from.")
     return 0
 
 

@@ -4,7 +4,8 @@ Per session: its decisions (the journal's, in order), the state the last project
 costs only its new messages), the calibration ratio per model, and the list that last went upstream (the base of
 the next forward's delta in the journal). All of it can be rebuilt from the journal: on a miss (a restart, an
 evicted session) the decisions and calibration samples are read back, and the first projection recomputes from
-the decisions, which gives the same bytes.
+the decisions, which gives the same bytes. When another process wrote the journal (``ctxproxy prune``), every
+session is read back again (``JournalWriter.generation``).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class SessionContexts:
     """A bounded LRU of session contexts; a session's lock is held whenever its context is used."""
 
     def __init__(self, capacity: int = 256) -> None:
-        self._items: OrderedDict[tuple[int, str], SessionContext] = OrderedDict()
+        self._items: OrderedDict[tuple[int, int, str], SessionContext] = OrderedDict()
         self._capacity = capacity
         self.models: dict[str | None, Calibration] = {}
         """The latest calibration per model, across sessions: a new session starts from it."""
@@ -55,7 +56,7 @@ class SessionContexts:
         """Windows the upstream proved smaller than configured or detected (it refused a prompt as too long)."""
 
     async def get(self, writer: JournalWriter, session_id: str, model: str | None) -> SessionContext:
-        key = (id(writer), session_id)
+        key = (id(writer), writer.generation, session_id)  # a prune may have removed what an older one holds
         context = self._items.pop(key, None) or await self._load(writer, session_id, model)
         self._items[key] = context
         if len(self._items) > self._capacity:
@@ -64,7 +65,7 @@ class SessionContexts:
 
     def drop(self, writer: JournalWriter, session_id: str) -> None:
         """Forget a session's working state; the next request reloads it from the journal."""
-        self._items.pop((id(writer), session_id), None)
+        self._items.pop((id(writer), writer.generation, session_id), None)
 
     async def _load(self, writer: JournalWriter, session_id: str, model: str | None) -> SessionContext:
         rows = await writer.call(Journal.decisions, session_id)

@@ -20,6 +20,8 @@ __all__ = [
     "NotFound",
     "PayloadTooLarge",
     "ProxyLoop",
+    "StorageError",
+    "StorageFull",
     "Unauthorized",
     "UpstreamBrokeOff",
     "UpstreamMalformed",
@@ -93,6 +95,19 @@ class UpstreamMalformed(CtxError):
 
 class UpstreamTimeout(CtxError):
     status, type, code = 504, "upstream_error", "upstream_timeout"
+
+
+class StorageFull(CtxError):
+    """The journal's disk is full: the request was refused before anything was forwarded; the proxy stays up
+    and takes requests again once there is room (507 Insufficient Storage, RFC 4918 §11.5)."""
+
+    status, type, code = 507, "server_error", "storage_full"
+
+
+class StorageError(CtxError):
+    """The journal cannot be written or read (read-only, corrupt, I/O error); the message names the file."""
+
+    status, type, code = 503, "server_error", "storage_error"
 
 
 def envelope(message: str, type_: str, param: str | None, code: str | None) -> bytes:

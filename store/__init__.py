@@ -1,14 +1,18 @@
 """Persistence for ctxproxy. Every SQL string of the project lives in this package."""
 
 from store.cuts import ForwardRecord, OverflowBody
+from store.failures import JournalUnavailable, open_journal
 from store.journal import IncomingRequest, Journal, RecordedRequest, ResponseRecord, prefix_digest
+from store.retention import PruneReport
 from store.writer import JournalWriter
 
 __all__ = [
     "ForwardRecord",
-    "IncomingRequest", "Journal", "JournalWriter",
+    "IncomingRequest", "Journal", "JournalUnavailable", "JournalWriter",
     "OverflowBody",
+    "PruneReport",
     "RecordedRequest",
     "ResponseRecord",
+    "open_journal",
     "prefix_digest",
 ]

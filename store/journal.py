@@ -25,6 +25,8 @@ from sqlite_utils import Database
 
 from store.cuts import CutsMixin, ForwardRecord
 from store.migrations import migrations
+from store.recovery import ANSWERED, INTERRUPTED, RecoveryMixin
+from store.retention import RetentionMixin
 
 __all__ = ["IncomingRequest", "Journal", "RecordedRequest", "ResponseRecord", "prefix_digest"]
 
@@ -88,6 +90,8 @@ class _Head:
     updated_at: str
     pending: int = 0
     """1 while the head's own request has no answer yet: nothing can continue it before that answer exists."""
+    interrupted: int = 0
+    """1 when the head's own request was in flight when the proxy died (``store.recovery``)."""
 
 
 @dataclass(frozen=True)
@@ -101,10 +105,11 @@ class _Placement:
     parent_id: str | None
 
 
-class Journal(CutsMixin):
+class Journal(CutsMixin, RecoveryMixin, RetentionMixin):
     """One SQLite database. ``path=None`` keeps everything in memory (incognito: nothing touches the disk)."""
 
     def __init__(self, path: Path | None, sync: str = "normal") -> None:
+        self.path = path
         if path is None:
             conn = sqlite3.connect(":memory:", check_same_thread=False)
         else:
@@ -159,7 +164,7 @@ class Journal(CutsMixin):
                 return self._open(req, req.session_name, parent=None, shared=0, fingerprint=None)
             return _Placement(head, head.list_id, self._common_with(head, req.hashes), False, None)
         candidates = self._heads_by_fingerprint(req.fingerprint)
-        head = _continued(candidates, req.hashes)
+        head = _continued(candidates, req.hashes, self._answered_heads(candidates))
         if head is not None:
             return _Placement(head, head.list_id, head.length, False, None)
         parent, shared = self._closest(candidates[-_FORK_CANDIDATES:], req.hashes)
@@ -248,12 +253,28 @@ class Journal(CutsMixin):
 
     def _heads_by_fingerprint(self, fingerprint: str) -> list[_Head]:
         rows = self.conn.execute(
-            "SELECT s.id, s.head_list_id, s.head_len, s.head_digest, s.updated_at,"
-            " NOT EXISTS (SELECT 1 FROM responses p WHERE p.request_id ="
-            "  (SELECT MAX(r.id) FROM requests r WHERE r.session_id = s.id)) AS pending"
-            " FROM sessions s WHERE s.fingerprint = ? ORDER BY s.updated_at, s.id", [fingerprint]
+            "SELECT h.id, h.head_list_id, h.head_len, h.head_digest, h.updated_at,"
+            f" NOT {ANSWERED.format(request='h.last')},"
+            f" EXISTS (SELECT 1 FROM responses p WHERE p.request_id = h.last AND p.outcome = '{INTERRUPTED}')"
+            " FROM (SELECT s.*, (SELECT MAX(r.id) FROM requests r WHERE r.session_id = s.id) AS last"
+            "       FROM sessions s WHERE s.fingerprint = ?) h ORDER BY h.updated_at, h.id", [fingerprint]
         ).fetchall()
         return [_Head(*row) for row in rows]
+
+    def _answered_heads(self, candidates: Sequence[_Head]) -> list[_Head]:
+        """For a session whose last request was interrupted: its history as of its last answered request, which
+        the client's next step after the crash may extend instead of retrying the lost one."""
+        out: list[_Head] = []
+        for head in (h for h in candidates if h.interrupted):
+            row = self.conn.execute(
+                "SELECT r.list_id, r.received_at FROM requests r WHERE r.session_id = ?"
+                f" AND {ANSWERED.format(request='r.id')} AND NOT EXISTS (SELECT 1 FROM responses p"
+                f" WHERE p.request_id = r.id AND p.outcome = '{INTERRUPTED}') ORDER BY r.id DESC LIMIT 1",
+                [head.id]).fetchone()
+            if row is not None:
+                hashes = self.message_hashes(int(row[0]))
+                out.append(_Head(head.id, int(row[0]), len(hashes), prefix_digest(hashes), row[1]))
+        return out
 
     def message_hashes(self, list_id: int) -> list[str]:
         """Rebuild a delta-encoded list by walking its bases (newest first), then concatenating."""
@@ -313,19 +334,28 @@ _FORK_CANDIDATES = 8
 """A new run's parent is looked for among the most recently active sessions of its opening only."""
 
 
-def _continued(candidates: Sequence[_Head], hashes: Sequence[str]) -> _Head | None:
+def _continued(candidates: Sequence[_Head], hashes: Sequence[str], answered: Sequence[_Head] = ()) -> _Head | None:
     """The session this request continues, if any.
 
     A continuation carries the head and more (the head's answer, the next result). A request that merely
     equals a head is a retry, or a second run replaying the same first steps: it goes where it strictly extends
     a head if such a session exists (so two runs never swap sessions), else to the equal one. A head whose own
-    request is still unanswered cannot be continued yet: a request matching it is a parallel run.
+    request is still unanswered cannot be continued yet: a request matching it is a parallel run. A session
+    whose last request was interrupted by a crash is also continued from ``answered``, its last answered history
+    (then from the longest of its two heads the request extends).
     """
-    matching = [h for h in candidates if not h.pending and h.length <= len(hashes)
-                and prefix_digest(hashes[: h.length]) == h.digest]
+    matching = [h for h in candidates if not h.pending and _extends(hashes, h)]
+    matching += [h for h in answered if _extends(hashes, h)]
     strict = [h for h in matching if h.length < len(hashes)]
     chosen = strict or matching
-    return max(chosen, key=lambda h: (h.length, h.updated_at)) if chosen else None
+    if not chosen:
+        return None
+    best = max(chosen, key=lambda h: (h.length, h.updated_at))
+    return max((h for h in matching if h.id == best.id), key=lambda h: h.length)
+
+
+def _extends(hashes: Sequence[str], head: _Head) -> bool:
+    return head.length <= len(hashes) and prefix_digest(hashes[: head.length]) == head.digest
 
 
 def _int_or_none(value: Any) -> int | None:

@@ -1,9 +1,11 @@
 """The journal's schema, as sqlite-utils migrations applied when a ``Journal`` is opened.
 
-The journal is append-only: every table but ``sessions`` only ever receives inserts. Message bodies and request
-parameters are content-addressed (stored once, whatever the number of requests that carry them) and each
-request's message list is delta-encoded against the session's previous list, so a session of R rounds costs
-O(total bytes), not O(R²).
+The journal is append-only: every table but ``sessions`` only ever receives inserts (the one exception is the
+operator's ``ctxproxy prune``, ``store.retention``, which deletes idle sessions whole). A request a crash left
+unanswered gets one more ``responses`` row, outcome ``interrupted`` and status 0 (``store.recovery``). Message
+bodies and request parameters are content-addressed (stored once, whatever the number of requests that carry
+them) and each request's message list is delta-encoded against the session's previous list, so a session of R
+rounds costs O(total bytes), not O(R²).
 """
 
 from __future__ import annotations

@@ -3,21 +3,38 @@
 SQLite allows one writer at a time; rather than contend for the lock, all calls (writes and the few operator
 reads) are queued on a single-thread executor that owns the connection, as datasette's write thread does. The
 event loop only awaits a future, so a commit never blocks other requests.
+
+A storage failure (disk full, a read-only or corrupt file, an I/O error) leaves here as the proxy's own error,
+``StorageFull`` (507) or ``StorageError`` (503), whose message names the file and the fix (``store.failures``):
+the request handlers render it like any other. Each call is its own transaction, rolled back on failure, so the
+next call starts clean: once the disk has room again, requests are journaled again.
+
+An answer that could not be journaled that way (often after the client got it) is kept in memory and written
+before the next call: left unwritten, its request would look in flight until the next restart, and the
+session's next request would fork it (``store.journal._continued``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import sqlite3
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+from proxy.errors import CtxError, StorageError, StorageFull
+from store.failures import explain
 from store.journal import Journal
 
 __all__ = ["JournalWriter"]
 
 T = TypeVar("T")
+
+UNWRITTEN = 10_000
+"""Answers kept in memory while the disk is full; beyond, the oldest are dropped (a restart marks their requests
+interrupted)."""
 
 
 class JournalWriter:
@@ -26,11 +43,61 @@ class JournalWriter:
     def __init__(self, journal: Journal) -> None:
         self.journal = journal
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ctxproxy-journal")
+        self._unwritten: deque[tuple[object, ...]] = deque(maxlen=UNWRITTEN)
+        self._data_version: int | None = None
+        self.generation = 0
+        """Counts the times another process wrote the journal (``ctxproxy prune``): what the proxy remembers of
+        its sessions (``proxy.context``) is keyed by it, so nothing read before such a write is used after."""
 
     async def call(self, method: Callable[..., T], *args: object) -> T:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, functools.partial(method, self.journal, *args))
+        return await loop.run_in_executor(self._executor, functools.partial(self._guarded, method, *args))
+
+    def _guarded(self, method: Callable[..., T], *args: object) -> T:
+        self._notice_other_writers()
+        self._write_unwritten()
+        try:
+            return method(self.journal, *args)
+        except sqlite3.Error as exc:
+            error = storage_error(exc, self.journal)
+            if error is None:
+                raise
+            if method is Journal.record_response:
+                self._unwritten.append(args)
+            raise error from exc
+
+    def _notice_other_writers(self) -> None:
+        try:
+            version = self.journal.data_version()
+        except sqlite3.Error:
+            return  # the call itself will meet the same failure, and report it
+        if self._data_version is not None and version != self._data_version:
+            self.generation += 1
+        self._data_version = version
+
+    def _write_unwritten(self) -> None:
+        while self._unwritten:
+            try:
+                Journal.record_response(self.journal, *self._unwritten[0])  # type: ignore[arg-type]
+            except sqlite3.IntegrityError:
+                pass  # written after all (or its request is gone): nothing left to do for it
+            except sqlite3.Error:
+                return  # still no room: kept for the next call
+            self._unwritten.popleft()
 
     def close(self) -> None:
+        self._executor.submit(self._write_unwritten).result()
         self._executor.submit(self.journal.close).result()
         self._executor.shutdown(wait=True)
+
+
+def storage_error(exc: sqlite3.Error, journal: Journal) -> CtxError | None:
+    """The proxy's own error for a storage failure; None for anything else (a constraint, a misuse: a bug, which
+    stays as it is, for the log and a 500)."""
+    problem = explain(exc, journal.path)
+    if problem.kind == "full":
+        return StorageFull(problem.message)
+    if problem.kind != "unavailable" or isinstance(exc, sqlite3.OperationalError):
+        return StorageError(problem.message)
+    return None
+

@@ -1,0 +1,62 @@
+"""What a restart owes the journal: requests a crash left unanswered, and a check that the file is whole.
+
+A mixin of ``Journal``. A request is *answered* once it has a final response row: any outcome but the interim
+ones the proxy writes between its own rounds (``context_round``, ``context_overflow``: another attempt always
+follows). A request without one when a server starts was in flight when the previous process died (SIGKILL, OOM,
+power loss): ``mark_interrupted`` gives it a final row, outcome ``interrupted``, so it never looks in flight
+again (its session's head is then free to be continued by the client's retry, see ``store.journal``). The
+journal stays append-only: the mark is one more response row, for the attempt that never got its answer.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+
+__all__ = ["ANSWERED", "INTERRUPTED", "RecoveryMixin"]
+
+INTERRUPTED = "interrupted"
+
+ANSWERED = ("EXISTS (SELECT 1 FROM responses p WHERE p.request_id = {request}"
+            " AND p.outcome NOT IN ('context_round', 'context_overflow'))")
+"""SQL: the request whose id is the expression ``{request}`` has its final answer."""
+
+
+class RecoveryMixin:
+    conn: sqlite3.Connection
+
+    def mark_interrupted(self, now: str) -> int:
+        """Give every request still in flight a final ``interrupted`` row, for the attempt that was never
+        answered; returns how many. Only a server starting on its data dir calls this, never a reader: a
+        request in flight in a running server is not interrupted."""
+        with self.conn:
+            cursor = self.conn.execute(_MARK, [now])
+        return cursor.rowcount
+
+    def probe_write(self) -> None:
+        """Write, and roll it back: raises now, not at the first request, if the file is read-only. (Taking the
+        write lock is not enough: SQLite grants it on a file it opened read-only, and refuses the first page.)"""
+        version = self.conn.execute("PRAGMA user_version").fetchone()[0]
+        self.conn.execute("BEGIN IMMEDIATE")
+        try:
+            self.conn.execute(f"PRAGMA user_version = {int(version)}")
+        finally:
+            self.conn.execute("ROLLBACK")
+
+    def integrity_problems(self, limit: int = 5) -> list[str]:
+        """``PRAGMA quick_check``: what is wrong with the file (the first few), or nothing. O(size), no index
+        cross-check (``integrity_check`` would be slower still, for little more)."""
+        rows = self.conn.execute(f"PRAGMA quick_check({int(limit)})").fetchall()
+        return [str(r[0]) for r in rows if r[0] != "ok"]
+
+
+_MARK = f"""
+INSERT INTO responses (request_id, attempt, outcome, status, body, finished_at)
+SELECT r.id,
+       MAX(COALESCE((SELECT MAX(p.attempt) + 1 FROM responses p WHERE p.request_id = r.id), 0),
+           COALESCE((SELECT MAX(f.attempt) FROM forwards f WHERE f.request_id = r.id), 0)),
+       '{INTERRUPTED}', 0,
+       'ctxproxy stopped (killed or crashed) before this request was answered; marked when it started again.',
+       ?1
+  FROM requests r
+ WHERE NOT {ANSWERED.format(request="r.id")}
+"""

@@ -1,0 +1,133 @@
+"""Retention: ``prune`` removes the sessions idle since before a cutoff, and what only they referred to.
+
+The journal is append-only while the proxy runs; pruning is the one deliberate exception, run by the operator
+(``ctxproxy prune --older-than 30d``). What goes, in one transaction:
+
+- every session last active before the cutoff, *unless* a remaining session descends from it: a forked child
+  inherits its parent's decisions and may restore the bodies its parent cut (``CutsMixin._ancestry``), so a
+  parent stays, whole, as long as any descendant does;
+- their requests, forwards, answers, decisions, context ops and overflow rows;
+- message lists no remaining request, forward or session head reaches (through the delta encoding's bases);
+- content-addressed blobs (messages, parameters, cut bodies) nothing remaining refers to: a body two sessions
+  cut, or a message two sessions share, stays while either does.
+
+A dry run does the same work and rolls it back, so what it reports is exactly what a real run would remove.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from dataclasses import dataclass
+
+__all__ = ["PruneReport", "RetentionMixin"]
+
+
+@dataclass(frozen=True)
+class PruneReport:
+    sessions: list[str]
+    """The sessions removed (or that a dry run would remove), oldest activity first."""
+    kept_for_children: int
+    """Sessions idle since before the cutoff, kept because a remaining session descends from them."""
+    requests: int
+    lists: int
+    blobs: int
+    blob_chars: int
+    """The characters of the removed blobs' JSON bodies: about the bytes freed in the file."""
+    dry_run: bool
+
+
+class RetentionMixin:
+    conn: sqlite3.Connection
+
+    def prune(self, before: str, dry_run: bool = False) -> PruneReport:
+        """Remove the sessions last active before ``before`` (an ISO timestamp, as the journal writes them).
+
+        Foreign keys are checked once, over the whole result, rather than per deleted row: most child columns
+        (``requests.list_id``, ``message_lists.base_id``...) have no index, and a row-by-row check made a prune
+        of 5 000 requests take 13 s instead of a fraction of one."""
+        self.conn.execute("PRAGMA foreign_keys = OFF")  # outside a transaction: inside one it is a no-op
+        try:
+            self.conn.execute("BEGIN IMMEDIATE")
+            try:
+                report = self._prune(before, dry_run)
+                _no_dangling_rows(self.conn)
+            except BaseException:
+                self.conn.rollback()
+                raise
+            if dry_run:
+                self.conn.rollback()
+            else:
+                self.conn.commit()
+        finally:
+            self.conn.execute("PRAGMA foreign_keys = ON")
+        return report
+
+    def data_version(self) -> int:
+        """Changes when another connection (``ctxproxy prune``) committed since this one last looked."""
+        return int(self.conn.execute("PRAGMA data_version").fetchone()[0])
+
+    def vacuum(self) -> None:
+        """Give the freed pages back to the file system (rewrites the file: needs as much free space again)."""
+        self.conn.execute("VACUUM")
+
+    def _prune(self, before: str, dry_run: bool) -> PruneReport:
+        self.conn.execute("CREATE TEMP TABLE IF NOT EXISTS pruned (id TEXT PRIMARY KEY)")
+        self.conn.execute("DELETE FROM temp.pruned")
+        self.conn.execute(_CHOOSE, [before])
+        sessions = [r[0] for r in self.conn.execute(
+            "SELECT s.id FROM sessions s JOIN temp.pruned p ON p.id = s.id ORDER BY s.updated_at, s.id")]
+        idle = self.conn.execute("SELECT COUNT(*) FROM sessions WHERE updated_at < ?", [before]).fetchone()[0]
+        counts = [self.conn.execute(sql).rowcount for sql in _DELETE_ROWS]
+        self.conn.execute(_DELETE_LISTS)
+        lists = self.conn.execute("SELECT changes()").fetchone()[0]  # rowcount is -1 for a statement led by WITH
+        chars = [r[0] for r in self.conn.execute(_DELETE_BLOBS).fetchall()]
+        return PruneReport(sessions, idle - len(sessions), counts[_REQUESTS], lists, len(chars), sum(chars),
+                           dry_run)
+
+
+def _no_dangling_rows(conn: sqlite3.Connection) -> None:
+    dangling = conn.execute("PRAGMA foreign_key_check").fetchmany(3)
+    if dangling:  # a row still refers to one the prune removed: nothing is removed
+        raise sqlite3.IntegrityError(f"prune would leave rows referring to removed ones: {dangling}")
+
+
+_CHOOSE = """
+WITH RECURSIVE kept(id) AS (
+    SELECT id FROM sessions WHERE updated_at >= ?1
+    UNION SELECT s.parent_id FROM sessions s JOIN kept k ON s.id = k.id WHERE s.parent_id IS NOT NULL
+)
+INSERT INTO temp.pruned SELECT id FROM sessions WHERE id NOT IN (SELECT id FROM kept)
+"""
+
+_OF_PRUNED = "SELECT id FROM requests WHERE session_id IN (SELECT id FROM temp.pruned)"
+_DELETE_ROWS = [  # children before parents: the foreign keys are on
+    f"DELETE FROM context_ops WHERE session_id IN (SELECT id FROM temp.pruned) OR request_id IN ({_OF_PRUNED})",
+    f"DELETE FROM decisions WHERE session_id IN (SELECT id FROM temp.pruned) OR request_id IN ({_OF_PRUNED})",
+    "DELETE FROM overflow WHERE session_id IN (SELECT id FROM temp.pruned)",
+    f"DELETE FROM responses WHERE request_id IN ({_OF_PRUNED})",
+    f"DELETE FROM forwards WHERE request_id IN ({_OF_PRUNED})",
+    "DELETE FROM requests WHERE session_id IN (SELECT id FROM temp.pruned)",
+    "DELETE FROM sessions WHERE id IN (SELECT id FROM temp.pruned)",
+]
+_REQUESTS = 5
+
+_DELETE_LISTS = """
+WITH RECURSIVE live(id) AS (
+    SELECT list_id FROM requests
+    UNION SELECT list_id FROM forwards
+    UNION SELECT head_list_id FROM sessions WHERE head_list_id IS NOT NULL
+    UNION SELECT m.base_id FROM message_lists m JOIN live l ON m.id = l.id WHERE m.base_id IS NOT NULL
+)
+DELETE FROM message_lists WHERE id NOT IN (SELECT id FROM live)
+"""
+
+_DELETE_BLOBS = """
+DELETE FROM blobs WHERE hash NOT IN (
+    SELECT j.value FROM message_lists m, json_each(m.added) j
+    UNION SELECT params_hash FROM requests
+    UNION SELECT params_hash FROM forwards
+    UNION SELECT id FROM overflow
+    UNION SELECT overflow_id FROM decisions
+    UNION SELECT j.value FROM context_ops c, json_each(c.overflow_ids) j
+) RETURNING chars
+"""
