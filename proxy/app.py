@@ -7,7 +7,7 @@ nothing is built at import time. ``upstream_transport`` lets in-process tests pu
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
 import httpx
@@ -22,6 +22,7 @@ from starlette.routing import Mount, Route
 from config import Settings
 from proxy import __version__
 from proxy.admin import router as admin_router
+from proxy.callers import bearer_matches, require_admin, require_metrics
 from proxy.chat import chat_completions
 from proxy.edge import read_body
 from proxy.errors import BadRequest, CtxError, log, render_ctx_error, render_http_error, render_unexpected
@@ -42,8 +43,9 @@ def create_app(settings: Settings, upstream_transport: httpx.AsyncBaseTransport 
     the proxied routes need none of it, the operator API gets query validation and an OpenAPI schema from it.
     """
     admin = FastAPI(title="ctxproxy operator API", version=__version__, docs_url=None, redoc_url=None,
-                    openapi_url="/openapi.json")
+                    openapi_url=None)  # served by `_openapi`, behind the admin token like the rest of /ctx
     admin.include_router(admin_router)
+    admin.add_route("/openapi.json", _openapi(admin), include_in_schema=False)
     admin.add_exception_handler(RequestValidationError, _render_validation)
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
@@ -101,14 +103,26 @@ async def _relayed(upstream: httpx.Response) -> AsyncIterator[bytes]:
 
 
 async def metrics(request: Request) -> Response:
-    """Prometheus text exposition of the proxy's counters."""
+    """Prometheus text exposition of the proxy's counters (behind ``metrics_token`` or the admin token if set)."""
     state: AppState = request.app.state.ctx
+    require_metrics(request, state.settings)
     return Response(state.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 async def healthz(request: Request) -> JSONResponse:
+    """Liveness for anyone; the version and the upstream's URL only for a caller the admin token admits."""
     settings: Settings = request.app.state.ctx.settings
+    if settings.admin_token is not None and not bearer_matches(request, settings.admin_token):
+        return JSONResponse({"status": "ok"})
     return JSONResponse({"status": "ok", "version": __version__, "upstream": settings.upstream})
+
+
+def _openapi(admin: FastAPI) -> Callable[[Request], Awaitable[Response]]:
+    async def openapi(request: Request) -> Response:
+        require_admin(request, request.app.state.ctx.settings)
+        return JSONResponse(admin.openapi())
+
+    return openapi
 
 
 async def _render_validation(request: Request, exc: Exception) -> Response:
