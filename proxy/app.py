@@ -31,7 +31,7 @@ from proxy.state import AppState
 from proxy.transport import AiohttpTransport
 from proxy.upstream import Upstream, client_headers, response_headers, with_headers
 from proxy.window import WindowDetector
-from store import Journal, JournalWriter
+from store import Journal, JournalWriter, MemoryJournal
 
 __all__ = ["create_app"]
 
@@ -66,7 +66,7 @@ def _lifespan(settings: Settings, transport: httpx.AsyncBaseTransport | None, ad
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         journal = JournalWriter(Journal(settings.data_path / "journal.db", settings.journal_sync))
-        incognito = JournalWriter(Journal(None))
+        incognito = JournalWriter(MemoryJournal(settings.incognito_max_bytes, settings.incognito_max_age))
         upstream = Upstream(settings.upstream, transport or AiohttpTransport(), settings.upstream_connect_timeout,
                             settings.upstream_timeout)
         windows = WindowDetector(upstream, ctx_window=0)  # a configured window is applied per model, in planning
