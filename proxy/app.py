@@ -85,7 +85,7 @@ def _lifespan(settings: Settings, transport: httpx.AsyncBaseTransport | None, ad
 async def passthrough(request: Request) -> Response:
     """Every other ``/v1/*`` route (models, embeddings, completions, responses…): relayed as it is."""
     state: AppState = request.app.state.ctx
-    body = await read_body(request, state.settings.max_body_bytes)
+    body = await read_body(request, state.settings.max_body_bytes, state.settings.client_body_timeout)
     path = request.scope.get("raw_path", b"").decode("latin-1") or request.url.path  # keep %2F as the client sent it
     upstream = await state.upstream.send(request.method, path, request.url.query,
                                          client_headers(request.headers.raw, state.own_headers), body)

@@ -67,7 +67,7 @@ a streamed prompt over its ``n_ctx`` (its log: "Requested tokens (N) exceed cont
 async def chat_completions(request: Request) -> Response:
     state: AppState = request.app.state.ctx
     incognito = incognito_requested(request) or state.settings.incognito
-    raw = await read_body(request, state.settings.max_body_bytes)
+    raw = await read_body(request, state.settings.max_body_bytes, state.settings.client_body_timeout)
     body = parse_chat_body(raw)
     writer = state.journal_for(incognito)
     incoming = incoming_request(request, raw, body, state)

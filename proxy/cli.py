@@ -91,9 +91,10 @@ def _serve(settings: Settings, args: argparse.Namespace) -> int:
     import uvicorn
 
     from proxy.app import create_app
+    from proxy.serving import uvicorn_options
 
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level,
-                proxy_headers=False, server_header=False, access_log=settings.access_log)
+                **uvicorn_options(settings))
     return 0
 
 

@@ -19,6 +19,7 @@ __all__ = [
     "CtxError",
     "NotFound",
     "PayloadTooLarge",
+    "RequestTimeout",
     "Unauthorized",
     "UpstreamBrokeOff",
     "UpstreamTimeout",
@@ -34,6 +35,8 @@ class CtxError(Exception):
     status = 500
     type = "server_error"
     code: str | None = "internal_error"
+    close_connection = False
+    """Answer with ``Connection: close``: the rest of the request may still be arriving and is not wanted."""
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
@@ -65,6 +68,13 @@ class PayloadTooLarge(CtxError):
     status, type, code = 413, "invalid_request_error", "request_too_large"
 
 
+class RequestTimeout(CtxError):
+    """The client did not send its request in time (``client_body_timeout``); the connection is closed after."""
+
+    status, type, code = 408, "invalid_request_error", "request_timeout"
+    close_connection = True
+
+
 class UpstreamUnreachable(CtxError):
     status, type, code = 502, "upstream_error", "upstream_unreachable"
 
@@ -86,6 +96,8 @@ def envelope(message: str, type_: str, param: str | None, code: str | None) -> b
 
 def error_response(exc: CtxError, headers: dict[str, str] | None = None) -> Response:
     body = envelope(exc.message, exc.type, exc.param, exc.code)
+    if exc.close_connection:
+        headers = {**(headers or {}), "connection": "close"}
     return Response(body, status_code=exc.status, media_type="application/json", headers=headers)
 
 
