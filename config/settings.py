@@ -79,7 +79,8 @@ class Settings:
     host: str = _opt("127.0.0.1", parse_str, "address to bind; anything but loopback requires admin_token")
     port: int = _opt(4141, parse_int(0, 65535), "port to bind (0 = any free port)")
     data_dir: str = _opt("", parse_str, 'journal and overflow directory; "" = $XDG_DATA_HOME/ctxproxy')
-    admin_token: Secret | None = _opt(None, parse_optional_secret, "bearer token for /ctx/* (required off loopback)")
+    admin_token: Secret | None = _opt(None, parse_optional_secret, "bearer token for /ctx/*, /metrics, healthz "
+                                         "details (required off loopback)")
     session_header: str = _opt("X-Session-Id", parse_str, "request header that names the session explicitly")
     incognito: bool = _opt(False, parse_bool, "write nothing to disk for any session (X-Ctx-Incognito: 1 per request)")
     max_body_bytes: int = _opt(64 * 1024 * 1024, parse_int(1024), "largest request body accepted (413 above)")
