@@ -85,6 +85,9 @@ class MemoryJournal(Journal):
         """Forget idle families older than ``max_age``, then the oldest while over ``max_bytes``; returns their
         roots."""
         cutoff = (self._now() - timedelta(seconds=self.max_age)).isoformat(timespec="milliseconds")
+        oldest = self.conn.execute("SELECT MIN(updated_at) FROM sessions").fetchone()[0]
+        if (oldest is None or oldest >= cutoff) and self.stored_bytes() <= self.max_bytes:
+            return []  # the usual case, without walking every session's family
         forgotten = []
         for root, last_used, in_flight in self.conn.execute(_FAMILIES).fetchall():
             if in_flight:
