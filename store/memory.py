@@ -12,6 +12,8 @@ database's size is what it holds. A forgotten session's stubs name bodies that a
 
 from __future__ import annotations
 
+import logging
+import sqlite3
 from collections import deque
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
@@ -19,6 +21,8 @@ from datetime import UTC, datetime, timedelta
 from store.journal import Journal
 
 __all__ = ["MemoryJournal"]
+
+log = logging.getLogger("ctxproxy")
 
 _FAMILIES = """
 WITH RECURSIVE family(root, id) AS (
@@ -72,8 +76,12 @@ class MemoryJournal(Journal):
         self.conn.execute("CREATE TEMP TABLE forget (id TEXT PRIMARY KEY)")
 
     def after_request(self) -> None:
-        """Each journaled request is a moment to keep within the bound (its own session is in flight: it stays)."""
-        self.keep_within_bound()
+        """Each journaled request is a moment to keep within the bound (its own session is in flight: it stays).
+        The request is committed already: a failure here is logged, not the request's."""
+        try:
+            self.keep_within_bound()
+        except sqlite3.Error:
+            log.exception("the incognito journal could not forget its oldest sessions; it stays over its bound")
 
     def stored_bytes(self) -> int:
         """What the database holds: its pages in use, times the page size."""
@@ -99,10 +107,11 @@ class MemoryJournal(Journal):
         return forgotten
 
     def _forget(self, root: str) -> None:
-        with self.conn:
+        with self.conn:  # all or nothing
             for sql in _FORGET[:2]:
                 self.conn.execute(sql, [root] if "?" in sql else [])
-            self.forgotten.extend(row[0] for row in self.conn.execute("SELECT id FROM temp.forget"))
+            family = [row[0] for row in self.conn.execute("SELECT id FROM temp.forget")]
             for sql in _FORGET[2:]:
                 self.conn.execute(sql)
+        self.forgotten.extend(family)
         self.conn.execute("PRAGMA incremental_vacuum").fetchall()

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -153,3 +154,18 @@ def test_reading_a_forgotten_cut_says_it_is_gone(tmp_path: Path) -> None:
     assert response.status_code == 200
     told = [m["content"] for m in fake.last_chat.json()["messages"] if m["role"] == "tool"][-1]
     assert f"no cut content with id {gone}" in told and "incognito" in told and "cannot be restored" in told
+
+
+def test_a_failure_to_forget_is_logged_never_the_requests(caplog: pytest.LogCaptureFixture) -> None:
+    clock = [0.0]
+    journal = journal_at(10**9, 1, clock)
+    first = journal.record_request(request_at(session_run(1), 0))
+    answer(journal, first)
+    with journal.conn:  # something the forgetting does not know of still refers to the session
+        journal.conn.execute("CREATE TABLE holds (session_id TEXT REFERENCES sessions(id))")
+        journal.conn.execute("INSERT INTO holds VALUES (?)", [first.session_id])
+    clock[0] = 100
+    later = journal.record_request(request_at(session_run(2), 100))
+    assert journal.request(later.request_id) is not None
+    assert journal.session(first.session_id) is not None  # rolled back whole, not half forgotten
+    assert "could not forget" in caplog.text and list(journal.forgotten) == []
