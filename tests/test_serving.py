@@ -74,6 +74,18 @@ def read_until_closed(socks: list[socket.socket], seconds: float) -> dict[socket
 HALF_SENT = b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: appl"
 
 
+def held_connection(port: int) -> socket.socket:
+    """A connection the server has surely taken (it answered a request on it), now holding half a request."""
+    sock = connect(port, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    got = b""
+    while not got.endswith(b"}"):
+        chunk = sock.recv(65536)
+        assert chunk, f"the server closed a connection it should hold: {got!r}"
+        got += chunk
+    sock.sendall(HALF_SENT)
+    return sock
+
+
 def test_connections_with_half_sent_headers_are_closed_and_their_fds_freed(tmp_path: Path) -> None:
     with proxy(settings_with(tmp_path, client_header_timeout="1")) as (url, port):
         baseline = open_fds()
@@ -126,8 +138,7 @@ def test_a_body_that_trickles_gets_a_408_and_nothing_is_journaled(tmp_path: Path
 
 def test_connections_beyond_the_cap_are_answered_503_and_closed(tmp_path: Path) -> None:
     with proxy(settings_with(tmp_path, max_connections="5")) as (url, port):
-        held = [connect(port, HALF_SENT) for _ in range(5)]
-        time.sleep(0.2)  # the server has taken them
+        held = [held_connection(port) for _ in range(5)]
         extra = connect(port)
         closed = read_until_closed([extra], seconds=10)
         for s in [*held, extra]:
