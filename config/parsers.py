@@ -173,6 +173,12 @@ def parse_presets(value: Any) -> tuple[tuple[str, str], ...]:
 
 
 def parse_optional_secret(value: Any) -> Secret | None:
+    """Unset (``None`` or ``""``), or a token; one of only whitespace is refused: a client's ``Bearer   `` header
+    would match it, and it guards nothing."""
     if value is None or value == "":
         return None
-    return Secret(parse_str(value))
+    text = parse_str(value)
+    if not text.strip():
+        raise ValueError("a token of only whitespace guards nothing; set a real token (e.g. `openssl rand -hex 32`) "
+                         "or leave it unset")
+    return Secret(text)

@@ -79,7 +79,8 @@ class Settings:
     host: str = _opt("127.0.0.1", parse_str, "address to bind; anything but loopback requires admin_token")
     port: int = _opt(4141, parse_int(0, 65535), "port to bind (0 = any free port)")
     data_dir: str = _opt("", parse_str, 'journal and overflow directory; "" = $XDG_DATA_HOME/ctxproxy')
-    admin_token: Secret | None = _opt(None, parse_optional_secret, "bearer token for /ctx/* (required off loopback)")
+    admin_token: Secret | None = _opt(None, parse_optional_secret, "bearer token for /ctx/*, /metrics, healthz "
+                                         "details (required off loopback)")
     session_header: str = _opt("X-Session-Id", parse_str, "request header that names the session explicitly")
     incognito: bool = _opt(False, parse_bool, "write nothing to disk for any session (X-Ctx-Incognito: 1 per request)")
     max_body_bytes: int = _opt(64 * 1024 * 1024, parse_int(1024), "largest request body accepted (413 above)")
@@ -89,6 +90,20 @@ class Settings:
                              "crash of the proxy, full also a power loss (one fsync per request)")
     log_level: str = _opt("info", parse_choice("critical", "error", "warning", "info", "debug"), "log level")
     access_log: bool = _opt(False, parse_bool, "uvicorn's per-request log line (the journal records every request)")
+    # --- clients and exposure (issue #10) ---------------------------------------------------------------------
+    metrics_token: Secret | None = _opt(None, parse_optional_secret, "bearer token for /metrics alone (a scraper's); "
+                                        "the admin token works there too")
+    session_scope: str = _opt("global", parse_choice("global", "credential"), 'who joins a session: "global" = '
+                              'anyone naming it; "credential" = only callers with the same Authorization / API key')
+    incognito_max_bytes: int = _opt(64 * 1024 * 1024, parse_int(64 * 1024), "memory the incognito journal may "
+                                    "hold; above it the oldest incognito sessions are forgotten")
+    incognito_max_age: float = _opt(3600.0, parse_float(1.0, 30 * 86400), "seconds an idle incognito session is "
+                                    "kept in memory")
+    client_header_timeout: float = _opt(30.0, parse_float(0.1, 3600), "seconds a client has to send a request's "
+                                        "headers (from connecting or its previous answer); then it is closed")
+    client_body_timeout: float = _opt(120.0, parse_float(0.1, 86400), "seconds a client has to send a request's "
+                                      "whole body (408 after)")
+    max_connections: int = _opt(512, parse_int(1), "open client connections; one more is answered 503 and closed")
     # --- budget and tokens (DESIGN.md §3) ---------------------------------------------------------------------
     ctx_window: int = _opt(0, parse_window, 'the model\'s physical window; "auto" asks upstream, else 131072',
                            auto=0)
@@ -151,6 +166,8 @@ SETTABLE = {f.name: f for f in dataclasses.fields(Settings) if not f.metadata.ge
 SERVER_KEYS = frozenset({
     "upstream", "host", "port", "data_dir", "admin_token", "session_header", "incognito", "max_body_bytes",
     "upstream_connect_timeout", "upstream_timeout", "journal_sync", "log_level", "access_log",
+    "metrics_token", "session_scope", "incognito_max_bytes", "incognito_max_age", "client_header_timeout",
+    "client_body_timeout", "max_connections",
 })
 """Keys that describe the process, not a model: a ``[models.*]`` profile may not set them."""
 
@@ -167,7 +184,7 @@ def _parse(key: str, value: Any, where: str) -> Any:
     try:
         return SETTABLE[key].metadata["parse"](value)
     except ValueError as exc:
-        shown = "**********" if key == "admin_token" else repr(value)
+        shown = "**********" if SETTABLE[key].metadata["parse"] is parse_optional_secret else repr(value)
         raise SettingsError(f"Setting {key!r} = {shown} (from {where}) is not valid. Hint: {exc}") from None
 
 
@@ -207,7 +224,7 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
     out = {}
     for name in SETTABLE:
         key = ENV_PREFIX + name.upper()
-        if key in env and (env[key] != "" or name == "admin_token"):
+        if key in env and (env[key] != "" or name in ("admin_token", "metrics_token")):
             out[name] = _parse(name, env[key], f"environment variable {key}")
     return out
 

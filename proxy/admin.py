@@ -1,12 +1,12 @@
 """The operator surface under ``/ctx/``: sessions, their journal, cut bodies (overflow) and operator pins.
 
 On loopback it is open, like the proxy itself. Bound anywhere else the server refuses to start without an admin
-token (``config.settings``), and every ``/ctx/*`` request must carry ``Authorization: Bearer <token>``.
+token (``config.settings``), and every ``/ctx/*`` request (the OpenAPI schema too) must carry
+``Authorization: Bearer <token>`` (``proxy.callers``).
 """
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Any
@@ -17,7 +17,8 @@ from pydantic import BaseModel, Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from proxy.errors import BadRequest, NotFound, Unauthorized
+from proxy.callers import require_admin
+from proxy.errors import BadRequest, NotFound
 from proxy.metrics import aggregate
 from proxy.rewrite import message_hash, message_ids
 from proxy.rewrite.identity import content_text
@@ -31,11 +32,7 @@ router = APIRouter()  # mounted at /ctx by proxy.app
 
 def _state(request: Request) -> AppState:
     state: AppState = request.app.state.ctx
-    token = state.settings.admin_token
-    if token is not None:
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-            raise Unauthorized("/ctx/* needs `Authorization: Bearer <CTXPROXY_ADMIN_TOKEN>`.")
+    require_admin(request, state.settings)
     return state
 
 

@@ -9,7 +9,7 @@ tests put an ``httpx.MockTransport`` (or ``ASGITransport``) where the network is
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from datetime import UTC, datetime
 
@@ -25,6 +25,7 @@ from starlette.routing import Mount, Route
 from config import Settings
 from proxy import __version__
 from proxy.admin import router as admin_router
+from proxy.callers import bearer_matches, require_admin, require_metrics
 from proxy.chat import chat_completions
 from proxy.edge import read_body
 from proxy.errors import BadRequest, CtxError, log, render_ctx_error, render_http_error, render_unexpected
@@ -34,7 +35,7 @@ from proxy.state import AppState
 from proxy.transport import AiohttpTransport
 from proxy.upstream import Upstream, client_headers, response_headers, with_headers
 from proxy.window import WindowDetector
-from store import Journal, JournalWriter, open_journal
+from store import Journal, JournalWriter, MemoryJournal, open_journal
 
 __all__ = ["create_app"]
 
@@ -46,8 +47,9 @@ def create_app(settings: Settings, upstream_transport: httpx.AsyncBaseTransport 
     the proxied routes need none of it, the operator API gets query validation and an OpenAPI schema from it.
     """
     admin = FastAPI(title="ctxproxy operator API", version=__version__, docs_url=None, redoc_url=None,
-                    openapi_url="/openapi.json")
+                    openapi_url=None)  # served by `_openapi`, behind the admin token like the rest of /ctx
     admin.include_router(admin_router)
+    admin.add_route("/openapi.json", _openapi(admin), include_in_schema=False)
     admin.add_exception_handler(RequestValidationError, _render_validation)
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
@@ -71,7 +73,7 @@ def _lifespan(settings: Settings, transport: httpx.AsyncBaseTransport | None, ad
         marked = await journal.call(Journal.mark_interrupted, datetime.now(UTC).isoformat(timespec="milliseconds"))
         if marked:
             log.warning("%d requests were in flight when ctxproxy last stopped: journaled as interrupted", marked)
-        incognito = JournalWriter(Journal(None))
+        incognito = JournalWriter(MemoryJournal(settings.incognito_max_bytes, settings.incognito_max_age))
         upstream = Upstream(settings.upstream, transport or AiohttpTransport(), settings.upstream_connect_timeout,
                             settings.upstream_timeout)
         windows = WindowDetector(upstream, ctx_window=0)  # a configured window is applied per model, in planning
@@ -91,7 +93,7 @@ async def passthrough(request: Request) -> Response:
     """Every other ``/v1/*`` route (models, embeddings, completions, responses…): relayed as it is."""
     state: AppState = request.app.state.ctx
     refuse_loop(request.headers, state.upstream.instance)
-    body = await read_body(request, state.settings.max_body_bytes)
+    body = await read_body(request, state.settings.max_body_bytes, state.settings.client_body_timeout)
     path = request.scope.get("raw_path", b"").decode("latin-1") or request.url.path  # keep %2F as the client sent it
     upstream = await state.upstream.send(request.method, path, request.url.query,
                                          client_headers(request.headers.raw, state.own_headers), body,
@@ -110,14 +112,26 @@ async def _relayed(upstream: httpx.Response) -> AsyncIterator[bytes]:
 
 
 async def metrics(request: Request) -> Response:
-    """Prometheus text exposition of the proxy's counters."""
+    """Prometheus text exposition of the proxy's counters (behind ``metrics_token`` or the admin token if set)."""
     state: AppState = request.app.state.ctx
+    require_metrics(request, state.settings)
     return Response(state.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 async def healthz(request: Request) -> JSONResponse:
+    """Liveness for anyone; the version and the upstream's URL only for a caller the admin token admits."""
     settings: Settings = request.app.state.ctx.settings
+    if settings.admin_token is not None and not bearer_matches(request, settings.admin_token):
+        return JSONResponse({"status": "ok"})
     return JSONResponse({"status": "ok", "version": __version__, "upstream": settings.upstream})
+
+
+def _openapi(admin: FastAPI) -> Callable[[Request], Awaitable[Response]]:
+    async def openapi(request: Request) -> Response:
+        require_admin(request, request.app.state.ctx.settings)
+        return JSONResponse(admin.openapi())
+
+    return openapi
 
 
 async def _render_validation(request: Request, exc: Exception) -> Response:

@@ -27,6 +27,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from proxy.answers import parse_completion, usage_figure
+from proxy.callers import as_header, incognito_requested, requested_session, scoped_fingerprint
 from proxy.context import SessionContext
 from proxy.edge import parse_chat_body, read_body
 from proxy.errors import (
@@ -70,9 +71,9 @@ a streamed prompt over its ``n_ctx`` (its log: "Requested tokens (N) exceed cont
 async def chat_completions(request: Request) -> Response:
     state: AppState = request.app.state.ctx
     refuse_loop(request.headers, state.upstream.instance)
-    raw = await read_body(request, state.settings.max_body_bytes)
+    incognito = incognito_requested(request) or state.settings.incognito
+    raw = await read_body(request, state.settings.max_body_bytes, state.settings.client_body_timeout)
     body = parse_chat_body(raw)
-    incognito = state.settings.incognito or request.headers.get("x-ctx-incognito", "").lower() in ("1", "true")
     writer = state.journal_for(incognito)
     incoming = incoming_request(request, raw, body, state)
     with anyio.CancelScope(shield=True):  # once begun, the request's row is written, so its answer row can follow
@@ -95,15 +96,15 @@ async def chat_completions(request: Request) -> Response:
 def incoming_request(request: Request, raw: bytes, body: ChatBody, state: AppState) -> IncomingRequest:
     """The journal's view of a request: content hashes and canonical bodies, credentials redacted."""
     messages = body["messages"]
-    session_name = request.headers.get(state.settings.session_header) or None
-    opening = fingerprint(messages)
+    session_name = requested_session(request, state.settings)
+    opening = scoped_fingerprint(fingerprint(messages), request, state.settings)
     hashed = state.hasher.hash(session_name or opening, messages)
     params = canonical_json({k: v for k, v in body.items() if k != "messages"})
     turn = turn_of(cast(list[dict[str, Any]], messages))
     return IncomingRequest(
         received_at=_now(), path=request.url.path, model=body.get("model"), stream=bool(body.get("stream")),
         session_name=session_name, fingerprint=opening, hashes=hashed.hashes, bodies=hashed.bodies,
-        params_hash=content_hash(params), params_body=params, headers=redact(request.headers.raw),
+        params_hash=content_hash(params), params_body=params, headers=redact(request.headers.raw, state.own_headers),
         body_bytes=len(raw), turn=hashed.hashes[turn.start] if messages[turn.start].get("role") == "user" else "",
     )
 
@@ -132,7 +133,7 @@ class Exchange:
 
     @property
     def headers(self) -> dict[str, str]:
-        headers = {SESSION_RESPONSE_HEADER: self.recorded.session_id}
+        headers = {SESSION_RESPONSE_HEADER: as_header(self.recorded.session_id)}
         if self.internal_rounds:  # the usage the agent reads is the final answer's; the totals are here
             headers |= {"X-Ctx-Internal-Rounds": str(self.internal_rounds),
                         "X-Ctx-Total-Prompt-Tokens": str(self.totals["prompt_tokens"]),

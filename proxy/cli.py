@@ -109,10 +109,11 @@ def _serve(settings: Settings, args: argparse.Namespace) -> int:
     import uvicorn
 
     from proxy.app import create_app
+    from proxy.serving import uvicorn_options
 
     open_journal(_journal_path(settings), settings.journal_sync, check=True).close()  # refused here: no traceback
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level,
-                proxy_headers=False, server_header=False, access_log=settings.access_log)
+                **uvicorn_options(settings))
     return 0
 
 

@@ -13,10 +13,11 @@ import json
 import re
 from typing import Any, cast
 
+import anyio
 import orjson
 from starlette.requests import Request
 
-from proxy.errors import BadRequest, PayloadTooLarge
+from proxy.errors import BadRequest, PayloadTooLarge, RequestTimeout
 from proxy.wire import ChatBody
 
 __all__ = ["MAX_DEPTH", "parse_chat_body", "read_body"]
@@ -29,17 +30,22 @@ _INT_RANGE = (-(2 ** 63), 2 ** 64 - 1)
 """The integers orjson can write (the stdlib fallback parses any)."""
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The whole body, refusing (413) as soon as it is known to exceed ``limit`` bytes."""
+async def read_body(request: Request, limit: int, timeout: float | None = None) -> bytes:
+    """The whole body, refusing (413) as soon as it is known to exceed ``limit`` bytes, and (408) when it has
+    not all arrived within ``timeout`` seconds (a client trickling its body would hold a connection forever)."""
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise _too_large(int(declared), limit)
     chunks, total = [], 0
-    async for chunk in request.stream():
-        total += len(chunk)
-        if total > limit:
-            raise _too_large(total, limit)
-        chunks.append(chunk)
+    with anyio.move_on_after(timeout) as deadline:
+        async for chunk in request.stream():
+            total += len(chunk)
+            if total > limit:
+                raise _too_large(total, limit)
+            chunks.append(chunk)
+    if deadline.cancelled_caught:
+        raise RequestTimeout(f"The request body did not arrive within {timeout:g} seconds ({total} bytes came). "
+                             "Send it at once, or raise client_body_timeout (CTXPROXY_CLIENT_BODY_TIMEOUT).")
     return b"".join(chunks)
 
 

@@ -20,6 +20,7 @@ __all__ = [
     "NotFound",
     "PayloadTooLarge",
     "ProxyLoop",
+    "RequestTimeout",
     "StorageError",
     "StorageFull",
     "Unauthorized",
@@ -39,6 +40,8 @@ class CtxError(Exception):
     status = 500
     type = "server_error"
     code: str | None = "internal_error"
+    close_connection = False
+    """Answer with ``Connection: close``: the rest of the request may still be arriving and is not wanted."""
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
@@ -74,6 +77,13 @@ class ProxyLoop(CtxError):
     """The request came back to the proxy that sent it (``proxy.loop``): 508 Loop Detected, RFC 5842 §7.2."""
 
     status, type, code = 508, "server_error", "proxy_loop"
+
+
+class RequestTimeout(CtxError):
+    """The client did not send its request in time (``client_body_timeout``); the connection is closed after."""
+
+    status, type, code = 408, "invalid_request_error", "request_timeout"
+    close_connection = True
 
 
 class UpstreamUnreachable(CtxError):
@@ -122,6 +132,8 @@ def sse_error(exc: CtxError) -> bytes:
 
 def error_response(exc: CtxError, headers: dict[str, str] | None = None) -> Response:
     body = envelope(exc.message, exc.type, exc.param, exc.code)
+    if exc.close_connection:
+        headers = {**(headers or {}), "connection": "close"}
     return Response(body, status_code=exc.status, media_type="application/json", headers=headers)
 
 

@@ -24,7 +24,7 @@ from proxy.tools.intents import Ctx, ReadOverflow, ToolError, parse_call
 from proxy.tools.mirror import maintenance_rounds, mirror_path, revise
 from proxy.tools.offer import split_calls, turn_in
 from proxy.tools.schemas import TOOL_NAMES
-from store import Journal, JournalWriter, OverflowBody
+from store import Journal, JournalWriter, MemoryJournal, OverflowBody
 
 __all__ = ["ContextRunner", "strip_calls"]
 
@@ -124,8 +124,11 @@ class ContextRunner:
     async def _read_overflow(self, intent: ReadOverflow) -> str:
         row = await self.writer.call(Journal.overflow_body, intent.id, self.session_id)
         if row is None:
+            gone = (" This session is incognito: what it cut was kept in memory only and is gone once incognito "
+                    "sessions outgrow incognito_max_bytes or sit idle incognito_max_age; it cannot be restored."
+                    if isinstance(self.writer.journal, MemoryJournal) else "")
             return self._event("read_overflow", False, f"read_overflow: no cut content with id {intent.id} in "
-                               "this session; ids come from [overflow id=...] stubs.")
+                               f"this session; ids come from [overflow id=...] stubs.{gone}")
         text = render_overflow(row["body"], intent.offset, intent.limit, intent.grep)
         return self._event("read_overflow", True, text, overflow_ids=(intent.id,))
 

@@ -19,7 +19,7 @@ from proxy.rewrite.tokens import MessageCounter
 from proxy.tools.schemas import CONTEXT_TOOLS, READ_TOOL
 from proxy.upstream import Upstream
 from proxy.window import WindowDetector
-from store import JournalWriter
+from store import JournalWriter, MemoryJournal
 
 __all__ = ["AppState", "SessionLocks"]
 
@@ -84,4 +84,9 @@ class AppState:
         return self.counter.count_text(canonical_json([READ_TOOL]).decode())
 
     def journal_for(self, incognito: bool) -> JournalWriter:
-        return self.incognito_journal if incognito or self.settings.incognito else self.journal
+        if not (incognito or self.settings.incognito):
+            return self.journal
+        journal = self.incognito_journal.journal
+        while isinstance(journal, MemoryJournal) and journal.forgotten:  # its bound forgot them: so does the proxy
+            self.contexts.drop(self.incognito_journal, journal.forgotten.popleft())
+        return self.incognito_journal

@@ -17,16 +17,26 @@ from proxy.errors import UpstreamBrokeOff, UpstreamTimeout, UpstreamUnreachable
 from proxy.loop import new_instance, onward
 
 __all__ = [
-    "HOP_BY_HOP", "Upstream", "client_headers", "redact", "response_headers", "upstream_url", "with_headers",
+    "HARMLESS", "HARMLESS_PREFIXES", "HOP_BY_HOP", "Upstream", "client_headers", "redact", "response_headers",
+    "upstream_url", "with_headers",
 ]
 
 HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection", "te", "trailer",
     "transfer-encoding", "upgrade", "host", "content-length",
 })
-_SENSITIVE_PARTS = ("auth", "key", "token", "secret", "cookie", "password")
 _SERVER_OWN = frozenset({"date", "server"})
 """Response headers the proxy's own server (uvicorn) writes: the upstream's copies would make each appear twice."""
+HARMLESS = frozenset({
+    "accept", "accept-encoding", "accept-language", "anthropic-beta", "anthropic-version", "cache-control",
+    "connection", "content-length", "content-type", "host", "openai-beta", "user-agent", "x-ctx-incognito",
+    "x-request-id",
+})
+"""Headers journaled with their values: known to say how a client talks, never who it is. Any other header is
+journaled by name only (an allowlist: a credential in ``OpenAI-Organization`` or ``X-Custom-Credential`` has no
+telltale part in its name)."""
+HARMLESS_PREFIXES = ("x-stainless-",)
+"""The OpenAI and Anthropic SDKs' platform headers (``x-stainless-lang``, ``-os``, ``-retry-count`` …)."""
 
 
 def upstream_url(base: str, client_path: str, query: str = "") -> str:
@@ -61,13 +71,22 @@ def with_headers(response: Response, headers: list[tuple[bytes, bytes]]) -> Resp
     return response
 
 
-def redact(headers: Iterable[tuple[bytes, bytes]]) -> dict[str, str | None]:
-    """Headers as journaled: credentials (auth, keys, tokens, cookies) by name only, their values never stored."""
+def redact(headers: Iterable[tuple[bytes, bytes]], keep: frozenset[str] = frozenset()) -> dict[str, str | None]:
+    """Headers as journaled: ``HARMLESS`` ones and ``keep`` (lower case: the session header) with their values,
+    every other one by name only; a value is read as UTF-8 where it is (a session id), else as latin-1."""
     out: dict[str, str | None] = {}
     for name, value in headers:
         lower = name.decode("latin-1").lower()
-        out[lower] = None if any(p in lower for p in _SENSITIVE_PARTS) else value.decode("latin-1")
+        harmless = lower in HARMLESS or lower in keep or lower.startswith(HARMLESS_PREFIXES)
+        out[lower] = _text(value) if harmless else None
     return out
+
+
+def _text(value: bytes) -> str:
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError:
+        return value.decode("latin-1")
 
 
 class Upstream:

@@ -16,8 +16,8 @@ sys.path.insert(0, str(ROOT))
 
 from config.settings import SETTABLE, Settings  # noqa: E402
 
-SECTIONS = {"upstream": "Server", "ctx_window": "Budget and tokens (DESIGN.md §3)",
-            "tools_enabled": "Context tools (DESIGN.md §5)"}
+SECTIONS = {"upstream": "Server", "metrics_token": "Clients and exposure",
+            "ctx_window": "Budget and tokens (DESIGN.md §3)", "tools_enabled": "Context tools (DESIGN.md §5)"}
 TABLE_HEAD = "| key | default | environment | meaning |\n|---|---|---|---|\n"
 TABLE_END = "\n\nServer keys"
 

@@ -3,12 +3,14 @@
 from store.cuts import ForwardRecord, OverflowBody
 from store.failures import JournalUnavailable, open_journal
 from store.journal import IncomingRequest, Journal, RecordedRequest, ResponseRecord, prefix_digest
+from store.memory import MemoryJournal
 from store.retention import PruneReport
 from store.writer import JournalWriter
 
 __all__ = [
     "ForwardRecord",
     "IncomingRequest", "Journal", "JournalUnavailable", "JournalWriter",
+    "MemoryJournal",
     "OverflowBody",
     "PruneReport",
     "RecordedRequest",

@@ -112,6 +112,7 @@ class Journal(CutsMixin, RecoveryMixin, RetentionMixin):
         self.path = path
         if path is None:
             conn = sqlite3.connect(":memory:", check_same_thread=False)
+            conn.execute("PRAGMA auto_vacuum=INCREMENTAL")  # before any table: lets store.memory give pages back
         else:
             path.parent.mkdir(parents=True, exist_ok=True)
             conn = sqlite3.connect(str(path), check_same_thread=False, timeout=10)
@@ -136,6 +137,7 @@ class Journal(CutsMixin, RecoveryMixin, RetentionMixin):
             self._insert_blob(req.params_hash, "params", req.params_body)
             request_id = self._insert_request(req, place.session.id, list_id)
             self._advance_head(place.session.id, list_id, req)
+        self.after_request()
         forked = place.created and place.parent_id is not None
         return RecordedRequest(request_id, place.session.id, place.parent_id, forked, len(req.hashes) - place.common,
                                list_id, place.common)
@@ -155,6 +157,10 @@ class Journal(CutsMixin, RecoveryMixin, RetentionMixin):
                  json.dumps(rec.usage) if rec.usage else None,
                  rec.ttfb_ms, rec.total_ms, rec.finished_at],
             )
+
+    def after_request(self) -> None:
+        """Runs after each journaled request, outside its transaction: nothing here; the incognito journal keeps
+        within its bound (``store.memory``). ``Journal.record_request`` is what callers name, so this is the seam."""
 
     # --- session placement --------------------------------------------------------------------------------------
     def _place(self, req: IncomingRequest) -> _Placement:

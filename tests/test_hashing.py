@@ -35,3 +35,14 @@ def test_the_cache_is_bounded() -> None:
     for i in range(10):
         hasher.hash(str(i), [{"role": "user", "content": str(i)}])
     assert len(hasher._last) == 3
+
+
+def test_the_cache_is_bounded_in_bytes_too() -> None:
+    """60 conversations of 1 MB once stayed cached (~100 MB) for good: the bodies kept are bounded in bytes."""
+    hasher = MessageHasher(conversations=64, max_bytes=300_000)
+    for i in range(60):
+        hasher.hash(f"run-{i}", [{"role": "tool", "content": f"{i} " + "x" * 100_000}])
+    assert len(hasher._last) == 2 and hasher._bytes <= 300_000
+    assert set(hasher._last) == {"run-58", "run-59"}  # the most recent are kept
+    hasher.hash("huge", [{"role": "tool", "content": "y" * 400_000}])  # alone above the bound: not kept
+    assert "huge" not in hasher._last and hasher._bytes <= 300_000

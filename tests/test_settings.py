@@ -106,6 +106,16 @@ def test_the_admin_token_value_never_appears_in_an_error() -> None:
     assert "secret-value" not in str(err.value)
 
 
+@pytest.mark.parametrize("key", ["admin_token", "metrics_token"])
+def test_a_token_of_only_whitespace_is_refused_naming_the_key(tmp_path: Path, key: str) -> None:
+    with pytest.raises(SettingsError, match=f"'{key}'.*only whitespace"):
+        load_settings(env={f"CTXPROXY_{key.upper()}": "   "})
+    with pytest.raises(SettingsError, match=f"'{key}'.*only whitespace"):
+        load_settings(write(tmp_path, f'{key} = "\\t "\n'), {})
+    with pytest.raises(SettingsError, match="CTXPROXY_ADMIN_TOKEN"):  # off loopback it counts as no token at all
+        load_settings(env={"CTXPROXY_HOST": "0.0.0.0", "CTXPROXY_ADMIN_TOKEN": ""})
+
+
 def test_target_above_budget_is_refused() -> None:
     with pytest.raises(SettingsError, match="context_target"):
         load_settings(env={"CTXPROXY_CONTEXT_BUDGET": "1000", "CTXPROXY_CONTEXT_TARGET": "2000"})

@@ -62,7 +62,8 @@ def parse_stub(line: str) -> dict[str, str] | None:
 
 
 def _intact(overflow_id: str, storage: str) -> str:
-    where = "in memory only (incognito: lost when ctxproxy stops)" if storage != "disk" else "intact"
+    where = ("in memory only (incognito: lost when ctxproxy stops, or forgets the session to stay within "
+             "incognito_max_bytes / incognito_max_age)") if storage != "disk" else "intact"
     return f"The original is {where}: read_overflow id={overflow_id} returns it (offset, limit, grep)."
 
 
