@@ -36,6 +36,7 @@ from proxy.errors import (
     envelope,
     error_response,
 )
+from proxy.heavy import check_message_count, is_heavy
 from proxy.intercept import ContextRunner, strip_calls
 from proxy.overflow import Overflow, detect_overflow
 from proxy.planning import Plan, plan_forward, what_takes_room
@@ -66,10 +67,9 @@ a streamed prompt over its ``n_ctx`` (its log: "Requested tokens (N) exceed cont
 async def chat_completions(request: Request) -> Response:
     state: AppState = request.app.state.ctx
     raw = await read_body(request, state.settings.max_body_bytes)
-    body = parse_chat_body(raw)
+    body, incoming = await state.offload.run(is_heavy(raw), _admit, request, raw, state)
     incognito = state.settings.incognito or request.headers.get("x-ctx-incognito", "").lower() in ("1", "true")
     writer = state.journal_for(incognito)
-    incoming = incoming_request(request, raw, body, state)
     with anyio.CancelScope(shield=True):  # once begun, the request's row is written, so its answer row can follow
         recorded = await writer.call(Journal.record_request, incoming)
     exchange = Exchange(state, writer, recorded, request, body, incoming, incognito)
@@ -85,6 +85,13 @@ async def chat_completions(request: Request) -> Response:
         with anyio.CancelScope(shield=True):
             await exchange.finish(_outcome_of(exc), 499 if cancelled else 500, None)
         raise
+
+
+def _admit(request: Request, raw: bytes, state: AppState) -> tuple[ChatBody, IncomingRequest]:
+    """Parse, validate and hash: sized by the request, so a large one's runs on the worker (``proxy.heavy``)."""
+    body = parse_chat_body(raw)
+    check_message_count(len(body["messages"]), state.settings.max_messages)
+    return body, incoming_request(request, raw, body, state)
 
 
 def incoming_request(request: Request, raw: bytes, body: ChatBody, state: AppState) -> IncomingRequest:

@@ -1,0 +1,163 @@
+"""One large request never freezes the other clients (issue #10), and too many messages are a clear 413.
+
+End to end: the proxy on real uvicorn (127.0.0.1, a free port) in front of the fake upstream. ``/healthz`` and a
+small chat, each on its own connection, are timed on the idle proxy, then again while a large request is being
+handled, in the same run; the test compares the two as ratios, with factors generous enough for a noisy 2-core
+machine. Before the fix one 50 MB message held every other client for 112 s, so any bound catches it.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from config import load_settings
+from proxy.app import create_app
+from tests.fakes import FakeUpstream, Received, Reply, completion, serve_in_thread
+
+SMALL = {"model": "fake-model", "messages": [{"role": "system", "content": "You are terse."},
+                                             {"role": "user", "content": "Say ok."}]}
+IDLE_ROUNDS = 30
+PROBE_TIMEOUT = 30.0
+"""A probe that waits this long is a stalled loop: the test fails there rather than wait out the stall."""
+
+
+@dataclass
+class Latencies:
+    healthz: list[float] = field(default_factory=list)
+    chat: list[float] = field(default_factory=list)
+
+
+@dataclass
+class Run:
+    idle: Latencies
+    during: Latencies
+    answer: httpx.Response
+
+
+class LightFake(FakeUpstream):
+    """The fake upstream, answering a large body without parsing it: it shares the test's process (and GIL) with
+    the proxy, and its own parsing would be measured as the proxy's stall."""
+
+    def _echo(self, got: Received) -> Reply:
+        return Reply(body=completion("ok")) if len(got.body) > 1_000_000 else super()._echo(got)
+
+
+def serve(tmp_path: Path, **env: str) -> Iterator[str]:
+    fake = LightFake()
+    with serve_in_thread(fake) as direct:
+        settings = load_settings(env={"CTXPROXY_DATA_DIR": str(tmp_path / "data"),
+                                      "CTXPROXY_UPSTREAM": direct + "/v1", **env})
+        with serve_in_thread(create_app(settings)) as proxy:
+            yield proxy
+
+
+@pytest.fixture
+def proxy(tmp_path: Path) -> Iterator[str]:
+    yield from serve(tmp_path)
+
+
+@pytest.fixture
+def roomy_proxy(tmp_path: Path) -> Iterator[str]:
+    """The proxy with max_messages raised past 200 000, so such a request is handled, not refused."""
+    yield from serve(tmp_path, CTXPROXY_MAX_MESSAGES="250000")
+
+
+def probe(health: httpx.Client, chat: httpx.Client, into: Latencies) -> None:
+    start = time.perf_counter()
+    assert health.get("/healthz").status_code == 200
+    into.healthz.append(time.perf_counter() - start)
+    start = time.perf_counter()
+    assert chat.post("/v1/chat/completions", json=SMALL).status_code == 200
+    into.chat.append(time.perf_counter() - start)
+
+
+def while_handling(base: str, body: bytes) -> Run:
+    """Probe the idle proxy, then keep probing while ``body`` is sent on a third connection and answered."""
+    idle, during, answers = Latencies(), Latencies(), []
+    with httpx.Client(base_url=base, timeout=PROBE_TIMEOUT) as health, \
+            httpx.Client(base_url=base, timeout=PROBE_TIMEOUT) as chat:
+        for _ in range(IDLE_ROUNDS):
+            probe(health, chat, idle)
+
+        def send() -> None:
+            with httpx.Client(base_url=base, timeout=300.0) as client:
+                answers.append(client.post("/v1/chat/completions", content=body,
+                                           headers={"content-type": "application/json"}))
+
+        sender = threading.Thread(target=send, daemon=True)
+        sender.start()
+        while sender.is_alive():
+            probe(health, chat, during)
+        sender.join()
+    warm = IDLE_ROUNDS // 3  # the first rounds warm up connections and caches
+    return Run(Latencies(idle.healthz[warm:], idle.chat[warm:]), during, answers[0])
+
+
+def ratio(during: list[float], idle: list[float]) -> float:
+    return statistics.median(during) / statistics.median(idle)
+
+
+def body_of(messages: list[dict[str, str]]) -> bytes:
+    return json.dumps({"model": "fake-model", "messages": messages}, separators=(",", ":")).encode()
+
+
+@pytest.mark.e2e
+def test_a_50_mb_message_leaves_healthz_and_a_small_chat_answering(proxy: str) -> None:
+    run = while_handling(proxy, body_of([{"role": "user", "content": "x" * 50_000_000}]))
+    assert run.answer.status_code == 400
+    assert run.answer.json()["error"]["code"] == "context_length_exceeded"
+    assert len(run.during.healthz) >= 3, "the probes must overlap the large request"
+    assert ratio(run.during.healthz, run.idle.healthz) < 10
+    assert ratio(run.during.chat, run.idle.chat) < 30  # a chat also waits for the journal's one writer
+    # The longest wait is one C call holding the GIL (orjson parsing 50 MB, ~0.1 s), not the 112 s of counting.
+    assert max(run.during.healthz) < 300 * statistics.median(run.idle.healthz)
+
+
+@pytest.mark.e2e
+def test_8_mb_of_one_punctuation_character_leaves_healthz_answering(proxy: str) -> None:
+    run = while_handling(proxy, body_of([{"role": "user", "content": "=" * 8_000_000}]))
+    assert run.answer.status_code == 400
+    assert ratio(run.during.healthz, run.idle.healthz) < 10
+    assert max(run.during.healthz) < 300 * statistics.median(run.idle.healthz)
+
+
+@pytest.mark.e2e
+def test_200_000_tiny_messages_are_handled_off_the_loop(roomy_proxy: str) -> None:
+    run = while_handling(roomy_proxy, body_of([{"role": "user", "content": "hi"}] * 200_000))
+    assert run.answer.status_code == 200
+    assert ratio(run.during.healthz, run.idle.healthz) < 10
+    assert max(run.during.healthz) < 300 * statistics.median(run.idle.healthz)
+
+
+def test_more_messages_than_max_messages_is_a_413_naming_the_setting(tmp_path: Path) -> None:
+    settings = load_settings(env={"CTXPROXY_DATA_DIR": str(tmp_path), "CTXPROXY_UPSTREAM": "http://u.test/v1",
+                                  "CTXPROXY_MAX_MESSAGES": "3"})
+    fake = FakeUpstream()
+    with TestClient(create_app(settings, httpx.ASGITransport(app=fake)), raise_server_exceptions=False) as client:
+        fits = client.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "a"}]
+                                                          * 3})
+        refused = client.post("/v1/chat/completions", json={"model": "m", "messages": [
+            {"role": "user", "content": "a"}] * 4})
+    assert fits.status_code == 200
+    assert refused.status_code == 413
+    error = refused.json()["error"]
+    assert (error["code"], error["param"], error["type"]) == ("too_many_messages", "messages", "invalid_request_error")
+    assert "4 messages" in error["message"] and "max_messages" in error["message"]
+    assert len(fake.chats) == 1
+
+
+def test_200_000_tiny_messages_are_refused_by_default(client: TestClient, fake: FakeUpstream) -> None:
+    refused = client.post("/v1/chat/completions", content=body_of([{"role": "user", "content": "hi"}] * 200_000))
+    assert refused.status_code == 413
+    assert refused.json()["error"]["code"] == "too_many_messages"
+    assert fake.chats == []
