@@ -35,3 +35,13 @@ def test_the_cache_is_bounded() -> None:
     for i in range(10):
         hasher.hash(str(i), [{"role": "user", "content": str(i)}])
     assert len(hasher._last) == 3
+
+
+def test_the_cache_keeps_at_most_max_bytes_besides_the_newest_list() -> None:
+    hasher = MessageHasher(conversations=64, max_bytes=10_000)
+    hasher.hash("big", [{"role": "user", "content": "x" * 50_000}])
+    assert hasher.retained_bytes > 50_000  # the newest list is kept, whatever its size
+    for i in range(3):
+        hasher.hash(str(i), [{"role": "user", "content": str(i) * 1000}])
+    assert "big" not in hasher._last and len(hasher._last) == 3
+    assert hasher.retained_bytes == sum(entry.size for entry in hasher._last.values()) <= 10_000
