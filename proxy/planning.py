@@ -4,7 +4,8 @@ This is where the pure core meets I/O. ``plan_forward`` resolves the model's set
 messages with the session's decisions and calibration, checks the invariants, journals the new decisions, the cut
 bodies and the projected list (one transaction, before anything is forwarded), then updates the session's
 working context. A request that cannot fit even after every cut raises ``ContextTooLarge``, which says what
-takes the room.
+takes the room. Everything between the awaits is one synchronous step (``_shape``), so that for a large request
+it runs on a worker thread as a whole (``proxy.heavy``) while the event loop serves the other clients.
 """
 
 from __future__ import annotations

@@ -88,7 +88,9 @@ BOUND_CHARS = 1_000_000
 """Text longer than this is not encoded: its UTF-8 size in bytes is the count. Every token of a byte-level BPE
 (cl100k, Llama 3, Qwen; SentencePiece with byte fallback) covers at least one byte, so this never counts low;
 for English it counts about four times high. A text that long (some 250 000 tokens or more) does not fit a
-budget whole anyway: it is spilled, cut, or refused as too large, and counting it exactly would only cost time."""
+budget whole anyway: it is spilled, cut, or refused as too large, and counting it exactly would only cost time.
+Only a budget set explicitly above that would forward one whole; its estimate then runs high, which errs safe for
+that request, and the calibration learns a lower ``k`` from it until later answers correct it."""
 
 _CUT_WINDOW = 256
 """How far back from a piece's end a space is looked for before the piece is cut mid-run."""
