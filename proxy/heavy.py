@@ -21,7 +21,8 @@ import anyio.to_thread
 
 from proxy.errors import PayloadTooLarge
 
-__all__ = ["OFFLOAD_BYTES", "OFFLOAD_OBJECTS", "Offload", "check_message_count", "is_heavy"]
+__all__ = ["OFFLOAD_BYTES", "OFFLOAD_MESSAGES", "OFFLOAD_OBJECTS", "Offload", "check_message_count", "is_heavy",
+           "is_large"]
 
 T = TypeVar("T")
 
@@ -35,13 +36,23 @@ OFFLOAD_OBJECTS = 4096
 large ones (200 000 tiny messages held the loop for 5.6 s). Every message is a JSON object, and a structural
 ``{`` cannot be escaped, so the count of ``{`` bytes is never below the count of messages."""
 
+OFFLOAD_MESSAGES = 1000
+"""A parsed request with this many messages is projected on the worker whatever its size: a projection that
+starts afresh (after a restart, or once the session's decisions changed) walks every message, some 20-50 µs each."""
+
 WORKERS = 2
 """Heavy steps running at once: the machine's cores; more would only share them, and hold more memory."""
 
 
 def is_heavy(raw: bytes) -> bool:
-    """Does this body's work belong on the worker? (``bytes.count`` scans 1 MB in well under a millisecond.)"""
+    """Before parsing: does this body's parsing and hashing belong on the worker? (``bytes.count`` scans the
+    630 KB history in about 0.1 ms; once per request: after parsing, ``is_large`` decides.)"""
     return len(raw) >= OFFLOAD_BYTES or raw.count(b"{") >= OFFLOAD_OBJECTS
+
+
+def is_large(body_bytes: int, messages: int) -> bool:
+    """Once parsed: does projecting this request belong on the worker?"""
+    return body_bytes >= OFFLOAD_BYTES or messages >= OFFLOAD_MESSAGES
 
 
 class Offload:

@@ -22,7 +22,7 @@ import orjson
 from config import Settings
 from proxy.context import SessionContext
 from proxy.errors import ContextTooLarge
-from proxy.heavy import is_heavy
+from proxy.heavy import is_large
 from proxy.rewrite import (
     Decision,
     Projection,
@@ -83,7 +83,8 @@ async def plan_forward(app: AppState, writer: JournalWriter, ctx: SessionContext
     window = min(window, app.contexts.window_limits.get(model, window))
     ask = _Ask(body, raw, incoming, recorded, attempt, incognito, list(splice or []), offer, compact)
     previous, ctx.state = ctx.state, None  # consumed by project(); only a journaled projection gives it back
-    shaped = await app.offload.run(is_heavy(raw), _shape, app, settings, ctx, ask, window, previous)
+    large = is_large(incoming.body_bytes, len(incoming.hashes))
+    shaped = await app.offload.run(large, _shape, app, settings, ctx, ask, window, previous)
     p, record = shaped.projection, shaped.record
     deferred = None
     if record.verbatim and not record.decisions and not record.overflow:

@@ -22,6 +22,7 @@ from fastapi.testclient import TestClient
 
 from config import load_settings
 from proxy.app import create_app
+from proxy.heavy import OFFLOAD_BYTES, OFFLOAD_MESSAGES, OFFLOAD_OBJECTS, is_heavy, is_large
 from tests.fakes import FakeUpstream, Received, Reply, completion, serve_in_thread
 
 SMALL = {"model": "fake-model", "messages": [{"role": "system", "content": "You are terse."},
@@ -166,3 +167,11 @@ def test_200_000_tiny_messages_are_refused_by_default(client: TestClient, fake: 
     assert refused.status_code == 413
     assert refused.json()["error"]["code"] == "too_many_messages"
     assert fake.chats == []
+
+
+def test_a_body_is_heavy_by_its_size_or_by_how_many_objects_it_may_hold() -> None:
+    history = body_of([{"role": "user", "content": "x" * 600_000}])  # like the latency bench's 630 KB history
+    assert not is_heavy(history)
+    assert is_heavy(body_of([{"role": "user", "content": "x" * OFFLOAD_BYTES}]))
+    assert is_heavy(body_of([{"role": "user", "content": "hi"}] * OFFLOAD_OBJECTS))
+    assert is_large(len(history), OFFLOAD_MESSAGES) and not is_large(len(history), OFFLOAD_MESSAGES - 1)
