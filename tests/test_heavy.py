@@ -22,7 +22,16 @@ from fastapi.testclient import TestClient
 
 from config import load_settings
 from proxy.app import create_app
-from proxy.heavy import OFFLOAD_BYTES, OFFLOAD_MESSAGES, OFFLOAD_OBJECTS, is_heavy, is_large
+from proxy.errors import PayloadTooLarge
+from proxy.heavy import (
+    OFFLOAD_BYTES,
+    OFFLOAD_MESSAGES,
+    OFFLOAD_OBJECTS,
+    Offload,
+    check_message_count,
+    is_heavy,
+    is_large,
+)
 from tests.fakes import FakeUpstream, Received, Reply, completion, serve_in_thread
 
 SMALL = {"model": "fake-model", "messages": [{"role": "system", "content": "You are terse."},
@@ -175,3 +184,17 @@ def test_a_body_is_heavy_by_its_size_or_by_how_many_objects_it_may_hold() -> Non
     assert is_heavy(body_of([{"role": "user", "content": "x" * OFFLOAD_BYTES}]))
     assert is_heavy(body_of([{"role": "user", "content": "hi"}] * OFFLOAD_OBJECTS))
     assert is_large(len(history), OFFLOAD_MESSAGES) and not is_large(len(history), OFFLOAD_MESSAGES - 1)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.mark.anyio
+async def test_a_heavy_step_runs_on_a_worker_thread_and_a_light_one_on_the_loop() -> None:
+    offload, loop = Offload(), threading.get_ident()
+    assert await offload.run(False, threading.get_ident) == loop
+    assert await offload.run(True, threading.get_ident) != loop
+    with pytest.raises(PayloadTooLarge):  # an error raised on the worker reaches the caller as it was
+        await offload.run(True, check_message_count, 5, 4)
