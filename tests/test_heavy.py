@@ -15,12 +15,14 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 from fastapi.testclient import TestClient
 
 from config import load_settings
+from proxy import intercept
 from proxy.app import create_app
 from proxy.errors import PayloadTooLarge
 from proxy.heavy import (
@@ -32,7 +34,9 @@ from proxy.heavy import (
     is_heavy,
     is_large,
 )
-from tests.fakes import FakeUpstream, Received, Reply, completion, serve_in_thread
+from proxy.tools.apply import Outcome, View, apply_intent
+from proxy.tools.intents import Intent
+from tests.fakes import FakeUpstream, Received, Reply, completion, serve_in_thread, tool_answer
 
 SMALL = {"model": "fake-model", "messages": [{"role": "system", "content": "You are terse."},
                                              {"role": "user", "content": "Say ok."}]}
@@ -198,3 +202,37 @@ async def test_a_heavy_step_runs_on_a_worker_thread_and_a_light_one_on_the_loop(
     assert await offload.run(True, threading.get_ident) != loop
     with pytest.raises(PayloadTooLarge):  # an error raised on the worker reaches the caller as it was
         await offload.run(True, check_message_count, 5, 4)
+
+
+READ_FILE = [{"type": "function", "function": {"name": "read_file", "parameters": {"type": "object"}}}]
+
+
+def agent_run(results: int) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are an agent."},
+                                      {"role": "user", "content": f"Free up your context ({results} results)."}]
+    for k in range(results):
+        messages += [{"role": "assistant", "content": None, "tool_calls": [
+            {"id": f"call_{k}", "type": "function", "function": {"name": "read_file", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": f"call_{k}", "content": f"result {k}"}]
+    return messages
+
+
+def test_context_ops_on_a_long_conversation_are_applied_on_the_worker(
+        client: TestClient, fake: FakeUpstream, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The second op of a round sees the first one's decision: the session's view is projected afresh, a walk over
+    every message. For a long conversation that walk runs on the worker, not the loop."""
+    threads: list[str] = []
+
+    def recorded(intent: Intent, view: View) -> Outcome:
+        threads.append(threading.current_thread().name)
+        return apply_intent(intent, view)
+
+    monkeypatch.setattr(intercept, "apply_intent", recorded)
+    for results in (3, OFFLOAD_MESSAGES // 2):
+        fake.enqueue(Reply(body=tool_answer(("context_drop", {"handles": ["call_1"]}), ("context_status", {}))))
+        answer = client.post("/v1/chat/completions", json={"model": "m", "tools": READ_FILE,
+                                                           "messages": agent_run(results)})
+        assert answer.status_code == 200
+    short, long = threads[:2], threads[2:]
+    assert len(long) == 2 and set(short).isdisjoint(long)
+    assert all("worker" in name.lower() for name in long)
