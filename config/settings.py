@@ -84,6 +84,8 @@ class Settings:
     session_header: str = _opt("X-Session-Id", parse_str, "request header that names the session explicitly")
     incognito: bool = _opt(False, parse_bool, "write nothing to disk for any session (X-Ctx-Incognito: 1 per request)")
     max_body_bytes: int = _opt(64 * 1024 * 1024, parse_int(1024), "largest request body accepted (413 above)")
+    max_messages: int = _opt(20_000, parse_int(1), "most messages one chat request may carry (413 above; a long "
+                             "agent run sends a few thousand)")
     upstream_connect_timeout: float = _opt(10.0, parse_float(0.1, 3600), "seconds to connect upstream (502 after)")
     upstream_timeout: float = _opt(600.0, parse_float(0.1, 86400), "seconds between upstream bytes (504 after)")
     journal_sync: str = _opt("normal", parse_choice("normal", "full"), "SQLite synchronous: normal survives a "
@@ -168,6 +170,7 @@ SERVER_KEYS = frozenset({
     "upstream_connect_timeout", "upstream_timeout", "journal_sync", "log_level", "access_log",
     "metrics_token", "session_scope", "incognito_max_bytes", "incognito_max_age", "client_header_timeout",
     "client_body_timeout", "max_connections",
+    "max_messages",
 })
 """Keys that describe the process, not a model: a ``[models.*]`` profile may not set them."""
 

@@ -40,6 +40,7 @@ from proxy.errors import (
     error_response,
     sse_error,
 )
+from proxy.heavy import check_message_count, is_heavy
 from proxy.intercept import ContextRunner, strip_calls
 from proxy.loop import VIA_HEADER, refuse_loop
 from proxy.overflow import Overflow, detect_overflow
@@ -73,9 +74,8 @@ async def chat_completions(request: Request) -> Response:
     refuse_loop(request.headers, state.upstream.instance)
     incognito = incognito_requested(request) or state.settings.incognito
     raw = await read_body(request, state.settings.max_body_bytes, state.settings.client_body_timeout)
-    body = parse_chat_body(raw)
+    body, incoming = await state.offload.run(is_heavy(raw), _admit, request, raw, state)
     writer = state.journal_for(incognito)
-    incoming = incoming_request(request, raw, body, state)
     with anyio.CancelScope(shield=True):  # once begun, the request's row is written, so its answer row can follow
         recorded = await writer.call(Journal.record_request, incoming)
     exchange = Exchange(state, writer, recorded, request, body, incoming, incognito)
@@ -91,6 +91,13 @@ async def chat_completions(request: Request) -> Response:
         with anyio.CancelScope(shield=True):
             await exchange.finish(_outcome_of(exc), 499 if cancelled else 500, None)
         raise
+
+
+def _admit(request: Request, raw: bytes, state: AppState) -> tuple[ChatBody, IncomingRequest]:
+    """Parse, validate and hash: sized by the request, so a large one's runs on the worker (``proxy.heavy``)."""
+    body = parse_chat_body(raw)
+    check_message_count(len(body["messages"]), state.settings.max_messages)
+    return body, incoming_request(request, raw, body, state)
 
 
 def incoming_request(request: Request, raw: bytes, body: ChatBody, state: AppState) -> IncomingRequest:

@@ -12,6 +12,7 @@ journal then records the earlier, equal value.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,23 +28,31 @@ class HashedMessages:
     messages: Sequence[Any]
     bodies: list[bytes]
     hashes: list[str]
+    size: int = 0
+    """The bodies' total length in bytes."""
 
 
 class MessageHasher:
     """Canonical bodies and hashes of a message list, reusing the previous list's for its unchanged prefix.
 
-    The last list of at most ``conversations`` conversations is kept, and of at most ``max_bytes`` of canonical
-    bodies in all (the decoded messages cost about as much again): 60 conversations of 1 MB once kept ~100 MB
-    here for good, incognito ones included, whatever their journal forgot."""
+    It keeps the last list of ``conversations`` conversations, oldest dropped first, and no more than
+    ``max_bytes`` of canonical bodies besides the newest list: a 50 MB request would otherwise stay in memory
+    (twice: parsed and serialised) until 64 other conversations had come by, and 60 incognito conversations of
+    1 MB kept ~100 MB here for good, whatever their journal forgot. Safe to share between the event loop
+    and the worker that hashes large requests (``proxy.heavy``).
+    """
 
-    def __init__(self, conversations: int = 64, max_bytes: int = 32 * 1024 * 1024) -> None:
+    def __init__(self, conversations: int = 64, max_bytes: int = 32 << 20) -> None:
         self._last: OrderedDict[str, HashedMessages] = OrderedDict()
-        self._sizes: dict[str, int] = {}
-        self._capacity, self._max_bytes, self._bytes = conversations, max_bytes, 0
+        self._capacity = conversations
+        self._max_bytes = max_bytes
+        self._bytes = 0
+        self._lock = threading.Lock()
 
     def hash(self, key: str, messages: Sequence[Any]) -> HashedMessages:
-        previous = self._last.pop(key, None)
-        self._bytes -= self._sizes.pop(key, 0)
+        with self._lock:
+            previous = self._last.pop(key, None)
+            self._bytes -= previous.size if previous else 0
         same = _common_prefix(previous.messages, messages) if previous else 0
         bodies = previous.bodies[:same] if previous else []
         hashes = previous.hashes[:same] if previous else []
@@ -51,17 +60,18 @@ class MessageHasher:
             body = canonical_json(message)
             bodies.append(body)
             hashes.append(content_hash(body))
-        result = HashedMessages(messages, bodies, hashes)
-        self._keep(key, result)
+        result = HashedMessages(messages, bodies, hashes, sum(map(len, bodies)))
+        with self._lock:
+            self._last[key] = result
+            self._bytes += result.size
+            while len(self._last) > 1 and (len(self._last) > self._capacity or self._bytes > self._max_bytes):
+                self._bytes -= self._last.popitem(last=False)[1].size
         return result
 
-    def _keep(self, key: str, hashed: HashedMessages) -> None:
-        size = sum(len(b) for b in hashed.bodies)
-        self._last[key], self._sizes[key] = hashed, size
-        self._bytes += size
-        while self._last and (len(self._last) > self._capacity or self._bytes > self._max_bytes):
-            oldest, _ = self._last.popitem(last=False)
-            self._bytes -= self._sizes.pop(oldest)
+    @property
+    def retained_bytes(self) -> int:
+        """The canonical bodies kept for reuse, in bytes."""
+        return self._bytes
 
 
 def _common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:

@@ -14,13 +14,14 @@ from datetime import UTC, datetime
 from typing import Any
 
 from proxy.context import SessionContext
+from proxy.heavy import is_large
 from proxy.outfiles import write_outfiles
 from proxy.rewrite import project
 from proxy.rewrite.cuts import hide_decision, rounds
 from proxy.rewrite.state import Rules
 from proxy.state import AppState
 from proxy.tools.apply import Outcome, View, apply_intent, render_overflow
-from proxy.tools.intents import Ctx, ReadOverflow, ToolError, parse_call
+from proxy.tools.intents import Ctx, Intent, ReadOverflow, ToolError, parse_call
 from proxy.tools.mirror import maintenance_rounds, mirror_path, revise
 from proxy.tools.offer import split_calls, turn_in
 from proxy.tools.schemas import TOOL_NAMES
@@ -35,6 +36,7 @@ class ContextRunner:
         self.app, self.writer, self.ctx = app, writer, ctx
         self.session_id, self.request_id = session_id, request_id
         self.messages, self.hashes = messages, hashes
+        self.large = is_large(0, len(messages))
         self.round = 0
         """The agent's round in its turn (``Turn.round``), which every ``context_op`` event carries: the proxy's
         own re-asks within one client request are not rounds of the agent."""
@@ -73,12 +75,18 @@ class ContextRunner:
             return await self._read_overflow(intent)
         if isinstance(intent, Ctx) and intent.action == "commit":
             return await self._commit(rules)
-        outcome = apply_intent(intent, self._view(rules, settings.max_pins, settings.approval_pattern))
+        outcome = await self.app.offload.run(self.large, self._apply, intent, rules, settings.max_pins,
+                                             settings.approval_pattern)
         if outcome.decisions:
             await self._journal(outcome, rules)
         if outcome.ok and outcome.op != "status":  # the next request hears what changed, not what was looked at
             self.ctx.confirmations.append(outcome.text)
         return self._event(outcome.op, outcome.ok, outcome.text, outcome)
+
+    def _apply(self, intent: Intent, rules: Rules, max_pins: int, approval_pattern: str) -> Outcome:
+        """The intent applied to the session's view: its cost follows the conversation (the view may be projected
+        afresh), so a large one's runs on the worker (``proxy.heavy``), under the session's lock."""
+        return apply_intent(intent, self._view(rules, max_pins, approval_pattern))
 
     def _view(self, rules: Rules, max_pins: int, approval_pattern: str) -> View:
         state = self.ctx.state

@@ -4,7 +4,8 @@ This is where the pure core meets I/O. ``plan_forward`` resolves the model's set
 messages with the session's decisions and calibration, checks the invariants, journals the new decisions, the cut
 bodies and the projected list (one transaction, before anything is forwarded), then updates the session's
 working context. A request that cannot fit even after every cut raises ``ContextTooLarge``, which says what
-takes the room.
+takes the room. Everything between the awaits is one synchronous step (``_shape``), so that for a large request
+it runs on a worker thread as a whole (``proxy.heavy``) while the event loop serves the other clients.
 """
 
 from __future__ import annotations
@@ -21,12 +22,25 @@ import orjson
 from config import Settings
 from proxy.context import SessionContext
 from proxy.errors import ContextTooLarge
+from proxy.heavy import is_large
 from proxy.outfiles import outfiles_dir, write_outfiles
-from proxy.rewrite import Projection, Report, Rules, budget_for, canonical_json, message_hash, project, violations
-from proxy.rewrite.decisions import CUTS, Decision
+from proxy.rewrite import (
+    Decision,
+    Projection,
+    Report,
+    Rules,
+    State,
+    budget_for,
+    canonical_json,
+    message_hash,
+    project,
+    violations,
+)
+from proxy.rewrite.decisions import CUTS
 from proxy.rewrite.fenced import presets_for, route_of
 from proxy.rewrite.identity import content_text
 from proxy.rewrite.state import sha256_text
+from proxy.rewrite.tokens import MessageCounter
 from proxy.state import AppState
 from proxy.tools.blocks import NOTE, RESTORE_NOTE
 from proxy.tools.mirror import PARAGRAPH, mirror_document, mirror_path
@@ -64,35 +78,74 @@ async def plan_forward(app: AppState, writer: JournalWriter, ctx: SessionContext
                        compact: str | None = None) -> Plan:
     """Project the request and journal the forward. ``splice``: this request's context-tool exchanges so far,
     sent after the projection in the proxy's own follow-up rounds; ``offer=False``: the last round, without the
-    context tools."""
+    context tools. The projection of a large request runs on the worker (``proxy.heavy``)."""
     model = body.get("model")
     settings = app.settings.for_model(model)
     window = settings.ctx_window or (await app.windows.window_for(model)).tokens
     window = min(window, app.contexts.window_limits.get(model, window))
-    k = ctx.calibration(model).k
-    may_offer = settings.tools_enabled and bool(body.get("tools") or settings.native_tools)  # the schemas' cost
-    # The context tools' schemas are budgeted whenever they may be offered: the budget must hold the moment they
-    # are, and the cuts must not shift when they start to be.
-    tools = app.counter.count_tools(body.get("tools")) + (app.context_tools_tokens() if may_offer else 0)
-    messages = cast(list[dict[str, Any]], body["messages"])
-    presets = presets_for(settings.fenced_presets)
-    fenced = presets if route_of(messages, body.get("tools"), settings.route, presets) == "fenced" else ()
-    rules = Rules(budget_for(settings, window), k, INCOGNITO_STORAGE if incognito else "disk", tools, fenced,
-                  outfiles_dir(settings, incognito))
-    messages = cast(list[dict[str, Any]], body["messages"])
+    ask = _Ask(body, raw, incoming, recorded, attempt, incognito, list(splice or []), offer, compact)
     previous, ctx.state = ctx.state, None  # consumed by project(); only a journaled projection gives it back
-    p = project(messages, incoming.hashes, ctx.decisions, rules, app.counter, previous, recorded.seen)
-    if p.report.over_budget:
-        raise ContextTooLarge(describe_overflow(p.report, messages, p.state.ids))
-    if _broken(messages, p):
-        p = replace(p, messages=list(messages), hashes=list(incoming.hashes), new=(), writes=(), changed=False)
-        p.state.absorbed = -1  # never resumed: the next request recomputes from the decisions
-    mirror = None if incognito or splice else _mirror(ctx, settings, recorded.session_id, p)
-    offered = offer and (_offered(ctx, settings, body, messages, p, rules) or (
-        (compact is not None or ctx.mirror is not None) and settings.tools_enabled))
-    notices = [] if splice else _notices(ctx, settings, p, rules, offered)  # follow-ups carry the tool results
+    large = is_large(incoming.body_bytes, len(incoming.hashes))
+    shaped = await app.offload.run(large, _shape, app, settings, ctx, ask, window, previous)
+    p, record = shaped.projection, shaped.record
+    deferred = None
+    if record.verbatim and not record.decisions and not record.overflow:
+        # Nothing of it is new: the request's own row already says what goes upstream. The forward row is
+        # journaled with its answer, off the request's path.
+        deferred, list_id = record, recorded.list_id
+    else:
+        list_id = await writer.call(Journal.record_forward, record)
+        await write_outfiles(shaped.rules.overflow_dir, [(w.overflow_id, w.body) for w in p.writes])
+    ctx.decisions += p.new
+    app.metrics.decided([d.kind for d in p.new])
+    ctx.state = p.state
+    ctx.sent_list = (list_id, shaped.hashes)
+    return Plan(shaped.body, shaped.estimate, shaped.rules.k, p, shaped.rules, shaped.offered, deferred)
+
+
+@dataclass(frozen=True)
+class _Ask:
+    """One attempt of one request, as ``plan_forward`` was given it."""
+
+    body: ChatBody
+    raw: bytes
+    incoming: IncomingRequest
+    recorded: RecordedRequest
+    attempt: int
+    incognito: bool
+    splice: list[dict[str, Any]]
+    offer: bool
+    compact: str | None
+
+
+@dataclass(frozen=True)
+class _Shaped:
+    """What goes upstream, and the forward row that says so (not journaled yet)."""
+
+    projection: Projection
+    rules: Rules
+    offered: bool
+    estimate: int
+    hashes: list[str]
+    record: ForwardRecord
+    body: bytes
+
+
+def _shape(app: AppState, settings: Settings, ctx: SessionContext, ask: _Ask, window: int,
+           previous: State | None) -> _Shaped:
+    """The outgoing request: rules, projection, notices, tools, bytes. No await: its cost grows with the request,
+    so a large one's runs on the worker, under the session's lock (it updates the session's working context)."""
+    body, messages = ask.body, cast(list[dict[str, Any]], ask.body["messages"])
+    may_offer = settings.tools_enabled and bool(body.get("tools") or settings.native_tools)  # the schemas' cost
+    rules = _rules(app, settings, ctx, ask, window, may_offer)
+    p = _checked_projection(messages, ask.incoming.hashes, ctx.decisions, rules, app.counter, previous,
+                            ask.recorded.seen)
+    mirror = None if ask.incognito or ask.splice else _mirror(ctx, settings, ask.recorded.session_id, p)
+    offered = ask.offer and (_offered(ctx, settings, body, messages, p, rules) or (
+        (ask.compact is not None or ctx.mirror is not None) and settings.tools_enabled))
+    notices = [] if ask.splice else _notices(ctx, settings, p, rules, offered)  # follow-ups carry tool results
     restorable = settings.tools_enabled and _restorable(ctx.decisions, p.new)
-    sent = p.messages + _guidance(rules, offered, restorable, compact, mirror) + notices + list(splice or [])
+    sent = p.messages + _guidance(rules, offered, restorable, ask.compact, mirror) + notices + ask.splice
     payload: dict[str, Any] = {**body, "messages": sent}
     listed = CONTEXT_TOOLS if offered else (READ_TOOL,) if restorable and may_offer else ()
     if listed and not rules.fenced:
@@ -102,21 +155,23 @@ async def plan_forward(app: AppState, writer: JournalWriter, ctx: SessionContext
     changed = p.changed or len(sent) != len(p.messages) or bool(listed) or filled
     estimate = p.report.estimate - (app.context_tools_tokens() - (app.read_tool_tokens() if listed else 0)
                                     if may_offer and not offered else 0)
-    record = _forward_record(recorded, incoming, ctx, p, attempt, k, sent, hashes, changed,
-                             None if splice else estimate)  # a splice's tokens are not in the estimate
-    deferred = None
-    if record.verbatim and not record.decisions and not record.overflow:
-        # Nothing of it is new: the request's own row already says what goes upstream. The forward row is
-        # journaled with its answer, off the request's path.
-        deferred, list_id = record, recorded.list_id
-    else:
-        list_id = await writer.call(Journal.record_forward, record)
-        await write_outfiles(rules.overflow_dir, [(w.overflow_id, w.body) for w in p.writes])
-    ctx.decisions += p.new
-    app.metrics.decided([d.kind for d in p.new])
-    ctx.state = p.state
-    ctx.sent_list = (list_id, hashes)
-    return Plan(orjson.dumps(payload) if changed else raw, estimate, k, p, rules, offered, deferred)
+    record = _forward_record(ask.recorded, ask.incoming, ctx, p, ask.attempt, rules.k, sent, hashes, changed,
+                             None if ask.splice else estimate)  # a splice's tokens are not in the estimate
+    return _Shaped(p, rules, offered, estimate, hashes, record, orjson.dumps(payload) if changed else ask.raw)
+
+
+def _rules(app: AppState, settings: Settings, ctx: SessionContext, ask: _Ask, window: int, may_offer: bool) -> Rules:
+    """The budget, calibration, storage, tools' cost and text-protocol presets this attempt is projected under.
+    The context tools' schemas are budgeted whenever they may be offered: the budget must hold the moment they
+    are, and the cuts must not shift when they start to be."""
+    body = ask.body
+    tools = app.counter.count_tools(body.get("tools")) + (app.context_tools_tokens() if may_offer else 0)
+    presets = presets_for(settings.fenced_presets)
+    messages = cast(list[dict[str, Any]], body["messages"])
+    fenced = presets if route_of(messages, body.get("tools"), settings.route, presets) == "fenced" else ()
+    k = ctx.calibration(body.get("model")).k
+    return Rules(budget_for(settings, window), k, INCOGNITO_STORAGE if ask.incognito else "disk", tools, fenced,
+                 outfiles_dir(settings, ask.incognito))
 
 
 def _guidance(rules: Rules, offered: bool, restorable: bool, compact: str | None,
@@ -197,6 +252,19 @@ def _notices(ctx: SessionContext, settings: Settings, p: Projection, rules: Rule
         ctx.reminded_turn = ctx.offered_turn
         out.append({"role": "system", "content": REMINDER})
     return out
+
+
+def _checked_projection(messages: list[dict[str, Any]], hashes: Sequence[str], decisions: Sequence[Decision],
+                        rules: Rules, counter: MessageCounter, previous: State | None, seen: int) -> Projection:
+    """The projection, refused if it cannot fit, the request as it came if it broke an invariant. Pure and sized by
+    the request: a large one's runs on the worker (``proxy.heavy``), under the session's lock."""
+    p = project(messages, hashes, decisions, rules, counter, previous, seen)
+    if p.report.over_budget:
+        raise ContextTooLarge(describe_overflow(p.report, messages, p.state.ids))
+    if _broken(messages, p):
+        p = replace(p, messages=list(messages), hashes=list(hashes), new=(), writes=(), changed=False)
+        p.state.absorbed = -1  # never resumed: the next request recomputes from the decisions
+    return p
 
 
 def _broken(messages: list[Any], p: Projection) -> bool:

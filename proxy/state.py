@@ -13,6 +13,7 @@ from config import Settings
 from proxy.context import SessionContexts
 from proxy.events import EventBus
 from proxy.hashing import MessageHasher
+from proxy.heavy import Offload
 from proxy.metrics import Metrics
 from proxy.rewrite import canonical_json
 from proxy.rewrite.tokens import MessageCounter
@@ -70,6 +71,7 @@ class AppState:
     contexts: SessionContexts = field(default_factory=SessionContexts)
     events: EventBus = field(default_factory=EventBus)
     metrics: Metrics = field(default_factory=Metrics)
+    offload: Offload = field(default_factory=Offload)
     own_headers: frozenset[str] = frozenset()
     _context_tools_tokens: int | None = None
 

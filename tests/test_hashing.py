@@ -44,5 +44,15 @@ def test_the_cache_is_bounded_in_bytes_too() -> None:
         hasher.hash(f"run-{i}", [{"role": "tool", "content": f"{i} " + "x" * 100_000}])
     assert len(hasher._last) == 2 and hasher._bytes <= 300_000
     assert set(hasher._last) == {"run-58", "run-59"}  # the most recent are kept
-    hasher.hash("huge", [{"role": "tool", "content": "y" * 400_000}])  # alone above the bound: not kept
-    assert "huge" not in hasher._last and hasher._bytes <= 300_000
+    hasher.hash("huge", [{"role": "tool", "content": "y" * 400_000}])  # alone above the bound: kept alone
+    assert list(hasher._last) == ["huge"]
+
+
+def test_the_cache_keeps_at_most_max_bytes_besides_the_newest_list() -> None:
+    hasher = MessageHasher(conversations=64, max_bytes=10_000)
+    hasher.hash("big", [{"role": "user", "content": "x" * 50_000}])
+    assert hasher.retained_bytes > 50_000  # the newest list is kept, whatever its size
+    for i in range(3):
+        hasher.hash(str(i), [{"role": "user", "content": str(i) * 1000}])
+    assert "big" not in hasher._last and len(hasher._last) == 3
+    assert hasher.retained_bytes == sum(entry.size for entry in hasher._last.values()) <= 10_000

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import tiktoken
@@ -18,6 +18,8 @@ from hypothesis import strategies as st
 
 from proxy.rewrite import message_hash
 from proxy.rewrite.tokens import (
+    BOUND_CHARS,
+    CHUNK_CHARS,
     IMAGE_TOKENS,
     K_MAX,
     K_MIN,
@@ -28,6 +30,7 @@ from proxy.rewrite.tokens import (
     MessageCounter,
     TiktokenCounter,
     load_encoding,
+    utf8_size,
 )
 from tests.workloads import conversation as workload
 
@@ -357,3 +360,68 @@ def test_a_constant_ratio_is_converged_to(start: float, estimate: int, actual: i
     for _ in range(60):
         calibration = calibration.observe(estimate, actual)
     assert calibration.k == pytest.approx(ratio, rel=1e-9)
+
+
+# --- bounded cost for long text (issue #10) -----------------------------------------------------------------------
+class RecordingEncoding:
+    """The real offline encoding, remembering the length of every text it was asked to encode."""
+
+    def __init__(self) -> None:
+        self.inner = tiktoken.get_encoding(OFFLINE_ENCODING)
+        self.name = self.inner.name
+        self.encoded: list[int] = []
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        self.encoded.append(len(text))
+        return self.inner.encode_ordinary(text)
+
+
+def recording_counter() -> tuple[TiktokenCounter, RecordingEncoding]:
+    encoding = RecordingEncoding()
+    return TiktokenCounter(cast(tiktoken.Encoding, encoding)), encoding
+
+
+FRAGMENTS = ["x" * 997, "=" * 613, " word", "\n\n", "\t  ", "🙂👍🏽", "漢字かなカナ", "1234567", "a   b", "é",
+             "def f(x):\n    return x\n", "<|endoftext|>"]
+
+
+@given(st.lists(st.tuples(st.sampled_from(FRAGMENTS), st.integers(1, 300)), min_size=1, max_size=12))
+@example([("x" * 997, 60)])
+@example([("=" * 613, 80)])
+@example([(" word", 4000)])
+@example([("漢字かなカナ", 3500)])
+def test_long_text_is_never_counted_below_its_whole_encoding(parts: list[tuple[str, int]]) -> None:
+    text = "".join(fragment * times for fragment, times in parts)
+    whole = len(tiktoken.get_encoding(OFFLINE_ENCODING).encode_ordinary(text))
+    counted = TiktokenCounter(tiktoken.get_encoding(OFFLINE_ENCODING)).count(text)
+    assert whole <= counted <= max(whole, utf8_size(text))
+    if len(text) <= CHUNK_CHARS:
+        assert counted == whole
+
+
+def test_long_text_is_encoded_in_pieces_never_longer_than_a_chunk() -> None:
+    counter, encoding = recording_counter()
+    assert counter.count("=" * 900_000) >= 900_000 // 64  # cl100k's longest run of "=" is 64
+    assert encoding.encoded and max(encoding.encoded) <= CHUNK_CHARS
+    assert sum(encoding.encoded) == 900_000
+
+
+def test_text_above_the_bound_is_counted_by_its_utf8_size_without_encoding() -> None:
+    counter, encoding = recording_counter()
+    assert counter.count("=" * 8_000_000) == 8_000_000
+    assert counter.count("é" * (BOUND_CHARS + 1)) == 2 * (BOUND_CHARS + 1)
+    assert counter.count("\ud83d" + "x" * BOUND_CHARS) == BOUND_CHARS + 3  # a lone surrogate: three bytes
+    assert encoding.encoded == []
+
+
+def test_the_utf8_size_is_an_upper_bound_of_the_token_count() -> None:
+    encoding = tiktoken.get_encoding(OFFLINE_ENCODING)
+    for text in ["漢字かなカナ" * 500, "🙂👍🏽 family 👨‍👩‍👧 " * 300, "x" * 5000, "=" * 5000, " a" * 5000, "é" * 3000]:
+        assert len(encoding.encode_ordinary(text)) <= utf8_size(text)
+
+
+def test_a_50_mb_message_is_counted_without_encoding_it() -> None:
+    counter, encoding = recording_counter()
+    tokens = MessageCounter(counter).count({"role": "user", "content": "x" * 50_000_000})
+    assert tokens == MESSAGE_OVERHEAD + 50_000_000
+    assert encoding.encoded == []

@@ -11,7 +11,9 @@ The design, in three parts (DESIGN.md §3):
   falls back to :class:`CharEstimate`, about 3.5 characters per token: an *estimate*, not a count. Upstream models
   rarely use cl100k anyway (llama.cpp and vLLM serve Llama, Qwen, Mistral… tokenizers), so either way the number
   is an estimate that calibration corrects. Text is encoded with ``encode_ordinary``: a tool result that contains
-  ``<|endoftext|>`` is data to count, not an error.
+  ``<|endoftext|>`` is data to count, not an error. Its cost is bounded (issue #10): long text is encoded in pieces
+  of ``CHUNK_CHARS`` (BPE is super-linear on a long run without a break: 8 MB of ``=`` took 8 s whole), and text
+  above ``BOUND_CHARS`` is not encoded at all but counted as its UTF-8 size, an upper bound.
 - **Messages.** :class:`MessageCounter` counts one OpenAI chat message as a fixed template overhead plus the tokens
   of its content, tool calls, ``name`` and ``tool_call_id``. An agent's request repeats the whole history, so the
   count is cached under a caller-given key (the message's content hash): a request costs O(new messages).
@@ -26,8 +28,9 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -37,7 +40,9 @@ if TYPE_CHECKING:
     import tiktoken
 
 __all__ = [
+    "BOUND_CHARS",
     "CHARS_PER_TOKEN",
+    "CHUNK_CHARS",
     "IMAGE_TOKENS",
     "K_MAX",
     "K_MIN",
@@ -73,6 +78,23 @@ K_MIN = 0.5
 K_MAX = 4.0
 """The highest believable ratio; also the cap when an overflow without a token count makes us guess upwards."""
 
+CHUNK_CHARS = 16_384
+"""Text longer than this is encoded piece by piece, each cut at a space where one is near (the place the
+tokenizer's own pre-split would break anyway) and counted one token high, so the sum never runs below the whole
+count: linear time and small lists, where one encode of a long run without a break is super-linear in time and
+held 3.7 GB for 50 MB of ``x``."""
+
+BOUND_CHARS = 1_000_000
+"""Text longer than this is not encoded: its UTF-8 size in bytes is the count. Every token of a byte-level BPE
+(cl100k, Llama 3, Qwen; SentencePiece with byte fallback) covers at least one byte, so this never counts low;
+for English it counts about four times high. A text that long (some 250 000 tokens or more) does not fit a
+budget whole anyway: it is spilled, cut, or refused as too large, and counting it exactly would only cost time.
+Only a budget set explicitly above that would forward one whole; its estimate then runs high, which errs safe for
+that request, and the calibration learns a lower ``k`` from it until later answers correct it."""
+
+_CUT_WINDOW = 256
+"""How far back from a piece's end a space is looked for before the piece is cut mid-run."""
+
 _IMAGE_PARTS = frozenset({"image_url", "input_image", "image"})
 _TEXT_PARTS = frozenset({"text", "refusal"})
 """Part types whose payload is text, held in the field of the same name (``refusal`` parts: assistant content)."""
@@ -98,7 +120,31 @@ class TiktokenCounter:
         return self.encoding.name
 
     def count(self, text: str) -> int:
-        return len(self.encoding.encode_ordinary(text))
+        if len(text) <= CHUNK_CHARS:
+            return len(self.encoding.encode_ordinary(text))
+        if len(text) > BOUND_CHARS:
+            return utf8_size(text)
+        pieces = list(_pieces(text))
+        counted = sum(len(self.encoding.encode_ordinary(piece)) for piece in pieces) + len(pieces) - 1
+        return min(counted, utf8_size(text))
+
+
+def utf8_size(text: str) -> int:
+    """The UTF-8 size of ``text`` without copying it when it is ASCII (``isascii`` is O(1) in CPython); a lone
+    surrogate counts its three bytes."""
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+
+
+def _pieces(text: str) -> Iterator[str]:
+    """``text`` in pieces of at most ``CHUNK_CHARS``, each cut before a space near its end if there is one."""
+    start = 0
+    while len(text) - start > CHUNK_CHARS:
+        end = start + CHUNK_CHARS
+        space = text.rfind(" ", end - _CUT_WINDOW, end)
+        cut = space if space > start else end
+        yield text[start:cut]
+        start = cut
+    yield text[start:]
 
 
 @dataclass(frozen=True)
@@ -142,6 +188,7 @@ class MessageCounter:
     A message costs ``MESSAGE_OVERHEAD`` + its content (text parts; ``IMAGE_TOKENS`` per image part; any other
     part by its canonical JSON, erring high) + each tool call's function name and arguments + ``name`` and
     ``tool_call_id`` when present. ``hits`` and ``misses`` count cache lookups (keyed counts and ``count_tools``).
+    Safe to use from several threads at once.
     """
 
     def __init__(self, counter: TextCounter | None = None, capacity: int = 50_000) -> None:
@@ -152,21 +199,26 @@ class MessageCounter:
         self.hits = 0
         self.misses = 0
         self._cache: OrderedDict[str, int] = OrderedDict()
+        self._lock = threading.Lock()
+        """The cache is shared by the event loop and the worker that projects large requests (``proxy.heavy``)."""
         self._last_tools: tuple[bytes, int] | None = None
 
     def count(self, message: Mapping[str, Any], key: str | None = None) -> int:
         """Tokens of one message; ``key`` (e.g. its sha256) caches the result, ``None`` counts without caching."""
         if key is None:
             return self._count_message(message)
-        cached = self._cache.get(key)
-        if cached is not None:
-            self._cache.move_to_end(key)
-            self.hits += 1
-            return cached
-        self.misses += 1
-        tokens = self._cache[key] = self._count_message(message)
-        if len(self._cache) > self.capacity:
-            self._cache.popitem(last=False)
+        with self._lock:
+            cached = self._cache.get(key)
+            if cached is not None:
+                self._cache.move_to_end(key)
+                self.hits += 1
+                return cached
+            self.misses += 1
+        tokens = self._count_message(message)  # outside the lock: the other thread need not wait for it
+        with self._lock:
+            self._cache[key] = tokens
+            if len(self._cache) > self.capacity:
+                self._cache.popitem(last=False)
         return tokens
 
     def count_text(self, text: str) -> int:
