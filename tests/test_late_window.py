@@ -38,18 +38,24 @@ def fenced_history(results: int) -> list[dict[str, Any]]:
     return msgs
 
 
+def under_the_fallback(messages: list[dict[str, Any]], fenced: bool = False) -> tuple[list[Decision], Projection]:
+    """The requests of a run up to ``messages``, each adding a round (only its result new), under the 131072
+    fallback: the decisions they made, and the last projection."""
+    decisions: list[Decision] = []
+    state = None
+    for end in range(4, len(messages) + 1, 2):
+        last = run(messages[:end], rules(131072, fenced), decisions, state, seen=end - 1)
+        decisions += last.new
+        state = last.state
+    return decisions, last
+
+
 def learned_late(messages: list[dict[str, Any]], fenced: bool) -> tuple[Projection, Projection]:
     """The first requests under the fallback, then the same request again once the real window is known (the
     retry after the upstream's refusal, which also taught that the model counts half as many tokens again as the
     proxy): the spills were decided at the fallback's size."""
-    decisions: list[Decision] = []
-    state = None
-    for end in range(4, len(messages) + 1, 2):  # each request adds a round: only its result is new
-        first = run(messages[:end], rules(131072, fenced), decisions, state, seen=end - 1)
-        decisions += first.new
-        state = first.state
-    retry = run(messages, rules(2048, fenced, k=1.5), decisions, None, seen=len(messages))
-    return first, retry
+    decisions, first = under_the_fallback(messages, fenced)
+    return first, run(messages, rules(2048, fenced, k=1.5), decisions, None, seen=len(messages))
 
 
 def test_previews_sized_for_the_fallback_are_recut_when_the_window_shrinks() -> None:
@@ -74,3 +80,18 @@ def test_fenced_previews_sized_for_the_fallback_are_recut_when_the_window_shrink
     assert len(newest) < 1500 and not retry.report.folded
     said = [m["content"] for m in retry.messages if m["role"] == "assistant"]
     assert said == [m["content"] for m in messages if m["role"] == "assistant"]  # no thought lost
+
+
+def test_the_recut_is_made_once_and_kept() -> None:
+    """The re-cut decisions are journaled like any other: recomputed from them (a restart) the projection is the
+    same bytes, and the next round leaves the re-cut prefix as it was (the prefix breaks once)."""
+    messages = history([BIG, BIG, BIG])
+    _, retry = learned_late(messages, fenced=False)
+    decisions = [*under_the_fallback(messages)[0], *retry.new]
+    small = rules(2048, k=1.5)
+    again = run(messages, small, decisions, None, seen=len(messages))
+    assert again.messages == retry.messages and not again.new
+    longer = history([BIG, BIG, BIG, "ok"])
+    after = run(longer, small, decisions, again.state, seen=len(longer) - 1)
+    assert after.messages[:len(retry.messages)] == retry.messages and not after.report.over_budget
+
