@@ -61,15 +61,15 @@ def _recut_segments(state: State, i: int, message: dict[str, Any], rules: Rules,
     result, content = state.fenced[i], text_of(message.get("content")) or ""
     if result.command == _PASTE:
         return
-    tool, replacements = result.command or "fenced", {}
+    tool, replacements, fresh = result.command or "fenced", {}, False
     for k, segment in enumerate(result.segments):
         body, target = content[segment.start:segment.end], segment_target(state.ids[i], k)
         decided = state.decided.get(target)
         current = decided.replacement if decided is not None and decided.message_hash == state.hashes[i] else body
         stub = _smaller_spill(state, target, state.hashes[i], body, current, tool, f"r{result.round}.{k + 1}", rules,
                               new, writes)
-        replacements[k] = current if stub is None else stub
-    if any(v != content[s.start:s.end] for v, s in zip(replacements.values(), result.segments, strict=True)):
+        replacements[k], fresh = (current, fresh) if stub is None else (stub, True)
+    if fresh:
         replace_out(state, i, {**message, "content": compose(content, result.segments, replacements)}, counter)
 
 
