@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import json
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from config import Settings, load_settings
 from proxy.app import create_app
 from store import Journal
-from tests.fakes import FakeUpstream, Received, Reply, completion, serve_in_thread, tool_answer
+from tests.fakes import (
+    CountingUpstream,
+    FakeUpstream,
+    Received,
+    Reply,
+    completion,
+    serve_in_thread,
+    tool_answer,
+)
 
 pytestmark = pytest.mark.e2e
 TASK = "Write hello into out.txt in the current directory, then submit."
@@ -214,3 +223,52 @@ def test_mini_swe_agent_in_text_mode_finishes_through_the_proxy(
     assert last[3]["content"] == "<returncode>0</returncode>\n<output>\n</output>"
     assert last[5]["content"] == "<returncode>0</returncode>\n<output>\nhello\n</output>"
     assert_one_session_without_a_header(stack, requests=3)
+
+
+class WindowedScript(CountingUpstream):
+    """The scripted answers, from a model server with a real window: a prompt over it is refused as llama.cpp does
+    (400 ``exceed_context_size_error``), one that fits gets the next scripted answer, its usage this server's own
+    count. Like llama-cpp-python, it reports its window nowhere (``/models`` has none, ``/props`` is unknown)."""
+
+    def _next(self, got: Received) -> Reply:
+        queue = self.replies.get("/chat/completions")
+        if not got.path.endswith("/chat/completions") or not queue:
+            return super()._next(got)
+        verdict = self._echo(got)  # counts the prompt; a refusal when it is over the window
+        if verdict.status >= 400:
+            return verdict
+        reply = queue.popleft()
+        counted = self.counts[-1]
+        return Reply(body=reply.body | {"usage": {"prompt_tokens": counted, "completion_tokens": 9,
+                                                  "total_tokens": counted + 9}})
+
+
+def test_mini_swe_agent_in_text_mode_with_long_outputs_fits_a_4k_window(
+        mswea: ModuleType, tmp_path: Path) -> None:
+    """#11: unmodified mini-swe-agent in text mode, each command printing more than 10 000 characters (its
+    long-output form, head and tail), against a 4k model that reports no window, with no ``ctx_window``: the
+    proxy learns the window from the first refusal, re-cuts what it had sized for the fallback, and the agent
+    never sees a 400; it finishes its task."""
+    fake = WindowedScript(window=4096)
+    commands = [f"seq {k} {k + 3999}" for k in range(1, 5)]  # about 19 000 characters each
+    for command in [*commands, SUBMIT]:
+        fake.enqueue(Reply(body=fenced(command)))
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    with serve_in_thread(fake) as direct:
+        settings = load_settings(env={"CTXPROXY_DATA_DIR": str(tmp_path / "data"), "CTXPROXY_UPSTREAM": direct + "/v1"})
+        recorder = Recorder(create_app(settings))
+        with serve_in_thread(recorder) as proxy:
+            result = run_agent(mswea, Stack(proxy, fake, recorder, settings), workdir, textbased=True)
+            sessions = httpx.get(proxy + "/ctx/sessions").json()["sessions"]
+
+    assert result["exit_status"] == "Submitted", result
+    assert len(recorder.chats) == 5 and not fake.replies["/chat/completions"]  # every step answered, none retried
+    sent = [r.json()["messages"] for r in recorder.chats]
+    assert all("<output_head>" in m[-1]["content"] for m in sent[1:])  # the long-output form is what it sends
+    journal, deadline = Journal(settings.data_path / "journal.db"), time.monotonic() + 10
+    while len(answers := [journal.request(r["request_id"])["responses"]  # type: ignore[index]
+                          for r in journal.session_journal(sessions[0]["id"])]) < 5 and time.monotonic() < deadline:
+        time.sleep(0.05)  # the last answer is journaled after its last byte left
+    assert len(sessions) == 1 and [a[-1]["status"] for a in answers] == [200] * 5  # the agent never got a 400
+    assert fake.over_window <= 1  # refused once, before the window was known; never after

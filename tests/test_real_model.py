@@ -171,3 +171,37 @@ def test_calibration_predicts_the_servers_own_token_counts(real: Real) -> None:
         calibration = calibration.observe(estimate, actual)
     assert max(calibrated_errors[1:]) < 0.05, (samples, calibrated_errors)
     assert max(calibrated_errors[1:]) < min(raw_errors), (samples, raw_errors)
+
+
+def _thirty_kb_round(i: int) -> list[dict[str, Any]]:
+    """One agent round: a shell call and its 30 KB result (a file listing, as a new user's agent would read)."""
+    call = {"id": f"call_{i}", "type": "function",
+            "function": {"name": "sh", "arguments": json.dumps({"cmd": f"cat src/big_{i}.py"})}}
+    body = "\n".join(f"def handler_{i}_{n}(config, request):  # big_{i} line {n}" for n in range(600))[:30_000]
+    return [{"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": f"call_{i}", "content": body}]
+
+
+def _post(real: Real, body: dict[str, Any]) -> tuple[int, str]:
+    if not body.get("stream"):
+        answer = real.chat(body)
+        return answer.status_code, answer.text
+    with httpx.stream("POST", real.proxy + "/v1/chat/completions", json={"model": MODEL, **body},
+                      timeout=300) as response:
+        text = response.read().decode()
+    return response.status_code, text
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["buffered", "streamed"])
+def test_a_window_learned_late_strands_no_round(real: Real, stream: bool) -> None:
+    """#11: no ``ctx_window``, and llama-cpp-python reports none: the first 30 KB results are spilled to previews
+    sized for the 131072 fallback. Once the server's refusal teaches the real window, those decisions are re-cut
+    for it (the newest result's preview too) instead of the request being refused: every round is answered."""
+    history: list[dict[str, Any]] = [{"role": "system", "content": "You are a coding agent. Be brief."},
+                                     {"role": "user", "content": "Find where the config is loaded and fix it."}]
+    for i in range(4):
+        history += _thirty_kb_round(i)
+        status, text = _post(real, {"messages": history, "max_tokens": 8, "temperature": 0, "stream": stream})
+        assert status == 200, f"round {i + 1}: {text[:600]}"
+        if stream:
+            assert text.rstrip().endswith("data: [DONE]"), f"round {i + 1}: {text[-600:]}"

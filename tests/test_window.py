@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from proxy.upstream import Upstream
-from proxy.window import DEFAULT_WINDOW, Window, WindowDetector, props_window, vllm_window
+from proxy.window import DEFAULT_WINDOW, RETRY_FIRST, RETRY_MAX, Window, WindowDetector, props_window, vllm_window
 from tests.fakes import FakeUpstream, Reply
 
 pytestmark = pytest.mark.anyio
@@ -116,17 +116,76 @@ async def test_ten_concurrent_callers_cause_one_detection(fake: FakeUpstream) ->
     assert paths(fake) == ["/v1/models"]
 
 
-async def test_failure_is_cached_until_forget(fake: FakeUpstream) -> None:
-    fake.enqueue(Reply(status=503, body={}), path="/models")
-    fake.enqueue(Reply(status=503, body={}), path="/props")
-    windows = detector(fake)
+async def test_an_answer_without_a_window_is_cached_until_forget(fake: FakeUpstream) -> None:
+    fake.enqueue(Reply(status=404, body={}), path="/models")
+    fake.enqueue(Reply(status=404, body={}), path="/props")
+    clock = Clock()
+    windows = WindowDetector(Upstream("http://upstream.test/v1", httpx.ASGITransport(app=fake), 5.0, 5.0), 0,
+                             clock=clock)
     assert (await windows.window_for("m")).source == "default"
+    clock.now += 3600
     assert (await windows.window_for("m")).source == "default"
-    assert len(fake.received) == 2  # the second call asked nobody
+    assert len(fake.received) == 2  # the server answered: the second call asked nobody, however late
     windows.forget("m")
     fake.enqueue(path="/models", reply=models({"id": "m", "max_model_len": 4096}))
     assert await windows.window_for("m") == Window(4096, "vllm /models")
     assert len(fake.received) == 3
+
+
+class Clock:
+    """A clock the test moves: seconds since an arbitrary start."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_a_server_still_loading_is_asked_again_with_backoff(fake: FakeUpstream) -> None:
+    """#11: llama.cpp answers 503 while its model loads (and refuses connections before that): the default is used
+    meanwhile but not cached until restart; the upstream is asked again after 1 s, then 2 s, 4 s..."""
+    clock = Clock()
+    windows = WindowDetector(Upstream("http://upstream.test/v1", httpx.ASGITransport(app=fake), 5.0, 5.0), 0,
+                             clock=clock)
+    for _ in range(2):
+        fake.enqueue(Reply(status=503, body={"error": {"message": "Loading model"}}), path="/models")
+        fake.enqueue(Reply(status=503, body={"error": {"message": "Loading model"}}), path="/props")
+    assert await windows.window_for("m") == Window(DEFAULT_WINDOW, "default")
+    assert await windows.window_for("m") == Window(DEFAULT_WINDOW, "default")
+    assert len(fake.received) == 2  # within the backoff: nobody asked
+    clock.now += RETRY_FIRST
+    assert await windows.window_for("m") == Window(DEFAULT_WINDOW, "default")
+    assert len(fake.received) == 4  # asked again, still loading
+    clock.now += RETRY_FIRST
+    assert (await windows.window_for("m")).source == "default" and len(fake.received) == 4  # the delay doubled
+    clock.now += RETRY_FIRST
+    fake.enqueue(path="/models", reply=models({"id": "m", "object": "model"}))
+    fake.enqueue(Reply(body={"default_generation_settings": {"n_ctx": 4096}}), path="/props")
+    assert await windows.window_for("m") == Window(4096, "llama.cpp /props")  # loaded: its window, from now on
+    clock.now += RETRY_MAX * 10
+    assert await windows.window_for("m") == Window(4096, "llama.cpp /props")
+    assert len(fake.received) == 6
+
+
+async def test_a_refused_connection_is_asked_again_later() -> None:
+    up = {"ready": False}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if not up["ready"]:
+            raise httpx.ConnectError("Connection refused", request=request)
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m", "max_model_len": 2048}]})
+        return httpx.Response(404)
+
+    clock = Clock()
+    upstream = Upstream("http://127.0.0.1:8080/v1", httpx.MockTransport(handler), 5.0, 5.0)
+    windows = WindowDetector(upstream, 0, clock=clock)
+    assert await windows.window_for("m") == Window(DEFAULT_WINDOW, "default")
+    up["ready"] = True
+    assert (await windows.window_for("m")).source == "default"  # not yet due
+    clock.now += RETRY_MAX
+    assert await windows.window_for("m") == Window(2048, "vllm /models")
 
 
 @pytest.mark.parametrize(("entry", "expected"), [

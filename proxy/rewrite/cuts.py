@@ -29,7 +29,7 @@ from proxy.rewrite.segments import compose, segment_target
 from proxy.rewrite.state import READ_OVERFLOW, Counter, Rules, State, sha256_text
 from proxy.rewrite.stubs import elision_marker, fold_stub
 
-__all__ = ["apply_fold", "apply_hides", "elide", "fold", "hide_decision", "rounds"]
+__all__ = ["apply_fold", "apply_hides", "elide", "fold", "hide_decision", "replace_out", "rounds"]
 
 _FOLD_STUB_TOKENS = 120
 """Room a fold stub takes, reckoned before it is written (its exact count replaces this after)."""
@@ -155,6 +155,10 @@ def _replace(state: State, i: int, message: dict[str, Any] | None, counter: Coun
     state.out[i] = message
     state.out_hashes[i] = message_hash(message) if message is not None else ""
     state.cut += (state.out_hashes[i] != state.hashes[i]) - was_cut
+
+
+replace_out = _replace
+"""Put ``message`` (or None: taken out) in the projection at ``i``, keeping the counts (``proxy.rewrite.resize``)."""
 
 
 def rounds(messages: Sequence[dict[str, Any]], start: int, fenced: Collection[int] = ()) -> list[tuple[int, int]]:

@@ -27,6 +27,7 @@ from proxy.rewrite.decisions import CUTS, Decision, OverflowWrite
 from proxy.rewrite.fenced import text_of
 from proxy.rewrite.identity import identity_base, next_identity
 from proxy.rewrite.identity import message_hash as _hash
+from proxy.rewrite.resize import recut
 from proxy.rewrite.segments import FencedResult, compose, fenced_command, paste_segment, segment_target
 from proxy.rewrite.state import READ_OVERFLOW, Counter, Rules, State, sha256_text
 from proxy.rewrite.stubs import looks_binary, spill_stub
@@ -97,12 +98,16 @@ def _cut_to_fit(state: State, messages: Sequence[dict[str, Any]], rules: Rules, 
     every text-protocol round's results but the newest before it folds anything, and a fold keeps the newest round
     whole (its assistant text with its results): one large new message never costs the rounds before it their
     text while a block of theirs could still be cut. Only a request that could not be sent at all otherwise (what
-    may never be cut fills the budget) folds the newest assistant text too, rather than be refused."""
+    may never be cut fills the budget) folds the newest assistant text too, rather than be refused. Before the
+    squeeze folds, the results it protects are re-cut to the size a result arriving now gets (``recut``): their
+    previews may have been sized for a larger window, the fallback used before the real one was learned."""
     keep, rounds = rules.budget.keep_results, rules.budget.keep_tool_rounds
     for keep_results, keep_rounds, newest in ((keep, rounds, max(keep, 2)), (min(keep, 1), min(rounds, 1), 1)):
         if not _over(state, rules):
             return
         elide(state, messages, rules, counter, new, writes, keep_results, keep_rounds)
+        if newest == 1 and _over(state, rules):  # cuts sized for a larger window (learned late): re-cut them now
+            recut(state, messages, rules, counter, new, writes)
         if _over(state, rules, rules.budget.target):
             fold(state, messages, rules, counter, new, writes, newest, required=_over(state, rules))
     if _over(state, rules) and state.fenced:  # else refused: the newest assistant text goes, restorably, instead
