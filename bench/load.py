@@ -196,6 +196,9 @@ class Load:
     """What the run measured, shared by all agents."""
 
     deadline: float
+    think: float = 0.0
+    """Seconds an agent pauses between rounds, on average (its model and its tools at work); 0: none."""
+    sessions: int = 1
     pairs_ns: list[tuple[int, int]] = field(default_factory=list)
     in_flight: int = 0
     peak_in_flight: int = 0
@@ -209,7 +212,10 @@ async def run_session(session: Session, rounds: int, proxy: Client, direct: Clie
     messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}, {
         "role": "user", "content": f"⟦{session.marker}⟧ Task {session.index}: find why the tests of module "
                                    f"m{session.index} fail, fix it, and run them."}]
+    await asyncio.sleep(load.think * session.index / load.sessions)  # paced runs start spread over one pause
     for n in range(rounds):
+        if n:
+            await asyncio.sleep(load.think * (0.5 + (session.index * 37 + n * 11) % 100 / 100))
         if time.monotonic() > load.deadline:
             load.stopped_early += 1
             return
@@ -276,10 +282,10 @@ def streamed_call(text: str) -> dict[str, Any]:
 
 
 async def drive(sessions: list[Session], rounds: int, proxy: str, direct: str, deadline: float,
-                timeout: float, pid: int) -> tuple[Load, float]:
+                timeout: float, pid: int, think: float = 0.0) -> tuple[Load, float]:
     """All sessions at once, the proxy's memory and fds sampled meanwhile; (what was measured, seconds from the
     first request to the last answer)."""
-    load = Load(time.monotonic() + deadline)
+    load = Load(time.monotonic() + deadline, think, len(sessions))
     async with client(proxy, len(sessions), timeout) as p, client(direct, len(sessions), timeout) as d:
         started = time.perf_counter()
 
@@ -372,27 +378,27 @@ def _entries(client: httpx.Client, session_id: str) -> list[dict[str, Any]]:
 
 # --- the run ------------------------------------------------------------------------------------------------------
 def proc_stats(pid: int) -> dict[str, float]:
-    """Resident memory now and at peak, open file descriptors, CPU seconds so far (user + system)."""
+    """Resident memory now and at peak, open file descriptors, CPU seconds so far (user + system, all threads)."""
     ticks = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[11:13]
     return {"rss_mb": round(harness.rss_mb(pid, "VmRSS"), 1), "peak_rss_mb": round(harness.rss_mb(pid), 1),
             "fds": len(os.listdir(f"/proc/{pid}/fd")), "cpu_s": sum(map(int, ticks)) / os.sysconf("SC_CLK_TCK")}
 
 
 def run(sessions: int, rounds: int, deadline: float = 600.0, timeout: float = 60.0,
-        proxy_env: list[str] | None = None) -> dict[str, Any]:
+        proxy_env: list[str] | None = None, think: float = 0.0) -> dict[str, Any]:
     """Start the fake and the proxy, drive the agents, check; every number of the report."""
     agents = sessions_for(sessions)
     with tempfile.TemporaryDirectory(prefix="ctxproxy-load-") as tmp, fake_process(Path(tmp)) as (fake, fake_pid), \
             harness.proxy_process(fake, Path(tmp), proxy_env or []) as (proxy, pid):
         before, fake_before, driver_cpu = proc_stats(pid), proc_stats(fake_pid), time.process_time()
-        load, seconds = asyncio.run(drive(agents, rounds, proxy, fake, deadline, timeout, pid))
+        load, seconds = asyncio.run(drive(agents, rounds, proxy, fake, deadline, timeout, pid, think))
         after = proc_stats(pid) | {"peak_fds": load.peak_fds, "sampled_peak_rss_mb": load.peak_rss_mb}
         cpu = {"proxy": after["cpu_s"] - before["cpu_s"], "fake": proc_stats(fake_pid)["cpu_s"] - fake_before["cpu_s"],
                "driver": time.process_time() - driver_cpu}
         received = httpx.get(fake + RECEIVED, timeout=60).json()
         journal = check_journal(proxy, agents)
     checks = check_upstream(agents, received) | journal | {"cpu_s": {k: round(v, 1) for k, v in cpu.items()}}
-    return summarize(agents, load, seconds, before, after, checks)
+    return summarize(agents, load, seconds, before, after, checks) | {"rounds": rounds, "think_s": think}
 
 
 def _ms(ns: float) -> float:
@@ -421,6 +427,7 @@ def summarize(agents: list[Session], load: Load, seconds: float, before: dict[st
         "answer_leaks": sum(s.answer_leaks for s in agents),
         "proxy_before": before, "proxy_after": after, **checks,
     }
+    report["proxy_cpu_ms_per_request"] = round(checks["cpu_s"]["proxy"] * 1000 / max(1, len(load.pairs_ns)), 2)
     report["cross_session_leaks"] = report["upstream_leaks"] + report["journal_leaks"] + report["answer_leaks"]
     report["ok"] = not any(report[k] for k in FAILURES)
     return report
@@ -435,7 +442,8 @@ def markdown(r: dict[str, Any]) -> str:
     rows = [
         ("sessions (named / fingerprint / streamed / incognito)",
          f"{r['sessions']} ({r['named']} / {r['sessions'] - r['named']} / {r['streamed']} / {r['incognito']})"),
-        ("requests through the proxy (+ as many direct)", f"{r['requests']} (peak {r['peak_in_flight']} in flight)"),
+        ("requests through the proxy (+ as many direct)", f"{r['requests']} ({r['rounds']} rounds a session, "
+         f"{r['think_s']:g} s pause between rounds; peak {r['peak_in_flight']} in flight)"),
         ("errors (non-200, broken streams)", r["errors"]),
         ("rows lost", f"**{r['rows_lost']}**"),
         ("cross-session leaks (upstream / journal / answers)",
@@ -450,8 +458,8 @@ def markdown(r: dict[str, Any]) -> str:
         ("added (proxied − direct, per pair) p50 / p99", f"**{r['added_p50_ms']} / {r['added_p99_ms']} ms**"),
         ("proxy RSS before → after (peak)", f"{b['rss_mb']} → {a['rss_mb']} MB ({a['peak_rss_mb']} MB)"),
         ("proxy open fds before → peak → after", f"{b['fds']} → {a['peak_fds']} → {a['fds']}"),
-        ("CPU seconds: proxy / fake upstream / load driver",
-         " / ".join(str(r["cpu_s"][k]) for k in ("proxy", "fake", "driver"))),
+        ("CPU seconds: proxy / fake upstream / load driver", "{proxy} / {fake} / {driver}".format(**r["cpu_s"])),
+        ("proxy CPU per request", f"{r['proxy_cpu_ms_per_request']} ms"),
     ]
     return "\n".join(["| measure | value |", "|---|---:|", *(f"| {k} | {v} |" for k, v in rows)])
 
@@ -462,6 +470,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=6, help="requests per agent run (6)")
     parser.add_argument("--deadline", type=float, default=600.0, help="seconds; no new round starts after (600)")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds per request (60)")
+    parser.add_argument("--think", type=float, default=0.0,
+                        help="seconds an agent pauses between rounds, on average (0: as fast as answered)")
     parser.add_argument("--markdown", action="store_true", help="print the report as a Markdown table")
     parser.add_argument("--json", type=Path, help="write every number here")
     parser.add_argument("--proxy-env", action="append", default=[], metavar="KEY=VALUE")
@@ -470,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve_fake:
         serve_fake(args.serve_fake)
         return 0
-    report = run(args.sessions, args.rounds, args.deadline, args.timeout, args.proxy_env)
+    report = run(args.sessions, args.rounds, args.deadline, args.timeout, args.proxy_env, args.think)
     report["command"] = shlex.join(["python", "bench/load.py", *(sys.argv[1:] if argv is None else argv)])
     report["load_average"] = os.getloadavg()
     if args.json:
