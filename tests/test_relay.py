@@ -18,8 +18,9 @@ def test_a_streamed_answer_is_journaled_before_the_client_reads_its_done(client:
                                                                          settings: Settings) -> None:
     """Found by bench/load.py: an agent sends its next request as soon as it reads ``data: [DONE]``; the answer was
     journaled only after the response ended, so under load the next request of an unnamed session found its
-    session's head unanswered, took it for a parallel run and forked a ``-2`` child (every streamed unnamed
-    session of a 20-session run). Here the app is paused at the moment it sends ``[DONE]``: the row must exist."""
+    session's head unanswered, took it for a parallel run and forked a ``-2`` child (3 or 4 of the 4 streamed
+    unnamed sessions of a 20-session run). Here the app is paused at the moment it sends ``[DONE]``: the row
+    must exist."""
     seen: list[list[Any]] = []
 
     async def send(message: dict[str, Any]) -> None:
