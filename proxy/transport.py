@@ -18,14 +18,7 @@ from typing import Any
 import aiohttp
 import httpx
 
-__all__ = ["REPLAYABLE", "AiohttpTransport"]
-
-REPLAYABLE = "ctxproxy.replayable"
-"""Request extension: the request may be sent a second time, on a new connection, if the upstream closed the
-connection before answering. aiohttp does this by itself for idempotent methods only (RFC 9112 §9.3.1); a POST to
-``/chat/completions`` qualifies too, as its only effect is its answer. Why it matters: a pooled keep-alive
-connection the upstream closes for idleness (uvicorn, vLLM, llama.cpp: after 5 s) at the moment the proxy reuses
-it fails without a byte of answer; under load (bench/load.py) about one request in 1,500 met this as a 502."""
+__all__ = ["AiohttpTransport"]
 
 _NO_AUTO_HEADERS = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
 
@@ -74,7 +67,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             try:
                 response = await self._send(request)
             except (TimeoutError, aiohttp.ClientError) as exc:
-                if attempt == 0 and request.extensions.get(REPLAYABLE) and _dropped_unanswered(exc):
+                if attempt == 0 and _replayable(request) and _dropped_unanswered(exc):
                     continue
                 raise _as_httpx_error(exc, request) from exc
             return httpx.Response(response.status, headers=response.raw_headers, stream=_Body(response, request),
@@ -91,6 +84,16 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
 
     async def aclose(self) -> None:
         await self._session.close()
+
+
+def _replayable(request: httpx.Request) -> bool:
+    """Whether ``request`` may be sent a second time, on a new connection, when the upstream closed the connection
+    before answering. aiohttp does this by itself for idempotent methods only (RFC 9112 §9.3.1); a POST to
+    ``/chat/completions`` qualifies too, as its only effect is its answer. Why it matters: a pooled keep-alive
+    connection the upstream closes for idleness (uvicorn, vLLM, llama.cpp: after 5 s) at the moment the proxy
+    reuses it fails without a byte of answer; under load (bench/load.py) one request in about 1,500 met this as a
+    502."""
+    return request.method == "POST" and request.url.path.endswith("/chat/completions")
 
 
 def _dropped_unanswered(exc: BaseException) -> bool:

@@ -14,7 +14,6 @@ import httpx
 from starlette.responses import Response
 
 from proxy.errors import UpstreamBrokeOff, UpstreamTimeout, UpstreamUnreachable
-from proxy.transport import REPLAYABLE
 
 __all__ = [
     "HOP_BY_HOP", "Upstream", "client_headers", "redact", "response_headers", "upstream_url", "with_headers",
@@ -82,8 +81,7 @@ class Upstream:
                    body: bytes) -> httpx.Response:
         """Send; the answer's body streams. Transport failures become 502/504 with a reason and a next step."""
         request = httpx.Request(method, upstream_url(self.base, path, query), headers=headers, content=body,
-                                extensions={"timeout": self._timeout,
-                                            REPLAYABLE: method == "POST" and path.endswith("/chat/completions")})
+                                extensions={"timeout": self._timeout})
         try:
             return await self.transport.handle_async_request(request)
         except httpx.TimeoutException as exc:

@@ -4,8 +4,6 @@ nothing is added to or kept from what crosses it."""
 from __future__ import annotations
 
 import gzip
-import json
-import re
 import socket
 import socketserver
 import threading
@@ -15,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 
 from config import load_settings
@@ -134,11 +133,11 @@ class _DropsKeptAliveConnections(socketserver.BaseRequestHandler):
             head = b"".join(iter(stream.readline, b"\r\n"))
             if not head:
                 return
-            length = re.search(rb"(?i)content-length: *(\d+)", head)
-            stream.read(int(length.group(1)) if length else 0)
+            lengths = [line[15:] for line in head.lower().split(b"\r\n") if line.startswith(b"content-length:")]
+            stream.read(int(lengths[0]) if lengths else 0)
             if answered:
                 return  # closed without a byte of answer
-            body = json.dumps(completion("fresh")).encode()
+            body = orjson.dumps(completion("fresh"))
             self.request.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
                                  + str(len(body)).encode() + b"\r\n\r\n" + body)
 

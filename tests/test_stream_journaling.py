@@ -1,4 +1,5 @@
-"""The streamed relay (``proxy.relay``) seen from the client's side of the ASGI interface, one message at a time."""
+"""When a streamed answer is journaled (``proxy.relay``), seen from the client's side of the ASGI interface, one
+message at a time."""
 
 from __future__ import annotations
 
