@@ -21,6 +21,8 @@ Checked afterwards, through the proxy's own ``/ctx`` API and the fake's record:
   spread over several journal sessions, or a journal session that is not a client's (forks, incognito on disk);
 - upstream mismatches: per session, the bodies the fake received through the proxy differ from what the client
   sent, in order (nothing here is big enough to be cut, so each is the client's own messages and tools);
+- replay mismatches: per session, its last upstream request differs from the last one a fresh proxy sends when the
+  session is replayed alone (its requests one by one, no other session in flight);
 - cross-session leaks: an upstream body, a stored request or an answer carrying another session's marker.
 
 Run: ``.venv/bin/python bench/load.py --sessions 250 --rounds 6 --markdown`` (exit 1 when a check fails)
@@ -63,6 +65,8 @@ import latency  # noqa: E402
 CHAT = "/v1/chat/completions"
 DIRECT = "/direct"
 """Direct requests reach the fake under this prefix, so it files them apart from what the proxy forwarded."""
+REPLAY = "/replay"
+"""The fresh proxy that replays each session alone reaches the fake under this prefix."""
 RECEIVED = "/_load/received"
 MARKER = re.compile(r"⟦(s\d{4})⟧")
 Client = aiohttp.ClientSession
@@ -88,7 +92,8 @@ class RecordingUpstream:
         if path == RECEIVED:
             await fast.send_bytes(send, 200, json.dumps(self.received).encode())
         elif path.endswith("/chat/completions"):
-            self.received.append({"via": "direct" if path.startswith(DIRECT) else "proxy", "body": body.decode()})
+            via = next((p[1:] for p in (DIRECT, REPLAY) if path.startswith(p)), "proxy")
+            self.received.append({"via": via, "body": body.decode()})
             request = json.loads(body)
             call = answer_call(request["messages"])
             if request.get("stream"):
@@ -219,8 +224,7 @@ async def run_session(session: Session, rounds: int, proxy: Client, direct: Clie
         if time.monotonic() > load.deadline:
             load.stopped_early += 1
             return
-        body = json.dumps({"model": "fake-model", "messages": messages, "tools": TOOLS, "stream": session.stream},
-                          separators=(",", ":"), ensure_ascii=False).encode()
+        body = body_of(session, messages)
         session.sent.append(messages)  # never changed after: each round builds a new list
         try:
             call = await one_pair(session, body, proxy, direct, load, direct_first=(session.index + n) % 2 == 0)
@@ -229,6 +233,20 @@ async def run_session(session: Session, rounds: int, proxy: Client, direct: Clie
             return
         messages = [*messages, {"role": "assistant", "content": None, "tool_calls": [call]},
                     tool_result(session, call, n)]
+
+
+def body_of(session: Session, messages: list[dict[str, Any]]) -> bytes:
+    return json.dumps({"model": "fake-model", "messages": messages, "tools": TOOLS, "stream": session.stream},
+                      separators=(",", ":"), ensure_ascii=False).encode()
+
+
+async def replay(sessions: list[Session], proxy: str) -> None:
+    """Each session alone, round after round, through a fresh proxy: what a single-session replay sends upstream."""
+    async with client(proxy, 1, 60.0) as fresh:
+        for session in sessions:
+            for messages in session.sent:
+                async with fresh.post(CHAT, data=body_of(session, messages), headers=session.headers) as answer:
+                    await answer.read()
 
 
 async def one_pair(session: Session, body: bytes, proxy: Client, direct: Client, load: Load,
@@ -336,6 +354,17 @@ def check_upstream(sessions: list[Session], received: list[dict[str, str]]) -> d
             "upstream_requests": sum(r["via"] == "proxy" for r in received)}
 
 
+def check_replay(sessions: list[Session], received: list[dict[str, str]]) -> int:
+    """Sessions whose last upstream request under load differs from the last one of their replay alone."""
+    last: dict[tuple[str, str], Any] = {}
+    for r in received:
+        if r["via"] != "direct":
+            body = json.loads(r["body"])
+            last[r["via"], next(iter(markers_in(body["messages"][:2])), "")] = body
+    return sum(last.get(("proxy", s.marker)) != last.get(("replay", s.marker), "missing")
+               for s in sessions if not s.errors)
+
+
 def check_journal(base: str, sessions: list[Session], settle: float = 10.0) -> dict[str, Any]:
     """Rows and stored messages, read back through ``/ctx``. Streamed answers are journaled as their stream ends:
     rows still missing are looked for again until ``settle`` seconds have passed."""
@@ -395,9 +424,12 @@ def run(sessions: int, rounds: int, deadline: float = 600.0, timeout: float = 60
         after = proc_stats(pid) | {"peak_fds": load.peak_fds, "sampled_peak_rss_mb": load.peak_rss_mb}
         cpu = {"proxy": after["cpu_s"] - before["cpu_s"], "fake": proc_stats(fake_pid)["cpu_s"] - fake_before["cpu_s"],
                "driver": time.process_time() - driver_cpu}
-        received = httpx.get(fake + RECEIVED, timeout=60).json()
         journal = check_journal(proxy, agents)
-    checks = check_upstream(agents, received) | journal | {"cpu_s": {k: round(v, 1) for k, v in cpu.items()}}
+        with harness.proxy_process(fake + REPLAY, Path(tmp), proxy_env or []) as (fresh, _):
+            asyncio.run(replay(agents, fresh))
+        received = httpx.get(fake + RECEIVED, timeout=60).json()
+    checks = check_upstream(agents, received) | journal | {"cpu_s": {k: round(v, 1) for k, v in cpu.items()},
+                                                          "replay_mismatches": check_replay(agents, received)}
     return summarize(agents, load, seconds, before, after, checks) | {"rounds": rounds, "think_s": think}
 
 
@@ -434,7 +466,7 @@ def summarize(agents: list[Session], load: Load, seconds: float, before: dict[st
 
 
 FAILURES = ("errors", "rows_lost", "cross_session_leaks", "journal_mismatches", "upstream_mismatches",
-            "split_sessions", "extra_journal_sessions", "incognito_on_disk")
+            "replay_mismatches", "split_sessions", "extra_journal_sessions", "incognito_on_disk")
 
 
 def markdown(r: dict[str, Any]) -> str:
@@ -450,6 +482,7 @@ def markdown(r: dict[str, Any]) -> str:
          f"**{r['cross_session_leaks']}** ({r['upstream_leaks']} / {r['journal_leaks']} / {r['answer_leaks']})"),
         ("sessions whose upstream bodies ≠ what the client sent", r["upstream_mismatches"]),
         ("stored requests ≠ what the client sent", r["journal_mismatches"]),
+        ("sessions whose last upstream request ≠ their replay's, alone in a fresh proxy", r["replay_mismatches"]),
         ("split / extra journal sessions / incognito on disk",
          f"{r['split_sessions']} / {r['extra_journal_sessions']} / {r['incognito_on_disk']}"),
         ("throughput through the proxy", f"{r['throughput_rps']} req/s ({r['seconds']} s)"),

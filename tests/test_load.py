@@ -34,7 +34,7 @@ def test_twenty_concurrent_sessions_lose_no_row_and_leak_nothing() -> None:
     assert report["requests"] == 60 and report["errors"] == 0, report["error_detail"]
     assert report["rows_lost"] == 0
     assert report["cross_session_leaks"] == 0
-    assert report["upstream_mismatches"] == report["journal_mismatches"] == 0
+    assert report["upstream_mismatches"] == report["journal_mismatches"] == report["replay_mismatches"] == 0
     assert report["split_sessions"] == report["extra_journal_sessions"] == report["incognito_on_disk"] == 0
     assert report["ok"] and "| rows lost | **0** |" in load.markdown(report)
 
@@ -70,3 +70,11 @@ def test_the_journal_check_counts_a_lost_row_a_changed_message_and_a_stray_sessi
     changed.resolved = ["load-s0001"]
     found = load._journal_state(client, [lost, changed])
     assert (found["rows_lost"], found["journal_mismatches"], found["extra_journal_sessions"]) == (1, 1, 1)
+
+
+def test_the_replay_check_counts_a_session_whose_replay_sent_something_else() -> None:
+    same, differs, unreplayed = (_messages(f"s000{i}", "a") for i in range(3))
+    received = [{"via": via, "body": json.dumps({"messages": m})}
+                for via, m in (("proxy", same), ("replay", same), ("proxy", differs), ("proxy", unreplayed),
+                               ("replay", [*differs, {"role": "user", "content": "⟦s0001⟧ more"}]))]
+    assert load.check_replay([_session(i, []) for i in range(3)], received) == 2
