@@ -183,9 +183,9 @@ class Session:
         return headers
 
 
-def sessions_for(count: int) -> list[Session]:
+def sessions_for(count: int, start: int = 0) -> list[Session]:
     """Half named, half by fingerprint; every third streamed; one in 25 incognito."""
-    return [Session(i, named=i % 2 == 0, stream=i % 3 == 1, incognito=i % 25 == 3) for i in range(count)]
+    return [Session(i, named=i % 2 == 0, stream=i % 3 == 1, incognito=i % 25 == 3) for i in range(start, start + count)]
 
 
 def tool_result(session: Session, call: dict[str, Any], n: int) -> dict[str, Any]:
@@ -414,13 +414,14 @@ def proc_stats(pid: int) -> dict[str, float]:
 
 
 def run(sessions: int, rounds: int, deadline: float = 600.0, timeout: float = 60.0,
-        proxy_env: list[str] | None = None, think: float = 0.0) -> dict[str, Any]:
-    """Start the fake and the proxy, drive the agents, check; every number of the report."""
-    agents = sessions_for(sessions)
+        proxy_env: list[str] | None = None, think: float = 0.0, waves: int = 1) -> dict[str, Any]:
+    """Start the fake and the proxy, drive the agents (``waves`` times ``sessions`` new ones, one wave after the
+    other), check; every number of the report."""
+    assert sessions * waves <= 10_000, "markers have four digits"
     with tempfile.TemporaryDirectory(prefix="ctxproxy-load-") as tmp, fake_process(Path(tmp)) as (fake, fake_pid), \
             harness.proxy_process(fake, Path(tmp), proxy_env or []) as (proxy, pid):
         before, fake_before, driver_cpu = proc_stats(pid), proc_stats(fake_pid), time.process_time()
-        load, seconds = asyncio.run(drive(agents, rounds, proxy, fake, deadline, timeout, pid, think))
+        agents, load, seconds, rss = _waves(sessions, waves, rounds, proxy, fake, deadline, timeout, pid, think)
         after = proc_stats(pid) | {"peak_fds": load.peak_fds, "sampled_peak_rss_mb": load.peak_rss_mb}
         cpu = {"proxy": after["cpu_s"] - before["cpu_s"], "fake": proc_stats(fake_pid)["cpu_s"] - fake_before["cpu_s"],
                "driver": time.process_time() - driver_cpu}
@@ -430,7 +431,25 @@ def run(sessions: int, rounds: int, deadline: float = 600.0, timeout: float = 60
         received = httpx.get(fake + RECEIVED, timeout=60).json()
     checks = check_upstream(agents, received) | journal | {"cpu_s": {k: round(v, 1) for k, v in cpu.items()},
                                                           "replay_mismatches": check_replay(agents, received)}
-    return summarize(agents, load, seconds, before, after, checks) | {"rounds": rounds, "think_s": think}
+    return summarize(agents, load, seconds, before, after, checks) | {"rounds": rounds, "think_s": think,
+                                                                      "waves": waves, "rss_mb_after_each_wave": rss}
+
+
+def _waves(sessions: int, waves: int, rounds: int, proxy: str, fake: str, deadline: float, timeout: float, pid: int,
+           think: float) -> tuple[list[Session], Load, float, list[float]]:
+    """Every wave's agents, what was measured over all waves, their seconds, the proxy's RSS after each."""
+    agents: list[Session] = []
+    total, seconds, rss = Load(0.0), 0.0, []
+    for wave in range(waves):
+        agents += sessions_for(sessions, wave * sessions)
+        load, took = asyncio.run(drive(agents[-sessions:], rounds, proxy, fake, deadline, timeout, pid, think))
+        total.pairs_ns += load.pairs_ns
+        total.stopped_early += load.stopped_early
+        total.peak_in_flight = max(total.peak_in_flight, load.peak_in_flight)
+        total.peak_fds, total.peak_rss_mb = max(total.peak_fds, load.peak_fds), max(total.peak_rss_mb, load.peak_rss_mb)
+        seconds += took
+        rss.append(proc_stats(pid)["rss_mb"])
+    return agents, total, seconds, rss
 
 
 def _ms(ns: float) -> float:
@@ -474,8 +493,9 @@ def markdown(r: dict[str, Any]) -> str:
     rows = [
         ("sessions (named / fingerprint / streamed / incognito)",
          f"{r['sessions']} ({r['named']} / {r['sessions'] - r['named']} / {r['streamed']} / {r['incognito']})"),
-        ("requests through the proxy (+ as many direct)", f"{r['requests']} ({r['rounds']} rounds a session, "
-         f"{r['think_s']:g} s pause between rounds; peak {r['peak_in_flight']} in flight)"),
+        ("requests through the proxy (+ as many direct)",
+         f"{r['requests']} ({r['waves']} wave(s), {r['rounds']} rounds a session, {r['think_s']:g} s pause between "
+         f"rounds; peak {r['peak_in_flight']} in flight)"),
         ("errors (non-200, broken streams)", r["errors"]),
         ("rows lost", f"**{r['rows_lost']}**"),
         ("cross-session leaks (upstream / journal / answers)",
@@ -489,7 +509,8 @@ def markdown(r: dict[str, Any]) -> str:
         ("direct p50 / p99", f"{r['direct_p50_ms']} / {r['direct_p99_ms']} ms"),
         ("proxied p50 / p99", f"{r['proxied_p50_ms']} / {r['proxied_p99_ms']} ms"),
         ("added (proxied − direct, per pair) p50 / p99", f"**{r['added_p50_ms']} / {r['added_p99_ms']} ms**"),
-        ("proxy RSS before → after (peak)", f"{b['rss_mb']} → {a['rss_mb']} MB ({a['peak_rss_mb']} MB)"),
+        ("proxy RSS before → after each wave (peak)",
+         f"{b['rss_mb']} → {' → '.join(map(str, r['rss_mb_after_each_wave']))} MB ({a['peak_rss_mb']} MB)"),
         ("proxy open fds before → peak → after", f"{b['fds']} → {a['peak_fds']} → {a['fds']}"),
         ("CPU seconds: proxy / fake upstream / load driver", "{proxy} / {fake} / {driver}".format(**r["cpu_s"])),
         ("proxy CPU per request", f"{r['proxy_cpu_ms_per_request']} ms"),
@@ -503,6 +524,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=6, help="requests per agent run (6)")
     parser.add_argument("--deadline", type=float, default=600.0, help="seconds; no new round starts after (600)")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds per request (60)")
+    parser.add_argument("--waves", type=int, default=1,
+                        help="run the sessions this many times, new ones each time, through the same proxy (1)")
     parser.add_argument("--think", type=float, default=0.0,
                         help="seconds an agent pauses between rounds, on average (0: as fast as answered)")
     parser.add_argument("--markdown", action="store_true", help="print the report as a Markdown table")
@@ -513,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve_fake:
         serve_fake(args.serve_fake)
         return 0
-    report = run(args.sessions, args.rounds, args.deadline, args.timeout, args.proxy_env, args.think)
+    report = run(args.sessions, args.rounds, args.deadline, args.timeout, args.proxy_env, args.think, args.waves)
     report["command"] = shlex.join(["python", "bench/load.py", *(sys.argv[1:] if argv is None else argv)])
     report["load_average"] = os.getloadavg()
     if args.json:
