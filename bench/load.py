@@ -27,7 +27,11 @@ Checked afterwards, through the proxy's own ``/ctx`` API and the fake's record:
 
 Run: ``.venv/bin/python bench/load.py --sessions 250 --rounds 6 --markdown`` (exit 1 when a check fails)
 
-One file of about 480 lines, over the 400 of STYLE §9 on purpose: the fake (``--serve-fake``), the agents, the
+``--think S`` pauses each agent S seconds between rounds on average (below saturation, the added latency is the
+proxy's own); ``--waves N`` runs N sets of new sessions one after the other through the same proxy, its memory
+read after each (does it level off?).
+
+One file of about 550 lines, over the 400 of STYLE §9 on purpose: the fake (``--serve-fake``), the agents, the
 checks and the report belong to this one measurement, and ``tests/test_load.py`` runs the same checks.
 """
 
