@@ -17,6 +17,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+import anyio
 import httpx
 import orjson
 from starlette.responses import Response, StreamingResponse
@@ -37,6 +38,7 @@ __all__ = ["intercepting_stream", "stream_broke_off"]
 
 log = logging.getLogger("ctxproxy")
 
+DONE = b"data: [DONE]\n\n"
 KEEP_ALIVE = b": ctxproxy is running context tools\n\n"
 KEEP_ALIVE_SECONDS = 5.0
 
@@ -79,10 +81,7 @@ def intercepting_stream(exchange: Exchange, upstream: httpx.Response, first: byt
             current, head, rules = followed[0], followed[1], followed[2].rules
 
     async def done() -> None:
-        await record["upstream"].aclose()
-        text = b"".join(record["chunks"])
-        await exchange.finish(record["outcome"], record["status"], text,
-                              last_usage(text.decode("utf-8", "replace")))
+        await _journal(exchange, record)
 
     inner = with_headers(StreamingResponse(_guarded(rounds_of(), record), 200, headers=exchange.headers),
                          response_headers(upstream))
@@ -111,10 +110,25 @@ async def _close(exchange: Exchange, filtered: StreamFilter, record: dict[str, A
         report = {"object": "chat.completion.chunk", "choices": [
             {"index": 0, "delta": {"content": "\n" + exchange.compaction_report()}, "finish_reason": None}]}
         yield b"data: " + orjson.dumps(report) + b"\n\n"
+    record["outcome"] = "ok"
     for out in filtered.closing("stop" if calls and not mixed else None):
+        if out == DONE:  # an agent sends its next request as soon as it reads this: the answer must be journaled
+            with anyio.CancelScope(shield=True):
+                await _journal(exchange, record)
         yield out
     yield exchange.totals_comment()
-    record["outcome"] = "ok"
+
+
+async def _journal(exchange: Exchange, record: dict[str, Any]) -> None:
+    """Close the upstream's stream and journal the answer (``Exchange.finish`` does it once, releasing the lock).
+
+    Called as ``[DONE]`` goes out, not after the response: the next request of an unnamed session continues the
+    session only once this one's answer is journaled (``store.journal``: an unanswered head is a parallel run's),
+    and an agent reading a stream sends its next request at ``[DONE]``. Journaled after the response, the answer
+    lost that race under load (bench/load.py: unnamed streamed sessions forked into ``-2`` children)."""
+    await record["upstream"].aclose()
+    text = b"".join(record["chunks"])
+    await exchange.finish(record["outcome"], record["status"], text, last_usage(text.decode("utf-8", "replace")))
 
 
 async def _end_early(exchange: Exchange, filtered: StreamFilter, record: dict[str, Any],

@@ -63,20 +63,44 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
                                               skip_auto_headers=_NO_AUTO_HEADERS)
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        for attempt in range(2):
+            try:
+                response = await self._send(request)
+            except (TimeoutError, aiohttp.ClientError) as exc:
+                if attempt == 0 and _replayable(request) and _dropped_unanswered(exc):
+                    continue
+                raise _as_httpx_error(exc, request) from exc
+            return httpx.Response(response.status, headers=response.raw_headers, stream=_Body(response, request),
+                                  request=request, extensions={"reason_phrase": (response.reason or "").encode()})
+        raise AssertionError("unreachable: the second attempt returns or raises")
+
+    async def _send(self, request: httpx.Request) -> aiohttp.ClientResponse:
         timeout: dict[str, Any] = request.extensions.get("timeout", {})
-        try:
-            response = await self._session.request(
-                request.method, str(request.url), headers=request.headers.multi_items(), data=await _body_of(request),
-                allow_redirects=False, compress=None, auto_decompress=False,
-                timeout=aiohttp.ClientTimeout(sock_connect=timeout.get("connect"), sock_read=timeout.get("read"),
-                                              connect=timeout.get("pool")))
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            raise _as_httpx_error(exc, request) from exc
-        return httpx.Response(response.status, headers=response.raw_headers, stream=_Body(response, request),
-                              request=request, extensions={"reason_phrase": (response.reason or "").encode()})
+        return await self._session.request(
+            request.method, str(request.url), headers=request.headers.multi_items(), data=await _body_of(request),
+            allow_redirects=False, compress=None, auto_decompress=False,
+            timeout=aiohttp.ClientTimeout(sock_connect=timeout.get("connect"), sock_read=timeout.get("read"),
+                                          connect=timeout.get("pool")))
 
     async def aclose(self) -> None:
         await self._session.close()
+
+
+def _replayable(request: httpx.Request) -> bool:
+    """Whether ``request`` may be sent a second time, on a new connection, when the upstream closed the connection
+    before answering. aiohttp does this by itself for idempotent methods only (RFC 9112 §9.3.1); a POST to
+    ``/chat/completions`` qualifies too, as its only effect is its answer. Why it matters: a pooled keep-alive
+    connection the upstream closes for idleness (uvicorn, vLLM, llama.cpp: after 5 s) at the moment the proxy
+    reuses it fails without a byte of answer; under load (bench/load.py) one request in about 1,500 met this as a
+    502."""
+    return request.method == "POST" and request.url.path.endswith("/chat/completions")
+
+
+def _dropped_unanswered(exc: BaseException) -> bool:
+    """The upstream closed or reset the connection before any answer (not: could not connect, timed out)."""
+    if isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ServerTimeoutError | TimeoutError):
+        return False
+    return isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError)
 
 
 async def _body_of(request: httpx.Request) -> bytes | None:

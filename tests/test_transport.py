@@ -6,18 +6,21 @@ from __future__ import annotations
 import gzip
 import re
 import socket
+import socketserver
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
+import orjson
 import pytest
 
 from config import load_settings
 from proxy.app import create_app
 from store import Journal
-from tests.fakes import FakeUpstream, Reply, serve_in_thread, stream_chunks
+from tests.fakes import FakeUpstream, Reply, completion, serve_in_thread, stream_chunks
 
 pytestmark = pytest.mark.e2e
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -128,3 +131,47 @@ def test_compressed_passthrough_answers_arrive_intact(tmp_path: Path, fake: tupl
                               headers={"accept-encoding": "gzip"})
         assert response.json() == {"data": [0.1, 0.2]}  # decoded by the client, not by the proxy
         assert upstream.last.headers["accept-encoding"] == "gzip"
+
+
+class _DropsKeptAliveConnections(socketserver.BaseRequestHandler):
+    """Answers the first request of each connection and keeps it open; closes it, unanswered, when the next
+    request arrives on it: a server whose idle timeout (uvicorn, llama.cpp: 5 s) fires as the proxy reuses it."""
+
+    def handle(self) -> None:
+        with self.request.makefile("rb") as stream:
+            self._serve(stream)
+        self.request.shutdown(socket.SHUT_RDWR)
+
+    def _serve(self, stream: Any) -> None:
+        for answered in range(2):
+            head = b"".join(iter(stream.readline, b"\r\n"))
+            if not head:
+                return
+            lengths = [line[15:] for line in head.lower().split(b"\r\n") if line.startswith(b"content-length:")]
+            stream.read(int(lengths[0]) if lengths else 0)
+            if answered:
+                return  # closed without a byte of answer
+            body = orjson.dumps(completion("fresh"))
+            self.request.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+                                 + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
+class _Server(socketserver.ThreadingTCPServer):
+    daemon_threads, block_on_close = True, False  # a connection the proxy still keeps must not hold the test
+
+
+def test_a_chat_on_a_kept_alive_connection_the_upstream_closed_is_sent_again(tmp_path: Path) -> None:
+    """Found by bench/load.py: under load one request in ~1,500 got a 502 ("closed the connection without
+    answering") when the proxy reused a pooled connection the upstream had just closed for idleness. A chat
+    completion has no effect beyond its answer, so it is sent once more, on a new connection."""
+    with _Server(("127.0.0.1", 0), _DropsKeptAliveConnections) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        try:
+            for proxy in proxy_for(tmp_path, f"http://127.0.0.1:{server.server_address[1]}/v1"):
+                for stream in (False, True, False):
+                    response = httpx.post(proxy + "/v1/chat/completions", json=BODY | {"stream": stream}, timeout=10)
+                    assert response.status_code == 200, response.text
+                other = httpx.post(proxy + "/v1/files", json={"purpose": "x"}, timeout=10)
+                assert other.status_code == 502  # any other POST may have effects: never sent twice
+        finally:
+            server.shutdown()

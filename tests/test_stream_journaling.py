@@ -1,0 +1,60 @@
+"""When a streamed answer is journaled (``proxy.relay``), seen from the client's side of the ASGI interface, one
+message at a time."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import anyio
+from fastapi.testclient import TestClient
+
+from config import Settings
+from store import Journal
+from tests.conftest import chat
+
+
+def test_a_streamed_answer_is_journaled_before_the_client_reads_its_done(client: TestClient,
+                                                                         settings: Settings) -> None:
+    """Found by bench/load.py: an agent sends its next request as soon as it reads ``data: [DONE]``; the answer was
+    journaled only after the response ended, so under load the next request of an unnamed session found its
+    session's head unanswered, took it for a parallel run and forked a ``-2`` child (3 or 4 of the 4 streamed
+    unnamed sessions of a 20-session run). Here the app is paused at the moment it sends ``[DONE]``: the row
+    must exist."""
+    seen: list[list[Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body" and b"data: [DONE]" in message.get("body", b""):
+            seen.append(_answers(settings.data_path / "journal.db"))
+
+    client.portal.call(_call, client.app, json.dumps(chat("hello", stream=True)).encode(), send)  # type: ignore[union-attr]
+    assert len(seen) == 1
+    assert [row["outcome"] for row in seen[0]] == ["ok"]
+
+
+async def _call(app: Any, body: bytes, send: Any) -> None:
+    """One POST to the chat route, straight through the ASGI interface."""
+    sent = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal sent
+        if sent:
+            await anyio.sleep_forever()  # the client stays connected until the response is over
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
+             "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
+             "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 4141)}
+    await app(scope, receive, send)
+
+
+def _answers(path: Path) -> list[Any]:
+    journal = Journal(path)
+    try:
+        request = journal.request(1)
+        return list(request["responses"]) if request else []
+    finally:
+        journal.close()
