@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 
 from config import load_settings
 from proxy.answers import check_completion
+from proxy.sse import sse_lines
 from store import Journal
 from tests.conftest import app_client
 from tests.fakes import FakeUpstream, Reply, completion, stream_chunks, stream_tool_answer, tool_answer
@@ -144,7 +145,7 @@ def assert_sane(response: httpx.Response, streamed: bool) -> None:
     if not streamed:
         check_completion(response.json())
         return
-    events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+    events = [line[6:] for line in sse_lines(response.text) if line.startswith("data: ")]
     assert events and events[-1] == "[DONE]", response.text[-500:]
     for i, event in enumerate(events[:-1]):
         parsed = json.loads(event)

@@ -46,6 +46,10 @@ PROBE_TIMEOUT = 30.0
 MEDIAN_FACTOR = 20
 """Median probe latency during the large request over idle: 1-13 on this machine; before the fix the probes
 waited seconds (the 200 000 messages: 7 s; the 50 MB message: past the 30 s timeout)."""
+MANY_MEDIAN_FACTOR = 60
+"""The 200 000 messages are hashed in Python on the worker, which takes the GIL from the loop in 5 ms slices: a
+probe's median then lands near 20x idle on a loaded 2-core machine (21.5 seen once in a full suite run). Before
+the fix the same probes waited 7 s, thousands of times idle."""
 WORST_FACTOR = 1000
 """Slowest probe during over the idle median: the longest wait left is one C call that holds the GIL (orjson
 parsing 50 MB, 0.1-0.25 s here), where counting the message held every client for 112 s before the fix."""
@@ -154,7 +158,7 @@ def test_8_mb_of_one_punctuation_character_leaves_healthz_answering(proxy: str) 
 def test_200_000_tiny_messages_are_handled_off_the_loop(roomy_proxy: str) -> None:
     run = while_handling(roomy_proxy, body_of([{"role": "user", "content": "hi"}] * 200_000))
     assert run.answer.status_code == 200
-    assert ratio(run.during.healthz, run.idle.healthz) < MEDIAN_FACTOR
+    assert ratio(run.during.healthz, run.idle.healthz) < MANY_MEDIAN_FACTOR
     assert max(run.during.healthz) < WORST_FACTOR * statistics.median(run.idle.healthz)
 
 

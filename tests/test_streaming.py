@@ -91,3 +91,15 @@ def test_an_unclosed_block_never_reaches_the_agent_and_a_lookalike_fence_does() 
 
     assert shown("Cut off here ```context\n{\"tool\": \"context_dr") == "Cut off here "
     assert shown("```contextual\nsome notes\n```") == "```contextual\nsome notes\n```"
+
+
+def test_a_payload_holding_a_unicode_line_break_is_read_as_one_event() -> None:
+    """JSON carries U+0085 and U+2028 unescaped inside strings; ``str.splitlines`` broke such an event in two (the
+    fuzz found it), so the usage after it was lost. Only CR, LF and CRLF end an SSE line."""
+    from proxy.sse import data_events, last_usage
+
+    text = ('data: {"choices": [{"index": 0, "delta": {"content": "a\u0085b\u2028c"}}]}\n\n'
+            'data: {"choices": [], "usage": {"prompt_tokens": 7}}\r\n\r\ndata: [DONE]\n\n')
+    events = list(data_events(text))
+    assert events[0]["choices"][0]["delta"]["content"] == "a\u0085b\u2028c"
+    assert last_usage(text) == {"prompt_tokens": 7}
