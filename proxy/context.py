@@ -4,19 +4,25 @@ Per session: its decisions (the journal's, in order), the state the last project
 costs only its new messages), the calibration ratio per model, and the list that last went upstream (the base of
 the next forward's delta in the journal). All of it can be rebuilt from the journal: on a miss (a restart, an
 evicted session) the decisions and calibration samples are read back, and the first projection recomputes from
-the decisions, which gives the same bytes. When another process wrote the journal (``ctxproxy prune``), every
-session is read back again (``JournalWriter.generation``).
+the decisions, which gives the same bytes. What the decisions do not imply (the turn the context tools are offered
+in, the reminder given, confirmations not yet told, the live mirror) is journaled whenever a request changes it
+(``SessionContext.journal_state``, ``store.session_state``) and read back with them. When another process wrote
+the journal (``ctxproxy prune``), every session is read back again (``JournalWriter.generation``).
 """
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 
 from proxy.rewrite import Decision, State
+from proxy.rewrite.identity import content_text
+from proxy.rewrite.state import sha256_text
 from proxy.rewrite.tokens import Calibration
-from store import Journal, JournalWriter
+from store import Journal, JournalWriter, SessionState, record_session_state, session_state
 
 __all__ = ["SessionContext", "SessionContexts"]
 
@@ -37,11 +43,45 @@ class SessionContext:
     mirror_written: tuple[str, dict[str, str]] | None = None
     """The sha256 of the mirror as last written and its entries (identity → text): a file that differs is the
     model's draft (not overwritten until committed), judged against what it was given, entry by entry."""
+    mirror_document: str | None = None
+    """The mirror's text as last written: what ``mirror_written`` is read back from after a restart."""
     confirmations: list[str] = field(default_factory=list)
     """What the model's context tools did, told to it as one system line in its next request."""
+    journaled: SessionState = field(default_factory=SessionState, compare=False)
+    """The working state as last journaled (or read back): a request that leaves it as it was writes nothing."""
 
     def calibration(self, model: str | None) -> Calibration:
         return self.calibrations.get(model, Calibration())
+
+    def working_state(self) -> SessionState:
+        """What of this context the decisions do not imply, as the journal keeps it."""
+        return SessionState(self.offered_turn, self.reminded_turn, tuple(self.confirmations),
+                            None if self.mirror is None else str(self.mirror),
+                            self.mirror_document if self.mirror_written is not None else None)
+
+    async def journal_state(self, writer: JournalWriter, session_id: str, request_id: int) -> None:
+        """Journal the working state if ``request_id`` changed it (the offer, the reminder, the confirmations, the
+        mirror), so a restart or an eviction resumes the session as it is now."""
+        state = self.working_state()
+        if state != self.journaled:
+            created_at = datetime.now(UTC).isoformat(timespec="milliseconds")
+            await writer.call(record_session_state, session_id, request_id, state, created_at)
+            self.journaled = state
+
+    def resume(self, state: SessionState) -> None:
+        """Take back the working state the journal kept."""
+        self.offered_turn, self.reminded_turn = state.offered_turn, state.reminded_turn
+        self.confirmations = list(state.confirmations)
+        self.mirror = None if state.mirror is None else Path(state.mirror)
+        self.mirror_document = state.mirror_text
+        self.mirror_written = None if state.mirror_text is None else (
+            sha256_text(state.mirror_text), _entries(state.mirror_text))
+        self.journaled = state
+
+
+def _entries(document: str) -> dict[str, str]:
+    """The mirror's entries as it gave them (identity → text), read back from its text (``mirror_document``)."""
+    return {str(e["id"]): content_text(e.get("content")) for e in json.loads(document)["messages"]}
 
 
 class SessionContexts:
@@ -74,5 +114,7 @@ class SessionContexts:
         for estimate, actual in samples:
             calibration = calibration.observe(estimate, actual)
         revisions = await writer.call(Journal.mirror_revisions, session_id)
-        return SessionContext([Decision(**row) for row in rows], calibrations={model: calibration},
-                              mirror_revision=revisions)
+        context = SessionContext([Decision(**row) for row in rows], calibrations={model: calibration},
+                                 mirror_revision=revisions)
+        context.resume(await writer.call(session_state, session_id))
+        return context

@@ -61,6 +61,7 @@ class ContextRunner:
                 "created_at": _now()})
             self.app.metrics.context_op(self._pending["op"], self._pending["ok"], self._pending["tokens_freed"])
             results.append({"role": "tool", "tool_call_id": call.get("id"), "content": text})
+        await self.ctx.journal_state(self.writer, self.session_id, self.request_id)
         return results
 
     async def _one(self, name: str, arguments: Any, rules: Rules, model: str | None) -> str:

@@ -100,6 +100,7 @@ async def plan_forward(app: AppState, writer: JournalWriter, ctx: SessionContext
     app.metrics.decided([d.kind for d in p.new])
     ctx.state = p.state
     ctx.sent_list = (list_id, shaped.hashes)
+    await ctx.journal_state(writer, recorded.session_id, recorded.request_id)
     return Plan(shaped.body, shaped.estimate, shaped.rules.k, p, shaped.rules, shaped.offered, deferred)
 
 
@@ -220,7 +221,7 @@ def _mirror(ctx: SessionContext, settings: Settings, session_id: str, p: Project
     ctx.mirror.parent.mkdir(parents=True, exist_ok=True)
     ctx.mirror.write_text(document)
     written = {mid: content_text(m.get("content")) for mid, m in zip(ids, p.messages, strict=False)}
-    ctx.mirror_written = (sha256_text(document), written)
+    ctx.mirror_written, ctx.mirror_document = (sha256_text(document), written), document
     return ctx.mirror
 
 

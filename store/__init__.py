@@ -5,6 +5,7 @@ from store.failures import JournalUnavailable, open_journal
 from store.journal import IncomingRequest, Journal, RecordedRequest, ResponseRecord, prefix_digest
 from store.memory import MemoryJournal
 from store.retention import PruneReport
+from store.session_state import SessionState, record_session_state, session_state
 from store.writer import JournalWriter
 
 __all__ = [
@@ -15,6 +16,9 @@ __all__ = [
     "PruneReport",
     "RecordedRequest",
     "ResponseRecord",
+    "SessionState",
     "open_journal",
     "prefix_digest",
+    "record_session_state",
+    "session_state",
 ]

@@ -43,6 +43,7 @@ _FORGET = [
            SELECT ? UNION SELECT s.id FROM sessions s JOIN family ON s.parent_id = family.id)
        SELECT id FROM family""",
     "DELETE FROM context_ops WHERE session_id IN (SELECT id FROM temp.forget)",
+    "DELETE FROM session_state WHERE session_id IN (SELECT id FROM temp.forget)",
     "DELETE FROM decisions WHERE session_id IN (SELECT id FROM temp.forget)",
     "DELETE FROM overflow WHERE session_id IN (SELECT id FROM temp.forget)",
     "DELETE FROM responses WHERE request_id IN (SELECT r.id FROM requests r JOIN temp.forget f ON r.session_id = f.id)",
@@ -59,7 +60,8 @@ _FORGET = [
     """DELETE FROM blobs WHERE hash NOT IN (SELECT j.value FROM message_lists, json_each(message_lists.added) j)
                          AND hash NOT IN (SELECT params_hash FROM requests)
                          AND hash NOT IN (SELECT params_hash FROM forwards)
-                         AND hash NOT IN (SELECT id FROM overflow)""",
+                         AND hash NOT IN (SELECT id FROM overflow)
+                         AND hash NOT IN (SELECT mirror_hash FROM session_state WHERE mirror_hash IS NOT NULL)""",
 ]
 
 
@@ -114,4 +116,7 @@ class MemoryJournal(Journal):
             for sql in _FORGET[2:]:
                 self.conn.execute(sql)
         self.forgotten.extend(family)
-        self.conn.execute("PRAGMA incremental_vacuum").fetchall()
+        for _ in range(4):  # one pass can leave a page it freed while moving others (seen with a mirror's text)
+            self.conn.execute("PRAGMA incremental_vacuum").fetchall()
+            if not self.conn.execute("PRAGMA freelist_count").fetchone()[0]:
+                break

@@ -185,3 +185,29 @@ def m004_request_turns(db: Database) -> None:
         CREATE INDEX requests_by_turn ON requests(session_id, turn);
         """
     )
+
+
+@migrations()
+def m005_session_state(db: Database) -> None:
+    db.executescript(
+        """
+        -- What a session's working state held after a request changed it (the offer, the reminder, the
+        -- confirmations not yet told to the model, the live mirror), so a restart or an evicted session resumes
+        -- with the same tool list and system lines. Append-only: the newest row of a session is its state.
+        CREATE TABLE session_state (
+            id INTEGER PRIMARY KEY,
+            session_id TEXT NOT NULL REFERENCES sessions(id),
+            request_id INTEGER NOT NULL REFERENCES requests(id),  -- the request during which it changed
+            offered_turn TEXT,           -- identity of the message opening the turn the context tools are offered in
+            reminded_turn TEXT,          -- the turn the soft-ceiling reminder was given in
+            confirmations TEXT NOT NULL, -- JSON array: what the context tools did, for the model's next request
+                                         -- ([] once told: a confirmation delivered is one no longer pending)
+            mirror TEXT,                 -- where LIVE_CONTEXT.json is written; NULL while the mirror is off
+            mirror_hash TEXT REFERENCES blobs(hash),  -- the mirror as last written (a blob of kind 'mirror',
+                                         -- hash = sha256 of its text): a file that differs is the model's draft,
+                                         -- judged against this; NULL once committed or refused
+            created_at TEXT NOT NULL
+        );
+        CREATE INDEX session_state_by_session ON session_state(session_id, id);
+        """
+    )

@@ -6,10 +6,10 @@ The journal is append-only while the proxy runs; pruning is the one deliberate e
 - every session last active before the cutoff, *unless* a remaining session descends from it: a forked child
   inherits its parent's decisions and may restore the bodies its parent cut (``CutsMixin._ancestry``), so a
   parent stays, whole, as long as any descendant does;
-- their requests, forwards, answers, decisions, context ops and overflow rows;
+- their requests, forwards, answers, decisions, context ops, overflow rows and journaled working state;
 - message lists no remaining request, forward or session head reaches (through the delta encoding's bases);
-- content-addressed blobs (messages, parameters, cut bodies) nothing remaining refers to: a body two sessions
-  cut, or a message two sessions share, stays while either does.
+- content-addressed blobs (messages, parameters, cut bodies, mirror texts) nothing remaining refers to: a body
+  two sessions cut, or a message two sessions share, stays while either does.
 
 A dry run does the same work and rolls it back, so what it reports is exactly what a real run would remove.
 """
@@ -101,6 +101,7 @@ INSERT INTO temp.pruned SELECT id FROM sessions WHERE id NOT IN (SELECT id FROM 
 
 _OF_PRUNED = "SELECT id FROM requests WHERE session_id IN (SELECT id FROM temp.pruned)"
 _DELETE_ROWS = [  # children before parents: the foreign keys are on
+    f"DELETE FROM session_state WHERE session_id IN (SELECT id FROM temp.pruned) OR request_id IN ({_OF_PRUNED})",
     f"DELETE FROM context_ops WHERE session_id IN (SELECT id FROM temp.pruned) OR request_id IN ({_OF_PRUNED})",
     f"DELETE FROM decisions WHERE session_id IN (SELECT id FROM temp.pruned) OR request_id IN ({_OF_PRUNED})",
     "DELETE FROM overflow WHERE session_id IN (SELECT id FROM temp.pruned)",
@@ -109,7 +110,7 @@ _DELETE_ROWS = [  # children before parents: the foreign keys are on
     "DELETE FROM requests WHERE session_id IN (SELECT id FROM temp.pruned)",
     "DELETE FROM sessions WHERE id IN (SELECT id FROM temp.pruned)",
 ]
-_REQUESTS = 5
+_REQUESTS = 6
 
 _DELETE_LISTS = """
 WITH RECURSIVE live(id) AS (
@@ -129,5 +130,6 @@ DELETE FROM blobs WHERE hash NOT IN (
     UNION SELECT id FROM overflow
     UNION SELECT overflow_id FROM decisions
     UNION SELECT j.value FROM context_ops c, json_each(c.overflow_ids) j
+    UNION SELECT mirror_hash FROM session_state WHERE mirror_hash IS NOT NULL
 ) RETURNING chars
 """

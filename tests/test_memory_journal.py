@@ -14,7 +14,16 @@ from hypothesis import strategies as st
 
 from config import load_settings
 from proxy.rewrite.state import sha256_text
-from store import IncomingRequest, MemoryJournal, OverflowBody, RecordedRequest, ResponseRecord
+from store import (
+    IncomingRequest,
+    MemoryJournal,
+    OverflowBody,
+    RecordedRequest,
+    ResponseRecord,
+    SessionState,
+    record_session_state,
+    session_state,
+)
 from tests.conftest import app_client
 from tests.fakes import FakeUpstream, Reply, tool_answer
 from tests.test_journal import incoming, run
@@ -93,12 +102,16 @@ def test_a_forgotten_session_takes_its_forks_cut_bodies_and_unshared_blobs_with_
     body = "cut " * 1000
     journal.add_decisions(child.session_id, [], at(1), child.request_id,
                           [OverflowBody(sha256_text(body), body, "sh", "c0")])
+    record_session_state(journal, child.session_id, child.request_id,
+                         SessionState("user:t", "user:t", ("applied",), "/ws/LIVE_CONTEXT.json", body + "{}"), at(1))
     assert journal.overflow_body(sha256_text(body), child.session_id) is not None
     clock[0] = 200
     survivor = journal.record_request(request_at(session_run(7), 200))
     answer(journal, survivor)
     assert [s["id"] for s in journal.sessions()] == [survivor.session_id]
     assert journal.overflow_body(sha256_text(body)) is None
+    assert session_state(journal, child.session_id) == SessionState()
+    assert journal.conn.execute("SELECT COUNT(*) FROM session_state").fetchone()[0] == 0
     assert journal.conn.execute("PRAGMA foreign_key_check").fetchall() == []
     blobs = journal.conn.execute("SELECT count(*) FROM blobs").fetchone()[0]
     assert blobs == len(session_run(7)) + 1  # the survivor's messages and its parameters: nothing else

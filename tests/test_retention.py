@@ -13,7 +13,7 @@ import pytest
 
 from config import load_settings
 from proxy.cli import main
-from store import Journal, OverflowBody
+from store import Journal, OverflowBody, SessionState, record_session_state, session_state
 from tests.conftest import app_client
 from tests.fakes import FakeUpstream
 from tests.test_journal import incoming, record, run
@@ -78,6 +78,20 @@ def test_a_dry_run_reports_exactly_what_a_prune_removes_and_changes_nothing(jour
         (real.sessions, real.requests, real.lists, real.blobs, real.blob_chars) and dry.dry_run and not real.dry_run
     after = journal.conn.execute(counts).fetchone()
     assert before[0] - after[0] == real.blobs and before[2] - after[2] == real.requests
+
+
+def test_prune_removes_the_working_state_of_what_it_removes_and_keeps_the_rest(journal: Journal) -> None:
+    ids = _runs(journal)
+    mirror = {"old": '{"messages": [{"id": "a", "content": "old"}]}', "new": '{"messages": []}'}
+    for name in ("old", "new"):
+        request = journal.session_journal(ids[name])[-1]["request_id"]
+        record_session_state(journal, ids[name], request, SessionState("user:t", None, ("applied",), f"/{name}",
+                                                                      mirror[name]), "2026-01-01T00:00:50")
+    journal.prune("2026-01-01T00:00:30")
+    assert session_state(journal, ids["old"]) == SessionState()
+    assert session_state(journal, ids["new"]) == SessionState("user:t", None, ("applied",), "/new", mirror["new"])
+    assert journal.conn.execute("SELECT COUNT(*) FROM blobs WHERE kind = 'mirror'").fetchone()[0] == 1
+    assert journal.conn.execute("PRAGMA foreign_key_check").fetchall() == []
 
 
 def test_pruning_everything_then_vacuum_leaves_an_empty_working_journal(journal: Journal) -> None:
