@@ -22,7 +22,14 @@ from proxy.rewrite import Decision, State
 from proxy.rewrite.identity import content_text
 from proxy.rewrite.state import sha256_text
 from proxy.rewrite.tokens import Calibration
-from store import Journal, JournalWriter, SessionState, record_session_state, session_state
+from store import (
+    Journal,
+    JournalWriter,
+    SessionState,
+    calibration_in_force,
+    record_session_state,
+    session_state,
+)
 
 __all__ = ["SessionContext", "SessionContexts"]
 
@@ -109,12 +116,22 @@ class SessionContexts:
 
     async def _load(self, writer: JournalWriter, session_id: str, model: str | None) -> SessionContext:
         rows = await writer.call(Journal.decisions, session_id)
-        samples = await writer.call(Journal.calibration_samples, session_id, model)
-        calibration = self.models.get(model, Calibration())
-        for estimate, actual in samples:
-            calibration = calibration.observe(estimate, actual)
+        calibration = await self._calibration(writer, session_id, model)
         revisions = await writer.call(Journal.mirror_revisions, session_id)
         context = SessionContext([Decision(**row) for row in rows], calibrations={model: calibration},
                                  mirror_revision=revisions)
         context.resume(await writer.call(session_state, session_id))
         return context
+
+    async def _calibration(self, writer: JournalWriter, session_id: str, model: str | None) -> Calibration:
+        """The session's calibration: the one its latest forward was sent under, and what its answer taught. A
+        session with no forward yet starts from the latest calibration of the model, across sessions; one whose
+        forwards were journaled without their sample count, from its latest answers."""
+        force = await writer.call(calibration_in_force, session_id, model)
+        if force is not None:
+            calibration = Calibration(force.k, force.samples)
+            return calibration.observe(*force.learnt) if force.learnt else calibration
+        calibration = self.models.get(model, Calibration())
+        for estimate, actual in await writer.call(Journal.calibration_samples, session_id, model):
+            calibration = calibration.observe(estimate, actual)
+        return calibration

@@ -285,6 +285,7 @@ def _forward_record(recorded: RecordedRequest, incoming: IncomingRequest, ctx: S
                     changed: bool, estimate: int | None) -> ForwardRecord:
     record = ForwardRecord(recorded.request_id, attempt, recorded.session_id, _now(), incoming.params_hash,
                            verbatim=not changed, estimate=estimate, k=k,
+                           samples=ctx.calibration(incoming.model).samples,
                            decisions=[asdict(d) for d in p.new],
                            overflow=[OverflowBody(w.overflow_id, w.body, w.tool, w.call_id) for w in p.writes])
     if not changed:

@@ -5,10 +5,17 @@ from store.failures import JournalUnavailable, open_journal
 from store.journal import IncomingRequest, Journal, RecordedRequest, ResponseRecord, prefix_digest
 from store.memory import MemoryJournal
 from store.retention import PruneReport
-from store.session_state import SessionState, record_session_state, session_state
+from store.session_state import (
+    CalibrationInForce,
+    SessionState,
+    calibration_in_force,
+    record_session_state,
+    session_state,
+)
 from store.writer import JournalWriter
 
 __all__ = [
+    "CalibrationInForce",
     "ForwardRecord",
     "IncomingRequest", "Journal", "JournalUnavailable", "JournalWriter",
     "MemoryJournal",
@@ -17,6 +24,7 @@ __all__ = [
     "RecordedRequest",
     "ResponseRecord",
     "SessionState",
+    "calibration_in_force",
     "open_journal",
     "prefix_digest",
     "record_session_state",

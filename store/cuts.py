@@ -47,6 +47,8 @@ class ForwardRecord:
     overflow: Sequence[OverflowBody] = field(default_factory=tuple)
     estimate: int | None = None
     k: float | None = None
+    samples: int | None = None
+    """The calibration's sample count in force (``k``'s weight): with ``k``, what a restart rebuilds it from."""
 
 
 class CutsMixin:
@@ -69,9 +71,10 @@ class CutsMixin:
             self.insert_decisions(rec.session_id, rec.request_id, rec.decisions, rec.created_at)
         list_id = self._forward_list(rec)
         self.conn.execute(
-            "INSERT INTO forwards (request_id, attempt, list_id, params_hash, verbatim, estimate, k)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?)",
-            [rec.request_id, rec.attempt, list_id, rec.params_hash, int(rec.verbatim), rec.estimate, rec.k])
+            "INSERT INTO forwards (request_id, attempt, list_id, params_hash, verbatim, estimate, k, samples)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            [rec.request_id, rec.attempt, list_id, rec.params_hash, int(rec.verbatim), rec.estimate, rec.k,
+             rec.samples])
         return list_id
 
     def add_decisions(self, session_id: str, decisions: Sequence[Mapping[str, Any]], created_at: str,

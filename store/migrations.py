@@ -209,5 +209,10 @@ def m005_session_state(db: Database) -> None:
             created_at TEXT NOT NULL
         );
         CREATE INDEX session_state_by_session ON session_state(session_id, id);
+
+        -- The calibration's sample count in force for a forward, beside its `k`: 0 while it is the default,
+        -- which the first answer's usage replaces outright (more: averaged in). With the session's latest
+        -- forward and its answer, the calibration is rebuilt exactly, whatever session it was seeded from.
+        ALTER TABLE forwards ADD COLUMN samples INTEGER;
         """
     )

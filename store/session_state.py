@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from store.journal import Journal
 
-__all__ = ["SessionState", "record_session_state", "session_state"]
+__all__ = ["CalibrationInForce", "SessionState", "calibration_in_force", "record_session_state", "session_state"]
 
 
 @dataclass(frozen=True)
@@ -57,3 +57,28 @@ def session_state(journal: Journal, session_id: str) -> SessionState:
         return SessionState()
     offered, reminded, confirmations, mirror, text = row
     return SessionState(offered, reminded, tuple(json.loads(confirmations)), mirror, text)
+
+
+@dataclass(frozen=True)
+class CalibrationInForce:
+    """The calibration the session's latest forward for a model was sent under, and what its answer taught."""
+
+    k: float
+    samples: int
+    learnt: tuple[int, int] | None
+    """(estimate, prompt_tokens) when the proxy learnt from that answer: the agent's answer (not a context round)
+    to a forward that carried an estimate (not a splice), with a usage."""
+
+
+def calibration_in_force(journal: Journal, session_id: str, model: str | None) -> CalibrationInForce | None:
+    """None when the session has no such forward (or only ones journaled before the sample count was)."""
+    row = journal.conn.execute(
+        "SELECT f.k, f.samples, f.estimate, p.prompt_tokens, p.outcome FROM forwards f"
+        " JOIN requests r ON r.id = f.request_id"
+        " LEFT JOIN responses p ON p.request_id = f.request_id AND p.attempt = f.attempt"
+        " WHERE r.session_id = ? AND r.model IS ? ORDER BY f.id DESC LIMIT 1", [session_id, model]).fetchone()
+    if row is None or row[0] is None or row[1] is None:
+        return None
+    k, samples, estimate, prompt, outcome = row
+    taught = bool(estimate and prompt and estimate > 0 and prompt > 0 and outcome != "context_round")
+    return CalibrationInForce(float(k), int(samples), (int(estimate), int(prompt)) if taught else None)

@@ -21,6 +21,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from config import load_settings
+from proxy.context import SessionContexts
 from proxy.state import AppState
 from tests.conftest import app_client
 from tests.fakes import FakeUpstream, Reply, completion, stream_chunks, stream_tool_answer, tool_answer
@@ -129,28 +130,37 @@ SCENARIOS: dict[str, Callable[[], Scenario]] = {
 
 
 def _run(root: Path, scenario: Scenario, cut: int | None, how: str) -> list[bytes]:
-    """Every upstream chat request of the run, with the proxy restarted or the session evicted before ``cut``."""
+    """Every upstream chat request of the run, with the proxy restarted or the session evicted before ``cut``:
+    ``restart`` (a fresh app on the same data dir), ``evict`` (dropped from the working cache), ``crowd-out``
+    (another session's request pushes it out of a cache of one), ``incognito`` (dropped; an incognito run, whose
+    journal is in memory)."""
     shutil.rmtree(root, ignore_errors=True)
     env = scenario.env | {"CTXPROXY_DATA_DIR": str(root / "data"), "CTXPROXY_MIRROR_DIR": str(root / "ws")}
+    headers = {"X-Ctx-Incognito": "1"} if how == "incognito" else {}
     fake = FakeUpstream()
     clients = _clients(load_settings(env=env), fake)
     client = next(clients)
-    session = ""
+    state: AppState = client.app.state.ctx  # type: ignore[attr-defined]
+    state.contexts = SessionContexts(capacity=1) if how == "crowd-out" else state.contexts
+    session, other = "", None
     for i, step in enumerate(scenario.steps):
         if i == cut and how == "restart":
             client = next(clients)
+        elif i == cut and how == "crowd-out":
+            other = len(fake.chats)
+            assert client.post("/v1/chat/completions", json={"model": "m", "messages": [
+                {"role": "user", "content": "Another session."}]}).status_code == 200
         elif i == cut:
-            state: AppState = client.app.state.ctx  # type: ignore[attr-defined]
-            state.contexts.drop(state.journal, session)
+            state.contexts.drop(state.journal_for(how == "incognito"), session)
         if step.before is not None:
             step.before(root / "ws")
         for reply in step.replies:
             fake.enqueue(reply)
-        answer = client.post("/v1/chat/completions", json=step.body)
+        answer = client.post("/v1/chat/completions", json=step.body, headers=headers)
         assert answer.status_code == 200, answer.text
         session = answer.headers["x-ctx-session"]
     clients.close()
-    return [r.body for r in fake.chats]
+    return [r.body for i, r in enumerate(fake.chats) if i != other]
 
 
 def _clients(settings: Any, fake: FakeUpstream) -> Iterator[TestClient]:
@@ -166,13 +176,13 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("state") / "run"
 
 
-_BASELINES: dict[tuple[Path, str], list[bytes]] = {}
+_BASELINES: dict[tuple[Path, str, bool], list[bytes]] = {}
 
 
-def _baseline(root: Path, name: str) -> list[bytes]:
-    if (root, name) not in _BASELINES:
-        _BASELINES[root, name] = _run(root, SCENARIOS[name](), None, "")
-    return _BASELINES[root, name]
+def _baseline(root: Path, name: str, incognito: bool = False) -> list[bytes]:
+    if (root, name, incognito) not in _BASELINES:
+        _BASELINES[root, name, incognito] = _run(root, SCENARIOS[name](), None, "incognito" if incognito else "")
+    return _BASELINES[root, name, incognito]
 
 
 def _what_it_exercises(sent: list[bytes]) -> str:
@@ -182,13 +192,22 @@ def _what_it_exercises(sent: list[bytes]) -> str:
         ("confirmed", "Applied since your last request"), ("mirror", "You manage your context")] if marker in text))
 
 
-@pytest.mark.parametrize("how", ["restart", "evict"])
-@pytest.mark.parametrize(("name", "cut"), [(name, cut) for name in SCENARIOS
-                                           for cut in range(1, len(SCENARIOS[name]().steps))])
+CUTS = [(name, cut) for name in SCENARIOS for cut in range(1, len(SCENARIOS[name]().steps))]
+
+
+@pytest.mark.parametrize("how", ["restart", "evict", "crowd-out"])
+@pytest.mark.parametrize(("name", "cut"), CUTS)
 def test_a_restart_or_eviction_between_any_two_requests_changes_no_upstream_byte(
         root: Path, name: str, cut: int, how: str) -> None:
     expected = _baseline(root, name)
     assert _run(root, SCENARIOS[name](), cut, how) == expected
+
+
+@pytest.mark.parametrize(("name", "cut"), [(name, cut) for name, cut in CUTS if name != "mirror"])
+def test_an_incognito_session_evicted_between_any_two_requests_resumes_from_its_memory_journal(
+        root: Path, name: str, cut: int) -> None:
+    """An incognito session's state lives in the in-memory journal (no mirror there: it would write a file)."""
+    assert _run(root, SCENARIOS[name](), cut, "incognito") == _baseline(root, name, incognito=True)
 
 
 @pytest.mark.parametrize(("name", "exercised"), [
