@@ -73,10 +73,11 @@ class CalibrationInForce:
 def calibration_in_force(journal: Journal, session_id: str, model: str | None) -> CalibrationInForce | None:
     """None when the session has no such forward (or only ones journaled before the sample count was)."""
     row = journal.conn.execute(
-        "SELECT f.k, f.samples, f.estimate, p.prompt_tokens, p.outcome FROM forwards f"
-        " JOIN requests r ON r.id = f.request_id"
+        "SELECT f.k, f.samples, f.estimate, p.prompt_tokens, p.outcome FROM requests r"
+        " JOIN forwards f ON f.request_id = r.id"
         " LEFT JOIN responses p ON p.request_id = f.request_id AND p.attempt = f.attempt"
-        " WHERE r.session_id = ? AND r.model IS ? ORDER BY f.id DESC LIMIT 1", [session_id, model]).fetchone()
+        " WHERE r.session_id = ? AND r.model IS ? ORDER BY r.id DESC, f.attempt DESC LIMIT 1",
+        [session_id, model]).fetchone()
     if row is None or row[0] is None or row[1] is None:
         return None
     k, samples, estimate, prompt, outcome = row

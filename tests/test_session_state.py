@@ -23,8 +23,10 @@ from fastapi.testclient import TestClient
 from config import load_settings
 from proxy.context import SessionContexts
 from proxy.state import AppState
+from store import CalibrationInForce, ForwardRecord, IncomingRequest, Journal, ResponseRecord, calibration_in_force
 from tests.conftest import app_client
 from tests.fakes import FakeUpstream, Reply, completion, stream_chunks, stream_tool_answer, tool_answer
+from tests.test_journal import incoming, run
 
 TOOLS = [{"type": "function", "function": {"name": "read_file", "parameters": {
     "type": "object", "properties": {"path": {"type": "string"}}}}}]
@@ -215,3 +217,27 @@ def test_an_incognito_session_evicted_between_any_two_requests_resumes_from_its_
     ("fenced", "confirmed fenced-offered reminded"), ("mirror", "confirmed mirror offered")])
 def test_the_scripted_runs_exercise_the_state_they_are_meant_to(root: Path, name: str, exercised: str) -> None:
     assert _what_it_exercises(_baseline(root, name)) == exercised
+
+
+def _forward(journal: Journal, req: IncomingRequest, k: float, samples: int | None, estimate: int | None,
+             outcome: str, prompt: int) -> None:
+    rec = journal.record_request(req)
+    journal.record_response(
+        ResponseRecord(rec.request_id, 0, outcome, 200, "{}", {"prompt_tokens": prompt}, 1.0, 2.0, req.received_at),
+        ForwardRecord(rec.request_id, 0, rec.session_id, req.received_at, req.params_hash, verbatim=True,
+                      estimate=estimate, k=k, samples=samples))
+
+
+def test_the_calibration_in_force_is_the_latest_forwards_and_what_only_an_agents_answer_taught(
+        tmp_path: Path) -> None:
+    journal = Journal(tmp_path / "journal.db")
+    steps = run(3)
+    _forward(journal, incoming(steps[0], "s", n=1), 1.0, None, 100, "ok", 120)  # journaled before the count was
+    assert calibration_in_force(journal, "s", "m") is None
+    _forward(journal, incoming(steps[1], "s", n=2), 1.2, 1, 100, "ok", 150)
+    assert calibration_in_force(journal, "s", "m") == CalibrationInForce(1.2, 1, (100, 150))
+    _forward(journal, incoming(steps[2], "s", n=3), 1.35, 2, 100, "context_round", 150)  # not learnt from, live
+    assert calibration_in_force(journal, "s", "m") == CalibrationInForce(1.35, 2, None)
+    _forward(journal, incoming(steps[3], "s", n=4), 1.35, 2, None, "ok", 150)  # a splice: no estimate
+    assert calibration_in_force(journal, "s", "m") == CalibrationInForce(1.35, 2, None)
+    assert calibration_in_force(journal, "s", "other-model") is None
