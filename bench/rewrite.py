@@ -41,9 +41,10 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from config import load_settings  # noqa: E402
 from proxy.app import create_app  # noqa: E402
+from proxy.budgets import budget_for  # noqa: E402
 from proxy.hashing import MessageHasher  # noqa: E402
 from proxy.replay import replay, summarize  # noqa: E402
-from proxy.rewrite import Rules, budget_for, project, violations  # noqa: E402
+from proxy.rewrite import Rules, project, violations  # noqa: E402
 from proxy.rewrite.tokens import MessageCounter  # noqa: E402
 from tests.fakes import CountingUpstream, Reply  # noqa: E402
 from tests.workloads import TRAJECTORIES_ENV, conversation, trajectories_dir  # noqa: E402

@@ -24,7 +24,8 @@ from typing import Any
 import orjson
 
 from config import Settings
-from proxy.rewrite import Decision, Rules, State, budget_for, message_hash, project, violations
+from proxy.budgets import budget_for
+from proxy.rewrite import Decision, Rules, State, message_hash, project, violations
 from proxy.rewrite.fenced import presets_for, route_of
 from proxy.rewrite.state import sha256_text
 from proxy.rewrite.tokens import MessageCounter

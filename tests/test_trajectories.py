@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from config import load_settings
+from proxy.budgets import budget_for
 from proxy.replay import agent_requests, replay, summarize
-from proxy.rewrite import budget_for
 from proxy.rewrite.tokens import MessageCounter
 from tests.transcripts import FORMATS, transcript
 from tests.workloads import conversation

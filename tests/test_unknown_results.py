@@ -14,8 +14,9 @@ import pytest
 
 from bench.gen_fenced import build
 from config import load_settings
+from proxy.budgets import budget_for
 from proxy.replay import replay, summarize
-from proxy.rewrite import Rules, budget_for, message_hash, project, violations
+from proxy.rewrite import Rules, message_hash, project, violations
 from proxy.rewrite.fenced import PRESETS, find_results
 from proxy.rewrite.tokens import MessageCounter
 
