@@ -40,10 +40,13 @@ import httpx
 import orjson
 
 from config import Settings
+from proxy.app import create_app
+from proxy.recording import LAST_ANSWER, RecordedUpstream
 from proxy.rewrite import broken_pairs, message_hash, message_ids
 from proxy.rewrite.decisions import CUTS
 from proxy.rewrite.state import sha256_text
 from proxy.rewrite.tokens import MessageCounter
+from store import Journal, open_journal
 
 __all__ = ["ReplayFailed", "ReplayStep", "Summary", "agent_requests", "replay", "replay_settings", "request_body",
            "summarize"]
@@ -133,19 +136,17 @@ def replay_settings(settings: Settings, window: int, root: Path) -> Settings:
 
 
 def replay(conversation: dict[str, Any], settings: Settings, window: int, counter: MessageCounter | None = None,
-           workdir: Path | None = None) -> Iterator[ReplayStep]:
-    """Replay ``conversation`` through the app; ``workdir``: its data dir (default: a temporary one, removed)."""
-    return iter(asyncio.run(_replay(conversation, settings, window, counter or MessageCounter(), workdir)))
+           workdir: Path | None = None, upstream: RecordedUpstream | None = None) -> Iterator[ReplayStep]:
+    """Replay ``conversation`` through the app. ``workdir``: its data dir (default: a temporary one, removed);
+    ``upstream``: the recording's model, to read every body sent afterwards (default: a new one)."""
+    counter = counter or MessageCounter()
+    return iter(asyncio.run(_replay(conversation, settings, window, counter, workdir,
+                                    upstream or RecordedUpstream(counter))))
 
 
 async def _replay(conversation: dict[str, Any], settings: Settings, window: int, counter: MessageCounter,
-                  workdir: Path | None) -> list[ReplayStep]:
-    from proxy.app import create_app
-    from proxy.recording import LAST_ANSWER, RecordedUpstream
-    from store import open_journal
-
+                  workdir: Path | None, upstream: RecordedUpstream) -> list[ReplayStep]:
     messages = conversation["messages"]
-    upstream = RecordedUpstream(counter)
     with _directory(workdir) as root, _ProblemLog() as problems:
         app = create_app(replay_settings(settings, window, root), httpx.ASGITransport(app=upstream))
         async with app.router.lifespan_context(app), httpx.AsyncClient(
@@ -199,7 +200,7 @@ class _ProblemLog(logging.Handler):
 class _Run:
     """What one replay carries from request to request: the previous upstream request, the decisions seen."""
 
-    def __init__(self, conversation: dict[str, Any], counter: MessageCounter, window: int, journal: Any) -> None:
+    def __init__(self, conversation: dict[str, Any], counter: MessageCounter, window: int, journal: Journal) -> None:
         self.messages: list[dict[str, Any]] = conversation["messages"]
         self.hashes = [message_hash(m) for m in self.messages]
         self.counter, self.window, self.journal = counter, window, journal
@@ -242,7 +243,7 @@ class _Run:
         """The session's journaled decisions, and those of them this request added."""
         if not session:
             return [], []
-        decisions: list[dict[str, Any]] = self.journal.decisions(session)
+        decisions = self.journal.decisions(session)
         new = decisions[self.known.get(session, 0):]
         self.known[session] = len(decisions)
         return decisions, new
