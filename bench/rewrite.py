@@ -3,10 +3,10 @@
 Why: issue #3's "done when" is a set of numbers. This script produces all of them in one run:
 
 1. every recorded trajectory (the directory ``CTXPROXY_TRAJECTORIES`` names; left out, and said so, when it is
-   not set) replayed through the proxy's request path (``proxy.replay``) at 4k, 8k and 32k: requests, refused (cannot fit even
-   after every cut), invariant violations, the largest request sent; the fenced ones likewise, and a generated
-   fenced run whose results no preset knows (``bench/gen_fenced.py``) at 4k, 8k and 16k, with the newest rounds'
-   text lost and the cuts not restorable;
+   not set) replayed through the proxy's request path (``proxy.replay``) at 4k, 8k and 32k: requests, refused
+   (cannot fit even after every cut), invariant violations, the largest request sent, requests over the window;
+   the fenced ones likewise, and a generated fenced run whose results no preset knows (``bench/gen_fenced.py``)
+   at 4k, 8k and 16k, with the newest rounds' text lost and the cuts not restorable;
 2. the 60-round workload of ``tests/workloads.py`` (``--conversation`` takes another, e.g. the peers' shared
    ``conversation-60.json``) and a generated 600-round one, sent
    through the real app to a model server that counts every prompt itself (``tests.fakes.CountingUpstream``,

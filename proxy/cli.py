@@ -39,7 +39,7 @@ _SCORE_COLUMNS = [("session_id", "session"), ("rounds", "rounds"), ("tool_calls"
                   ("tokens_per_tool_call", "tok/call"), ("ops", "context ops")]
 _REPLAY_COLUMNS = [("request", "req"), ("messages", "msgs"), ("tokens_in", "tokens in"), ("tokens_out", "tokens out"),
                    ("decisions", "decisions"), ("prefix", "prefix"), ("chars_reused", "reused chars"),
-                   ("chars_sent", "sent chars"), ("refused", "")]
+                   ("tokens_notices", "notices"), ("chars_sent", "sent chars"), ("refused", "")]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -141,7 +141,7 @@ def _replay(settings: Settings, args: argparse.Namespace) -> int:
         return 0
     rows = [asdict(s) | {"decisions": ", ".join(f"{k} {v}" for k, v in s.decisions.items()) or "-",
                          "prefix": "kept" if s.prefix_kept else "changed",
-                         "refused": "REFUSED" if s.refused else ""} for s in steps]
+                         "refused": "REFUSED" if s.refused else "OVER WINDOW" if s.over_window else ""} for s in steps]
     print(render_table(rows, _REPLAY_COLUMNS))
     print(f"\n{summary.requests} requests, window {window}: {summary.refused} refused (cannot fit), "
           f"{summary.violations} invariant violations, max {summary.max_tokens_out} tokens sent, prefix reuse "
