@@ -3,10 +3,10 @@
 Why: issue #3's "done when" is a set of numbers. This script produces all of them in one run:
 
 1. every recorded trajectory (the directory ``CTXPROXY_TRAJECTORIES`` names; left out, and said so, when it is
-   not set) replayed through the core (``proxy.replay``) at 4k, 8k and 32k: requests, refused (cannot fit even
-   after every cut), invariant violations, the largest request sent; the fenced ones likewise, and a generated
-   fenced run whose results no preset knows (``bench/gen_fenced.py``) at 4k, 8k and 16k, with the newest rounds'
-   text lost and the cuts not restorable;
+   not set) replayed through the proxy's request path (``proxy.replay``) at 4k, 8k and 32k: requests, refused
+   (cannot fit even after every cut), invariant violations, the largest request sent, requests over the window;
+   the fenced ones likewise, and a generated fenced run whose results no preset knows (``bench/gen_fenced.py``)
+   at 4k, 8k and 16k, with the newest rounds' text lost and the cuts not restorable;
 2. the 60-round workload of ``tests/workloads.py`` (``--conversation`` takes another, e.g. the peers' shared
    ``conversation-60.json``) and a generated 600-round one, sent
    through the real app to a model server that counts every prompt itself (``tests.fakes.CountingUpstream``,
@@ -41,9 +41,10 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from config import load_settings  # noqa: E402
 from proxy.app import create_app  # noqa: E402
+from proxy.budgets import budget_for  # noqa: E402
 from proxy.hashing import MessageHasher  # noqa: E402
 from proxy.replay import replay, summarize  # noqa: E402
-from proxy.rewrite import Rules, budget_for, project, violations  # noqa: E402
+from proxy.rewrite import Rules, project, violations  # noqa: E402
 from proxy.rewrite.tokens import MessageCounter  # noqa: E402
 from tests.fakes import CountingUpstream, Reply  # noqa: E402
 from tests.workloads import TRAJECTORIES_ENV, conversation, trajectories_dir  # noqa: E402
@@ -71,7 +72,8 @@ def trajectories(variant: str = "native") -> list[dict[str, Any]]:
         for window in WINDOWS:
             s = summarize(list(replay(conversation, settings, window, counter)))
             rows.append({"file": path.name, "window": window, "requests": s.requests, "refused": s.refused,
-                         "violations": s.violations, "max_tokens_sent": s.max_tokens_out, "reuse": round(s.reuse, 4)})
+                         "violations": s.violations, "max_tokens_sent": s.max_tokens_out, "over_window": s.over_window,
+                         "reuse": round(s.reuse, 4)})
     return rows
 
 
@@ -84,7 +86,8 @@ def unknown_wrapper(rounds: int = 40, seed: int = 11) -> list[dict[str, Any]]:
         s = summarize(list(replay(build(rounds, seed), settings, window, counter)))
         rows.append({"window": window, "requests": s.requests, "refused": s.refused, "violations": s.violations,
                      "newest_text_lost": s.newest_lost, "unrestorable": s.unrestorable,
-                     "max_tokens_sent": s.max_tokens_out, "reuse": round(s.reuse, 4), "uncached_chars": s.uncached})
+                     "max_tokens_sent": s.max_tokens_out, "over_window": s.over_window, "reuse": round(s.reuse, 4),
+                     "uncached_chars": s.uncached})
     return rows
 
 

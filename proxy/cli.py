@@ -1,5 +1,6 @@
 """The ``ctxproxy`` command: ``serve`` runs the proxy; ``sessions`` and ``show`` read the journal directly;
-``replay`` runs a recorded conversation through the rewrite core with no upstream.
+``replay`` sends a recorded conversation through the proxy's own request path, with the recording as its
+upstream (``proxy.replay``).
 
 The reading commands open the journal file themselves (SQLite in WAL mode lets them read while a server writes),
 so they work whether or not a server is running.
@@ -38,7 +39,7 @@ _SCORE_COLUMNS = [("session_id", "session"), ("rounds", "rounds"), ("tool_calls"
                   ("tokens_per_tool_call", "tok/call"), ("ops", "context ops")]
 _REPLAY_COLUMNS = [("request", "req"), ("messages", "msgs"), ("tokens_in", "tokens in"), ("tokens_out", "tokens out"),
                    ("decisions", "decisions"), ("prefix", "prefix"), ("chars_reused", "reused chars"),
-                   ("chars_sent", "sent chars"), ("refused", "")]
+                   ("tokens_notices", "notices"), ("chars_sent", "sent chars"), ("refused", "")]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -85,7 +86,8 @@ def _parser() -> argparse.ArgumentParser:
     show = _command(commands, "show", "show one session and its journal", _show)
     show.add_argument("session_id")
     show.add_argument("--limit", type=int, default=200, help="journal entries to print (default 200)")
-    replay = _command(commands, "replay", "run a recorded conversation through the rewrite core, offline", _replay)
+    replay = _command(commands, "replay", "send a recorded conversation through the proxy's request path, offline "
+                      "(the recording answers as the model)", _replay)
     replay.add_argument("file", help="a conversation: {messages, tools?} (the shared trajectory format)")
     replay.add_argument("--window", type=int, help="the model's window in tokens (default: ctx_window, else 131072)")
     return parser
@@ -118,7 +120,7 @@ def _serve(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _replay(settings: Settings, args: argparse.Namespace) -> int:
-    from proxy.replay import replay, summarize
+    from proxy.replay import ReplayFailed, replay, summarize
 
     try:
         conversation = json.loads(Path(args.file).read_text())
@@ -126,7 +128,11 @@ def _replay(settings: Settings, args: argparse.Namespace) -> int:
         print(f"ctxproxy replay: cannot read {args.file}: {exc}", file=sys.stderr)
         return 2
     window = args.window or settings.ctx_window or 131072
-    steps = list(replay(conversation, settings, window))
+    try:
+        steps = list(replay(conversation, settings, window))
+    except ReplayFailed as exc:
+        print(f"ctxproxy replay: {exc}", file=sys.stderr)
+        return 1
     summary = summarize(steps)
     if args.json:
         print(json.dumps({"window": window, "steps": [asdict(s) for s in steps],
@@ -135,13 +141,13 @@ def _replay(settings: Settings, args: argparse.Namespace) -> int:
         return 0
     rows = [asdict(s) | {"decisions": ", ".join(f"{k} {v}" for k, v in s.decisions.items()) or "-",
                          "prefix": "kept" if s.prefix_kept else "changed",
-                         "refused": "REFUSED" if s.refused else ""} for s in steps]
+                         "refused": "REFUSED" if s.refused else "OVER WINDOW" if s.over_window else ""} for s in steps]
     print(render_table(rows, _REPLAY_COLUMNS))
     print(f"\n{summary.requests} requests, window {window}: {summary.refused} refused (cannot fit), "
           f"{summary.violations} invariant violations, max {summary.max_tokens_out} tokens sent, prefix reuse "
           f"{summary.reuse:.1%} ({summary.uncached:,} uncached characters of {summary.chars_sent:,}), "
           f"{summary.newest_lost} characters of the newest rounds' text folded, {summary.unrestorable} cuts "
-          "not restorable")
+          f"not restorable, {summary.over_window} over the window")
     return 0
 
 

@@ -20,6 +20,7 @@ from typing import Any, cast
 import orjson
 
 from config import Settings
+from proxy.budgets import budget_for
 from proxy.context import SessionContext
 from proxy.errors import ContextTooLarge
 from proxy.heavy import is_large
@@ -30,7 +31,6 @@ from proxy.rewrite import (
     Report,
     Rules,
     State,
-    budget_for,
     canonical_json,
     message_hash,
     project,

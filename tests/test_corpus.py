@@ -2,21 +2,23 @@
 
 They are an external corpus, not part of the repository: ``CTXPROXY_TRAJECTORIES`` names their directory
 (``.ci/run`` sets it to ``../shared/trajectories`` when that exists). Unset, this whole module is one skip; set to
-a directory that is not there, it is one collection error. Every file is replayed through the rewrite core at 4k,
+a directory that is not there, it is one collection error. Every file is replayed through the proxy at 4k,
 8k and 32k (``tests/test_trajectories.py``'s check), and in every text-protocol run (``*.fenced.json``) each
 results message must be found and nothing else: never the task, SWE-agent's demonstration, a person's opening.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from proxy.replay import ReplayStep, summarize
 from proxy.rewrite.fenced import find_results, route_of
-from tests.test_trajectories import WINDOWS, assert_replays_within_budget_and_intact, refused_at_32k
+from tests.test_trajectories import WINDOWS, assert_replays_within_budget_and_intact, replayed
 from tests.workloads import TRAJECTORIES_ENV, trajectories_dir
 
 SETTING = trajectories_dir()
@@ -36,6 +38,12 @@ def load(path: Path) -> dict[str, Any]:
     return conversation
 
 
+@functools.cache
+def steps_of(path: Path, window: int) -> list[ReplayStep]:
+    """A run replayed through the app once per window: the 32k check reads the same replay."""
+    return replayed(load(path), window)
+
+
 def test_the_corpus_is_whole() -> None:
     """Every file its manifest lists is there (a copy cut short would replay fewer runs and still pass)."""
     manifest = CORPUS / "manifest.json"
@@ -47,11 +55,11 @@ def test_the_corpus_is_whole() -> None:
 @pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("path", FILES, ids=[f.name for f in FILES])
 def test_a_recorded_run_replays_within_budget_and_intact(path: Path, window: int) -> None:
-    assert_replays_within_budget_and_intact(load(path), window)
+    assert_replays_within_budget_and_intact(load(path), window, steps_of(path, window))
 
 
 def test_at_32k_no_recorded_run_is_refused() -> None:
-    refused = {f.name: refused_at_32k(load(f)) for f in FILES}
+    refused = {f.name: summarize(steps_of(f, 32768)).refused for f in FILES}
     assert not any(refused.values()), refused
 
 

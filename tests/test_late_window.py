@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from config import load_settings
-from proxy.rewrite.budget import budget_for
+from proxy.budgets import budget_for
 from proxy.rewrite.decisions import Decision
 from proxy.rewrite.fenced import presets_for
 from proxy.rewrite.identity import message_hash

@@ -14,7 +14,8 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from config import load_settings
-from proxy.rewrite.budget import Budget, budget_for
+from proxy.budgets import budget_for
+from proxy.rewrite.budget import Budget
 from proxy.rewrite.decisions import Decision
 from proxy.rewrite.identity import message_hash
 from proxy.rewrite.invariants import broken_pairs, violations

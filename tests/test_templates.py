@@ -348,7 +348,8 @@ def test_cline_sends_its_blocks_as_text_parts_and_they_are_recognised_and_cut_to
     """Over an OpenAI-compatible API, Cline and Roo Code send a results message as a list of text parts (their
     api/transform/openai-format.ts): the "[tool] Result:" line, the output, the environment details."""
     from config import load_settings
-    from proxy.rewrite import Rules, budget_for, message_hash, project, violations
+    from proxy.budgets import budget_for
+    from proxy.rewrite import Rules, message_hash, project, violations
     from proxy.rewrite.fenced import PRESETS, route_of
     from proxy.rewrite.tokens import MessageCounter
 

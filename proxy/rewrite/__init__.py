@@ -4,7 +4,7 @@
 in place of what was cut, ``invariants`` the checks of DESIGN.md §6, ``tokens`` counting and calibration.
 """
 
-from proxy.rewrite.budget import Budget, budget_for
+from proxy.rewrite.budget import Budget, Limits
 from proxy.rewrite.decisions import Decision, OverflowWrite
 from proxy.rewrite.identity import canonical_json, content_hash, fingerprint, message_hash, message_ids
 from proxy.rewrite.invariants import broken_pairs, violations
@@ -12,6 +12,6 @@ from proxy.rewrite.project import Projection, Report, project
 from proxy.rewrite.state import Rules, State
 
 __all__ = [
-    "Budget", "Decision", "OverflowWrite", "Projection", "Report", "Rules", "State", "broken_pairs", "budget_for",
+    "Budget", "Decision", "Limits", "OverflowWrite", "Projection", "Report", "Rules", "State", "broken_pairs",
     "canonical_json", "content_hash", "fingerprint", "message_hash", "message_ids", "project", "violations",
 ]
