@@ -29,6 +29,9 @@ from store import Journal, JournalWriter, MemoryJournal, OverflowBody
 
 __all__ = ["ContextRunner", "strip_calls"]
 
+_Done = tuple[str, dict[str, Any]]
+"""A context call's result text (spliced after the call) and its ``context_op`` event (journaled, published)."""
+
 
 class ContextRunner:
     def __init__(self, app: AppState, writer: JournalWriter, ctx: SessionContext, session_id: str,
@@ -44,7 +47,6 @@ class ContextRunner:
         """The events of the latest ``execute`` (a stream also carries them as SSE comments)."""
         self.all_events: list[dict[str, Any]] = []
         """Every event of this client request."""
-        self._pending: dict[str, Any] = {}
 
     async def execute(self, calls: list[dict[str, Any]], rules: Rules, model: str | None) -> list[dict[str, Any]]:
         """Run the calls in order; each sees the effect of the ones before it."""
@@ -54,16 +56,16 @@ class ContextRunner:
         results = []
         for call in calls:
             function = call.get("function") or {}
-            self._pending = {}
-            text = await self._one(str(function.get("name")), function.get("arguments"), rules, model)
-            await self.writer.call(Journal.record_context_op, self._pending | {
+            text, event = await self._one(str(function.get("name")), function.get("arguments"), rules, model)
+            row = {k: v for k, v in event.items() if k not in ("type", "session")} | {"session_id": self.session_id}
+            await self.writer.call(Journal.record_context_op, row | {
                 "request_id": self.request_id, "arguments": str(function.get("arguments") or ""), "result": text,
                 "created_at": _now()})
-            self.app.metrics.context_op(self._pending["op"], self._pending["ok"], self._pending["tokens_freed"])
+            self.app.metrics.context_op(event["op"], event["ok"], event["tokens_freed"])
             results.append({"role": "tool", "tool_call_id": call.get("id"), "content": text})
         return results
 
-    async def _one(self, name: str, arguments: Any, rules: Rules, model: str | None) -> str:
+    async def _one(self, name: str, arguments: Any, rules: Rules, model: str | None) -> _Done:
         settings = self.app.settings.for_model(model)
         if not settings.tools_enabled:
             return self._event(name, False, f"{name}: the context tools are switched off here.")
@@ -106,7 +108,7 @@ class ContextRunner:
         await write_outfiles(rules.overflow_dir, [(w.overflow_id, w.body) for w in outcome.writes])
         self.ctx.decisions += outcome.decisions
 
-    async def _commit(self, rules: Rules) -> str:
+    async def _commit(self, rules: Rules) -> _Done:
         """ctx commit: the model's edited LIVE_CONTEXT.json, validated and applied as a journaled revision."""
         path = self.ctx.mirror
         if path is None or not path.exists():
@@ -129,7 +131,7 @@ class ContextRunner:
             return self._event("commit", True, revision.text, outcome)
         return self._event("commit", revision.ok, revision.text)
 
-    async def _read_overflow(self, intent: ReadOverflow) -> str:
+    async def _read_overflow(self, intent: ReadOverflow) -> _Done:
         row = await self.writer.call(Journal.overflow_body, intent.id, self.session_id)
         if row is None:
             gone = (" This session is incognito: what it cut was kept in memory only and is gone once incognito "
@@ -141,7 +143,8 @@ class ContextRunner:
         return self._event("read_overflow", True, text, overflow_ids=(intent.id,))
 
     def _event(self, op: str, ok: bool, text: str, outcome: Outcome | None = None,
-               overflow_ids: tuple[str, ...] = ()) -> str:
+               overflow_ids: tuple[str, ...] = ()) -> _Done:
+        """The call's result text and its ``context_op`` event, published and kept for this request."""
         event = {"type": "context_op", "session": self.session_id, "round": self.round,
                  "op": op.removeprefix("context_"), "ok": ok, "handles": list(outcome.handles if outcome else ()),
                  "tokens_freed": outcome.tokens_freed if outcome else 0,
@@ -149,9 +152,7 @@ class ContextRunner:
         self.app.events.publish(event)
         self.events.append(event)
         self.all_events.append(event)
-        self._pending = {k: v for k, v in event.items() if k not in ("type", "session")} | {
-            "session_id": self.session_id}
-        return text
+        return text, event
 
 
 def strip_calls(answer: dict[str, Any], agent_tools: frozenset[str]) -> tuple[dict[str, Any], list[Any]]:
