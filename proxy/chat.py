@@ -21,7 +21,9 @@ from starlette.responses import Response
 
 from proxy.callers import incognito_requested, requested_session, scoped_fingerprint
 from proxy.edge import parse_chat_body, read_body
-from proxy.engine import Exchange, compact_request, drive, now
+from proxy.engine.driver import drive
+from proxy.engine.exchange import Exchange, now
+from proxy.engine.replies import compact_request
 from proxy.errors import ContextTooLarge, CtxError, UpstreamMalformed, envelope, error_response
 from proxy.heavy import check_message_count, is_heavy
 from proxy.loop import refuse_loop
