@@ -21,7 +21,6 @@ from proxy.engine.replies import usage_of
 from proxy.engine.stream import StreamSink
 from proxy.engine.turn import (
     Command,
-    EndEarly,
     Event,
     Forward,
     RecordRound,
@@ -87,30 +86,22 @@ class _Rounds:
                 async for out in self._perform(command):
                     yield out
 
-    def _perform(self, command: Command) -> AsyncIterator[bytes]:
+    async def _perform(self, command: Command) -> AsyncIterator[bytes]:
         if isinstance(command, RunTools):
-            return self._run_tools(command)
-        if isinstance(command, RecordRound):
-            return self._record_round(command)
-        if isinstance(command, Forward):
-            return self.sink.follow_up(self.forwarder, command)
-        self.done = True
-        return self.sink.reply(command) if isinstance(command, Reply) else self._end_early(command)
-
-    async def _run_tools(self, command: RunTools) -> AsyncIterator[bytes]:
-        results = await self.runner.execute(list(command.calls), self.sink.rules, self.exchange.model)
-        async for out in self.sink.ran(self.runner.events):
-            yield out
-        self.sink.event = ToolsRan(tuple(results))
-
-    async def _record_round(self, command: RecordRound) -> AsyncIterator[bytes]:
-        await record_round(self.exchange, *self.sink.round_body())
-        self.exchange.internal_rounds = command.rounds
-        return
-        yield b""
-
-    def _end_early(self, command: EndEarly) -> AsyncIterator[bytes]:
-        return self.sink.end_early()
+            results, events = await self.runner.execute(list(command.calls), self.sink.rules, self.exchange.model)
+            async for out in self.sink.ran(events):
+                yield out
+            self.sink.event = ToolsRan(tuple(results))
+        elif isinstance(command, RecordRound):
+            await record_round(self.exchange, *self.sink.round_body())
+            self.exchange.internal_rounds = command.rounds
+        elif isinstance(command, Forward):
+            async for out in self.sink.follow_up(self.forwarder, command):
+                yield out
+        else:
+            self.done = True
+            async for out in self.sink.reply(command) if isinstance(command, Reply) else self.sink.end_early():
+                yield out
 
 
 async def record_round(exchange: Exchange, status: int, content: bytes) -> None:

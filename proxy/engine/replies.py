@@ -14,11 +14,11 @@ from typing import Any
 import orjson
 
 from proxy.engine.turn import Answered
-from proxy.intercept import strip_calls
 from proxy.tools.blocks import extract_blocks, has_command
+from proxy.tools.offer import split_calls
 from proxy.wire import ChatBody
 
-__all__ = ["answered", "compact_request", "compaction_report", "usage_of", "with_report"]
+__all__ = ["answered", "compact_request", "compaction_report", "strip_calls", "usage_of", "with_report"]
 
 
 def answered(content: bytes, fenced: bool, agent_tools: frozenset[str]) -> tuple[Answered, bytes]:
@@ -40,6 +40,23 @@ def _context_calls(content: bytes, agent_tools: frozenset[str]) -> tuple[dict[st
     except orjson.JSONDecodeError:
         return {}, []
     return strip_calls(answer, agent_tools)
+
+
+def strip_calls(answer: dict[str, Any], agent_tools: frozenset[str]) -> tuple[dict[str, Any], list[Any]]:
+    """The answer without its context-tool calls (the agent never sees them), and those calls."""
+    choices = answer.get("choices") if isinstance(answer, dict) else None
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0].get("message"), dict):
+        return answer, []
+    message = choices[0]["message"]
+    split = split_calls(message, shadowed=agent_tools)
+    if not split.context:
+        return answer, []
+    kept = {**message, "tool_calls": split.agent} if split.agent else \
+        {k: v for k, v in message.items() if k != "tool_calls"} | {"content": message.get("content") or ""}
+    first = {**choices[0], "message": kept}
+    if not split.agent:
+        first["finish_reason"] = "stop"
+    return {**answer, "choices": [first, *choices[1:]]}, split.context
 
 
 def _fenced_calls(content: bytes) -> tuple[dict[str, Any], list[Any], str]:
