@@ -8,15 +8,15 @@ from pathlib import Path
 
 import proxy
 
-ROOT = Path(proxy.__file__).parent
+PACKAGE = Path(proxy.__file__).parent
 DECIDING = ("proxy.engine.turn", "proxy.engine.policy", "proxy.engine.replies")
 IO = ("httpx", "starlette", "anyio", "asyncio", "sqlite3", "store", "config", "proxy.state", "proxy.planning")
 
 
 def _modules() -> dict[str, Path]:
     found = {}
-    for path in ROOT.rglob("*.py"):
-        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
         found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return found
 
