@@ -3,8 +3,7 @@
 ``ContextRunner.execute`` turns each call into an intent (``proxy.tools.intents``), applies it to the session
 (``proxy.tools.apply``, pure) or, for ``read_overflow``, reads the stored body; journals the decisions and the cut
 bodies before anything else is sent; queues a confirmation line for the model's next request; publishes one
-``context_op`` event per call; and returns the tool messages to splice after the call. ``strip_calls`` removes
-context calls from an answer before the agent sees it.
+``context_op`` event per call; and returns the tool messages to splice after the call.
 """
 
 from __future__ import annotations
@@ -23,11 +22,14 @@ from proxy.state import AppState
 from proxy.tools.apply import Outcome, View, apply_intent, render_overflow
 from proxy.tools.intents import Ctx, Intent, ReadOverflow, ToolError, parse_call
 from proxy.tools.mirror import maintenance_rounds, mirror_path, revise
-from proxy.tools.offer import split_calls, turn_in
+from proxy.tools.offer import turn_in
 from proxy.tools.schemas import TOOL_NAMES
 from store import Journal, JournalWriter, MemoryJournal, OverflowBody
 
-__all__ = ["ContextRunner", "strip_calls"]
+__all__ = ["ContextRunner"]
+
+_Done = tuple[str, dict[str, Any]]
+"""A context call's result text (spliced after the call) and its ``context_op`` event (journaled, published)."""
 
 
 class ContextRunner:
@@ -40,31 +42,30 @@ class ContextRunner:
         self.round = 0
         """The agent's round in its turn (``Turn.round``), which every ``context_op`` event carries: the proxy's
         own re-asks within one client request are not rounds of the agent."""
-        self.events: list[dict[str, Any]] = []
-        """The events of the latest ``execute`` (a stream also carries them as SSE comments)."""
         self.all_events: list[dict[str, Any]] = []
         """Every event of this client request."""
-        self._pending: dict[str, Any] = {}
 
-    async def execute(self, calls: list[dict[str, Any]], rules: Rules, model: str | None) -> list[dict[str, Any]]:
-        """Run the calls in order; each sees the effect of the ones before it."""
+    async def execute(self, calls: list[dict[str, Any]], rules: Rules,
+                      model: str | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """Run the calls in order; each sees the effect of the ones before it. Returns the tool messages to splice
+        and the calls' ``context_op`` events (a stream also carries them as SSE comments)."""
         state = self.ctx.state if self.ctx.state is not None else self._view(rules, 0, "").state
         self.round = turn_in(self.messages, state).round
-        self.events = []
-        results = []
+        results, events = [], []
         for call in calls:
             function = call.get("function") or {}
-            self._pending = {}
-            text = await self._one(str(function.get("name")), function.get("arguments"), rules, model)
-            await self.writer.call(Journal.record_context_op, self._pending | {
+            text, event = await self._one(str(function.get("name")), function.get("arguments"), rules, model)
+            row = {k: v for k, v in event.items() if k not in ("type", "session")} | {"session_id": self.session_id}
+            await self.writer.call(Journal.record_context_op, row | {
                 "request_id": self.request_id, "arguments": str(function.get("arguments") or ""), "result": text,
                 "created_at": _now()})
-            self.app.metrics.context_op(self._pending["op"], self._pending["ok"], self._pending["tokens_freed"])
+            self.app.metrics.context_op(event["op"], event["ok"], event["tokens_freed"])
             results.append({"role": "tool", "tool_call_id": call.get("id"), "content": text})
+            events.append(event)
         await self.ctx.journal_state(self.writer, self.session_id, self.request_id)
-        return results
+        return results, events
 
-    async def _one(self, name: str, arguments: Any, rules: Rules, model: str | None) -> str:
+    async def _one(self, name: str, arguments: Any, rules: Rules, model: str | None) -> _Done:
         settings = self.app.settings.for_model(model)
         if not settings.tools_enabled:
             return self._event(name, False, f"{name}: the context tools are switched off here.")
@@ -107,7 +108,7 @@ class ContextRunner:
         await write_outfiles(rules.overflow_dir, [(w.overflow_id, w.body) for w in outcome.writes])
         self.ctx.decisions += outcome.decisions
 
-    async def _commit(self, rules: Rules) -> str:
+    async def _commit(self, rules: Rules) -> _Done:
         """ctx commit: the model's edited LIVE_CONTEXT.json, validated and applied as a journaled revision."""
         path = self.ctx.mirror
         if path is None or not path.exists():
@@ -130,7 +131,7 @@ class ContextRunner:
             return self._event("commit", True, revision.text, outcome)
         return self._event("commit", revision.ok, revision.text)
 
-    async def _read_overflow(self, intent: ReadOverflow) -> str:
+    async def _read_overflow(self, intent: ReadOverflow) -> _Done:
         row = await self.writer.call(Journal.overflow_body, intent.id, self.session_id)
         if row is None:
             gone = (" This session is incognito: what it cut was kept in memory only and is gone once incognito "
@@ -142,34 +143,15 @@ class ContextRunner:
         return self._event("read_overflow", True, text, overflow_ids=(intent.id,))
 
     def _event(self, op: str, ok: bool, text: str, outcome: Outcome | None = None,
-               overflow_ids: tuple[str, ...] = ()) -> str:
+               overflow_ids: tuple[str, ...] = ()) -> _Done:
+        """The call's result text and its ``context_op`` event, published and kept for this request."""
         event = {"type": "context_op", "session": self.session_id, "round": self.round,
                  "op": op.removeprefix("context_"), "ok": ok, "handles": list(outcome.handles if outcome else ()),
                  "tokens_freed": outcome.tokens_freed if outcome else 0,
                  "overflow_ids": list(outcome.overflow_ids if outcome else overflow_ids)}
         self.app.events.publish(event)
-        self.events.append(event)
         self.all_events.append(event)
-        self._pending = {k: v for k, v in event.items() if k not in ("type", "session")} | {
-            "session_id": self.session_id}
-        return text
-
-
-def strip_calls(answer: dict[str, Any], agent_tools: frozenset[str]) -> tuple[dict[str, Any], list[Any]]:
-    """The answer without its context-tool calls (the agent never sees them), and those calls."""
-    choices = answer.get("choices") if isinstance(answer, dict) else None
-    if not isinstance(choices, list) or not choices or not isinstance(choices[0].get("message"), dict):
-        return answer, []
-    message = choices[0]["message"]
-    split = split_calls(message, shadowed=agent_tools)
-    if not split.context:
-        return answer, []
-    kept = {**message, "tool_calls": split.agent} if split.agent else \
-        {k: v for k, v in message.items() if k != "tool_calls"} | {"content": message.get("content") or ""}
-    first = {**choices[0], "message": kept}
-    if not split.agent:
-        first["finish_reason"] = "stop"
-    return {**answer, "choices": [first, *choices[1:]]}, split.context
+        return text, event
 
 
 def _now() -> str:

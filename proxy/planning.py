@@ -22,6 +22,16 @@ import orjson
 from config import Settings
 from proxy.budgets import budget_for
 from proxy.context import SessionContext
+from proxy.engine.policy import (
+    assemble,
+    confirmation_notice,
+    guidance,
+    listed_tools,
+    offer_due,
+    reminder_due,
+    reminder_notice,
+    restorable,
+)
 from proxy.errors import ContextTooLarge
 from proxy.heavy import is_large
 from proxy.outfiles import outfiles_dir, write_outfiles
@@ -32,20 +42,16 @@ from proxy.rewrite import (
     Rules,
     State,
     canonical_json,
-    message_hash,
     project,
     violations,
 )
-from proxy.rewrite.decisions import CUTS
 from proxy.rewrite.fenced import presets_for, route_of
 from proxy.rewrite.identity import content_text
 from proxy.rewrite.state import sha256_text
 from proxy.rewrite.tokens import MessageCounter
 from proxy.state import AppState
-from proxy.tools.blocks import NOTE, RESTORE_NOTE
-from proxy.tools.mirror import PARAGRAPH, mirror_document, mirror_path
-from proxy.tools.offer import REMINDER, person_asked, turn_in, with_context_tools
-from proxy.tools.schemas import CONTEXT_TOOLS, READ_TOOL
+from proxy.tools.mirror import mirror_document, mirror_path
+from proxy.tools.offer import person_asked, turn_in
 from proxy.wire import ChatBody
 from store import ForwardRecord, IncomingRequest, Journal, JournalWriter, OverflowBody, RecordedRequest
 
@@ -53,10 +59,6 @@ __all__ = ["Plan", "plan_forward"]
 
 log = logging.getLogger("ctxproxy")
 INCOGNITO_STORAGE = "memory-only (incognito)"
-COMPACT = ("[ctxproxy] The person asked you to compact your context (/compact). Use your context tools now: "
-           "context_status shows what takes the room; context_drop and context_note cut what you no longer need "
-           "(everything stays restorable). Write your decisions in a note before you cut. Then answer with one "
-           "short line.")
 
 
 @dataclass(frozen=True)
@@ -145,20 +147,17 @@ def _shape(app: AppState, settings: Settings, ctx: SessionContext, ask: _Ask, wi
     offered = ask.offer and (_offered(ctx, settings, body, messages, p, rules) or (
         (ask.compact is not None or ctx.mirror is not None) and settings.tools_enabled))
     notices = [] if ask.splice else _notices(ctx, settings, p, rules, offered)  # follow-ups carry tool results
-    restorable = settings.tools_enabled and _restorable(ctx.decisions, p.new)
-    sent = p.messages + _guidance(rules, offered, restorable, ask.compact, mirror) + notices + ask.splice
-    payload: dict[str, Any] = {**body, "messages": sent}
-    listed = CONTEXT_TOOLS if offered else (READ_TOOL,) if restorable and may_offer else ()
-    if listed and not rules.fenced:
-        payload["tools"] = with_context_tools(body.get("tools"), listed)
-    hashes = p.hashes + [message_hash(m) for m in sent[len(p.messages):]]
-    filled = settings.null_content == "empty" and _fill_null_content(sent, hashes)
-    changed = p.changed or len(sent) != len(p.messages) or bool(listed) or filled
+    cut_before = settings.tools_enabled and restorable(ctx.decisions, p.new)
+    after = guidance(bool(rules.fenced), offered, cut_before, ask.compact, mirror) + notices + ask.splice
+    listed = listed_tools(offered, cut_before, may_offer)
+    payload = assemble(dict(body), p.messages, p.hashes, p.changed, after, listed, bool(rules.fenced),
+                       settings.null_content == "empty")
+    sent, hashes, changed = payload.sent, payload.hashes, payload.changed
     estimate = p.report.estimate - (app.context_tools_tokens() - (app.read_tool_tokens() if listed else 0)
                                     if may_offer and not offered else 0)
     record = _forward_record(ask.recorded, ask.incoming, ctx, p, ask.attempt, rules.k, sent, hashes, changed,
                              None if ask.splice else estimate)  # a splice's tokens are not in the estimate
-    return _Shaped(p, rules, offered, estimate, hashes, record, orjson.dumps(payload) if changed else ask.raw)
+    return _Shaped(p, rules, offered, estimate, hashes, record, orjson.dumps(payload.body) if changed else ask.raw)
 
 
 def _rules(app: AppState, settings: Settings, ctx: SessionContext, ask: _Ask, window: int, may_offer: bool) -> Rules:
@@ -173,37 +172,6 @@ def _rules(app: AppState, settings: Settings, ctx: SessionContext, ask: _Ask, wi
     k = ctx.calibration(body.get("model")).k
     return Rules(budget_for(settings, window), k, INCOGNITO_STORAGE if ask.incognito else "disk", tools, fenced,
                  outfiles_dir(settings, ask.incognito))
-
-
-def _guidance(rules: Rules, offered: bool, restorable: bool, compact: str | None,
-              mirror: Path | None) -> list[dict[str, Any]]:
-    """System lines after the projection: the fenced call syntax (all the tools, or only the way back), the
-    /compact request, the mirror paragraph."""
-    lines = [NOTE if offered else RESTORE_NOTE] if rules.fenced and (offered or restorable) else []
-    if compact is not None:
-        lines.append(COMPACT + (f" The person adds: {compact}" if compact else ""))
-    if mirror is not None:
-        lines.append(PARAGRAPH.format(path=mirror))
-    return [{"role": "system", "content": line} for line in lines]
-
-
-def _restorable(decisions: Sequence[Decision], new: Sequence[Decision]) -> bool:
-    """Whether the session has ever cut anything: from its first stub on, ``read_overflow`` is listed on every
-    request (native: in the tool list, byte-identical from then on; fenced: named in a note), so no stub points
-    at a tool the model does not have. Decided from the journaled decisions, so a restart lists it the same."""
-    return any(d.kind in CUTS or d.kind == "fold" for d in (*decisions, *new))
-
-
-def _fill_null_content(sent: list[dict[str, Any]], hashes: list[str]) -> bool:
-    """Give assistant messages without content ``""`` in place (and their new hashes), for upstreams that refuse
-    ``null``; whether any changed. The client's own messages are copies here: projection never shares them."""
-    filled = False
-    for i, m in enumerate(sent):
-        if m.get("role") == "assistant" and m.get("content") is None:
-            sent[i] = {**m, "content": ""}
-            hashes[i] = message_hash(sent[i])
-            filled = True
-    return filled
 
 
 def _mirror(ctx: SessionContext, settings: Settings, session_id: str, p: Projection) -> Path | None:
@@ -233,8 +201,8 @@ def _offered(ctx: SessionContext, settings: Settings, body: ChatBody, messages: 
     turn = turn_in(messages, p.state)
     key = p.state.ids[turn.start] if p.state.ids else ""
     usage = p.report.scaled / rules.budget.budget  # after cuts the window is never reached: judge by the budget
-    if ctx.offered_turn == key or usage >= settings.offer_pct or person_asked(messages, turn, settings.offer_phrases) \
-            or (settings.offer_round and turn.round >= settings.offer_round):
+    if offer_due(ctx.offered_turn == key, usage, settings.offer_pct,
+                 person_asked(messages, turn, settings.offer_phrases), turn.round, settings.offer_round):
         ctx.offered_turn = key
         return True
     return False
@@ -245,13 +213,12 @@ def _notices(ctx: SessionContext, settings: Settings, p: Projection, rules: Rule
     """System lines for the model: what its context tools did since its last request; the soft-ceiling reminder."""
     out = []
     if ctx.confirmations:
-        out.append({"role": "system", "content": "[ctxproxy] Applied since your last request: "
-                    + " ".join(ctx.confirmations)})
+        out.append(confirmation_notice(ctx.confirmations))
         ctx.confirmations = []
-    if offered and p.report.scaled >= settings.soft_ceiling_pct * rules.budget.budget \
-            and ctx.reminded_turn != ctx.offered_turn:
+    if reminder_due(offered, p.report.scaled, settings.soft_ceiling_pct, rules.budget.budget, ctx.reminded_turn,
+                    ctx.offered_turn):
         ctx.reminded_turn = ctx.offered_turn
-        out.append({"role": "system", "content": REMINDER})
+        out.append(reminder_notice())
     return out
 
 

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import Any
 
 import httpx
 import orjson
 import pytest
 
 from proxy.errors import UpstreamMalformed
-from proxy.relay import _guarded
+from proxy.relay import StreamRecord, guarded
 
 
 async def breaking(exc: BaseException) -> AsyncIterator[bytes]:
@@ -20,11 +19,11 @@ async def breaking(exc: BaseException) -> AsyncIterator[bytes]:
     raise exc
 
 
-def relayed(exc: BaseException) -> tuple[list[bytes], dict[str, Any]]:
-    record: dict[str, Any] = {"outcome": "client_disconnected"}
+def relayed(exc: BaseException) -> tuple[list[bytes], StreamRecord]:
+    record = StreamRecord(httpx.Response(200))
 
     async def collect() -> list[bytes]:
-        return [out async for out in _guarded(breaking(exc), record)]
+        return [out async for out in guarded(breaking(exc), record)]
 
     return asyncio.run(collect()), record
 
@@ -42,7 +41,7 @@ def test_whatever_breaks_a_stream_ends_it_with_an_error_event_and_done(
     assert first == b"data: {}\n\n" and last.endswith(b"\n\ndata: [DONE]\n\n")
     error = orjson.loads(last.split(b"\n\n")[0].removeprefix(b"data: "))["error"]
     assert error["code"] == code and set(error) == {"message", "type", "param", "code"}
-    assert record["outcome"] == outcome
+    assert record.outcome == outcome
 
 
 def test_a_cancelled_stream_is_not_mistaken_for_a_failure() -> None:

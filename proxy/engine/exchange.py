@@ -1,0 +1,124 @@
+"""One client request's ledger: what it has cost so far, and the single place its answer is journaled.
+
+Everything the turn's I/O learns about the request lives here: the attempt number (each answer row's), the time
+to first byte, the estimate the calibration learns from, the internal rounds and their usage totals, and the
+forward row that waits to be journaled with its answer. ``finish`` journals the answer exactly once and releases
+the session's lock, whatever path the request took (an answer, an error, a client that went away).
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime
+
+from starlette.requests import Request
+
+from proxy.answers import usage_figure
+from proxy.callers import as_header
+from proxy.context import SessionContext
+from proxy.state import AppState
+from proxy.wire import ChatBody
+from store import ForwardRecord, IncomingRequest, Journal, JournalWriter, RecordedRequest, ResponseRecord
+
+__all__ = ["SESSION_RESPONSE_HEADER", "Exchange", "now"]
+
+SESSION_RESPONSE_HEADER = "X-Ctx-Session"
+
+
+class Exchange:
+    """One request's state across its round trips upstream; its answer is journaled once, by ``finish``."""
+
+    def __init__(self, state: AppState, writer: JournalWriter, recorded: RecordedRequest, request: Request,
+                 body: ChatBody, incoming: IncomingRequest, incognito: bool) -> None:
+        self.state, self.writer, self.recorded, self.request = state, writer, recorded, request
+        self.body, self.incoming, self.incognito = body, incoming, incognito
+        self.model = body.get("model")
+        self.started = time.perf_counter()
+        self.ttfb_ms: float | None = None
+        self.attempt = 0
+        """The number of the next answer row (every round trip's answer is journaled with its own)."""
+        self.estimate = 0
+        """The latest forward's estimate, which the upstream's usage calibrates (0: nothing to learn from)."""
+        self.internal_rounds = 0
+        self.totals = {"prompt_tokens": 0, "completion_tokens": 0}
+        self.context: SessionContext | None = None
+        self.deferred: ForwardRecord | None = None
+        """The current attempt's forward row, when it is journaled with its answer."""
+        self._locked = False
+        self._finished = False
+
+    @property
+    def headers(self) -> dict[str, str]:
+        headers = {SESSION_RESPONSE_HEADER: as_header(self.recorded.session_id)}
+        if self.internal_rounds:  # the usage the agent reads is the final answer's; the totals are here
+            headers |= {"X-Ctx-Internal-Rounds": str(self.internal_rounds),
+                        "X-Ctx-Total-Prompt-Tokens": str(self.totals["prompt_tokens"]),
+                        "X-Ctx-Total-Completion-Tokens": str(self.totals["completion_tokens"])}
+        return headers
+
+    def totals_comment(self) -> bytes:
+        """For a stream, whose headers left before the internal rounds ran: their totals as an SSE comment."""
+        if not self.internal_rounds:
+            return b""
+        return (f": ctxproxy internal_rounds={self.internal_rounds} total_prompt_tokens={self.totals['prompt_tokens']}"
+                f" total_completion_tokens={self.totals['completion_tokens']}\n\n").encode()
+
+    def add_usage(self, usage: dict[str, object] | None) -> None:
+        for key in self.totals:
+            self.totals[key] += usage_figure(usage, key) or 0
+
+    def agent_tools(self) -> frozenset[str]:
+        tools = self.body.get("tools") or []  # checked at the edge; tolerant anyway, a tool list is not ours
+        functions = [t.get("function") for t in tools if isinstance(t, dict)]
+        return frozenset(f["name"] for f in functions if isinstance(f, dict) and isinstance(f.get("name"), str))
+
+    async def lock(self) -> None:
+        await self.state.locks.acquire(self.recorded.session_id)
+        self._locked = True
+
+    async def load_context(self) -> SessionContext:
+        self.context = await self.state.contexts.get(self.writer, self.recorded.session_id, self.model)
+        return self.context
+
+    async def record(self, outcome: str, status: int, body: str | None, usage: dict[str, object] | None) -> None:
+        """Journal an answer row that does not end the request (an internal round, an overflow refusal)."""
+        await self.writer.call(Journal.record_response, ResponseRecord(
+            self.recorded.request_id, self.attempt, outcome, status, body, usage, self.ttfb_ms, self.elapsed(),
+            now()), self._take_deferred())
+        self.attempt += 1
+
+    async def finish(self, outcome: str, status: int, body: bytes | None,
+                     usage: dict[str, object] | None = None) -> None:
+        """Journal the answer (exactly once), learn from its usage, and release the session's lock."""
+        if self._finished:
+            return
+        self._finished = True
+        try:  # the row first: what is learnt from the answer after, so that nothing in it can cost the row
+            await self.writer.call(Journal.record_response, ResponseRecord(
+                self.recorded.request_id, self.attempt, outcome, status,
+                body.decode("utf-8", "replace") if body else None, usage, self.ttfb_ms, self.elapsed(), now()),
+                self._take_deferred())
+            self._calibrate(usage)
+            self.state.metrics.answered(outcome, usage)
+        finally:
+            if self._locked:
+                self.state.locks.release(self.recorded.session_id)
+
+    def _calibrate(self, usage: dict[str, object] | None) -> None:
+        prompt = usage_figure(usage, "prompt_tokens")
+        if self.context is None or not prompt or not self.estimate:
+            return
+        calibration = self.context.calibration(self.model).observe(self.estimate, prompt)
+        self.context.calibrations[self.model] = self.state.contexts.models[self.model] = calibration
+
+    def _take_deferred(self) -> ForwardRecord | None:
+        """The current attempt's forward row if it waits for its answer (then it is written with it, once)."""
+        deferred, self.deferred = self.deferred, None
+        return deferred
+
+    def elapsed(self) -> float:
+        return round((time.perf_counter() - self.started) * 1000, 3)
+
+
+def now() -> str:
+    return datetime.now(UTC).isoformat(timespec="milliseconds")
