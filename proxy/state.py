@@ -17,6 +17,7 @@ from proxy.heavy import Offload
 from proxy.metrics import Metrics
 from proxy.rewrite import canonical_json
 from proxy.rewrite.tokens import MessageCounter
+from proxy.tools.blocks import NOTE
 from proxy.tools.schemas import CONTEXT_TOOLS, READ_TOOL
 from proxy.upstream import Upstream
 from proxy.window import WindowDetector
@@ -80,6 +81,10 @@ class AppState:
         if self._context_tools_tokens is None:
             self._context_tools_tokens = self.counter.count_text(canonical_json(list(CONTEXT_TOOLS)).decode())
         return self._context_tools_tokens
+
+    def fenced_note_tokens(self) -> int:
+        """What the fenced route's note with the context blocks' syntax costs (its stand-in for the schemas)."""
+        return self.counter.count_text(NOTE)
 
     def read_tool_tokens(self) -> int:
         """What ``read_overflow``'s schema costs, listed alone once the session holds a stub."""
