@@ -28,11 +28,13 @@ test: $(VENV)/.extras
 	scripts/real-model
 	$(BIN)/ruff check proxy store config tests bench
 	$(BIN)/mypy
+	$(BIN)/lint-imports --no-cache
 	$(BIN)/pytest
 
 lint: $(VENV)/.extras
 	$(BIN)/ruff check proxy store config tests bench
 	$(BIN)/mypy
+	$(BIN)/lint-imports --no-cache
 
 bench: $(VENV)/.extras
 	$(BIN)/python bench/latency.py
