@@ -13,7 +13,7 @@ clean: once the disk has room again, requests are journaled again.
 
 An answer that could not be journaled that way (often after the client got it) is kept in memory and written
 before the next call: left unwritten, its request would look in flight until the next restart, and the
-session's next request would fork it (``store.journal._continued``).
+session's next request would fork it (``store.placement._continued``).
 """
 
 from __future__ import annotations
