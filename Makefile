@@ -29,7 +29,7 @@ test: $(VENV)/.extras
 	$(BIN)/ruff check proxy store config tests bench
 	$(BIN)/mypy
 	$(BIN)/lint-imports --no-cache
-	$(BIN)/pytest
+	$(BIN)/pytest --cov
 
 lint: $(VENV)/.extras
 	$(BIN)/ruff check proxy store config tests bench
@@ -40,4 +40,4 @@ bench: $(VENV)/.extras
 	$(BIN)/python bench/latency.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .coverage
