@@ -28,7 +28,15 @@ from proxy.admin import router as admin_router
 from proxy.callers import bearer_matches, require_admin, require_metrics
 from proxy.chat import chat_completions
 from proxy.edge import read_body
-from proxy.errors import BadRequest, CtxError, log, render_ctx_error, render_http_error, render_unexpected
+from proxy.errors import (
+    BadRequest,
+    CtxError,
+    log,
+    render_ctx_error,
+    render_http_error,
+    render_unexpected,
+    storage_error,
+)
 from proxy.loop import VIA_HEADER, refuse_loop
 from proxy.responses import FinallyResponse
 from proxy.state import AppState
@@ -69,11 +77,13 @@ def _lifespan(settings: Settings, transport: httpx.AsyncBaseTransport | None, ad
               ) -> Callable[[Starlette], AbstractAsyncContextManager[None]]:
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        journal = JournalWriter(open_journal(settings.data_path / "journal.db", settings.journal_sync, check=True))
+        journal = JournalWriter(open_journal(settings.data_path / "journal.db", settings.journal_sync, check=True),
+                                storage_error)
         marked = await journal.call(Journal.mark_interrupted, datetime.now(UTC).isoformat(timespec="milliseconds"))
         if marked:
             log.warning("%d requests were in flight when ctxproxy last stopped: journaled as interrupted", marked)
-        incognito = JournalWriter(MemoryJournal(settings.incognito_max_bytes, settings.incognito_max_age))
+        incognito = JournalWriter(MemoryJournal(settings.incognito_max_bytes, settings.incognito_max_age),
+                                  storage_error)
         upstream = Upstream(settings.upstream, transport or AiohttpTransport(), settings.upstream_connect_timeout,
                             settings.upstream_timeout)
         windows = WindowDetector(upstream, ctx_window=0)  # a configured window is applied per model, in planning

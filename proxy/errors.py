@@ -13,6 +13,8 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
+from store.failures import JournalUnavailable
+
 __all__ = [
     "BadRequest",
     "ContextTooLarge",
@@ -31,6 +33,7 @@ __all__ = [
     "error_response",
     "render_unexpected",
     "sse_error",
+    "storage_error",
 ]
 
 log = logging.getLogger("ctxproxy")
@@ -118,6 +121,12 @@ class StorageError(CtxError):
     """The journal cannot be written or read (read-only, corrupt, I/O error); the message names the file."""
 
     status, type, code = 503, "server_error", "storage_error"
+
+
+def storage_error(problem: JournalUnavailable) -> CtxError:
+    """What a journal that cannot be used means to a client (``store.JournalWriter`` raises it so): a full disk is
+    507, anything else (read-only, corrupt, an I/O error) 503; the message names the file and the fix."""
+    return StorageFull(problem.message) if problem.kind == "full" else StorageError(problem.message)
 
 
 def envelope(message: str, type_: str, param: str | None, code: str | None) -> bytes:

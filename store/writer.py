@@ -4,14 +4,16 @@ SQLite allows one writer at a time; rather than contend for the lock, all calls 
 reads) are queued on a single-thread executor that owns the connection, as datasette's write thread does. The
 event loop only awaits a future, so a commit never blocks other requests.
 
-A storage failure (disk full, a read-only or corrupt file, an I/O error) leaves here as the proxy's own error,
-``StorageFull`` (507) or ``StorageError`` (503), whose message names the file and the fix (``store.failures``):
-the request handlers render it like any other. Each call is its own transaction, rolled back on failure, so the
-next call starts clean: once the disk has room again, requests are journaled again.
+A storage failure (disk full, a read-only or corrupt file, an I/O error) leaves here as a ``JournalUnavailable``
+whose message names the file and the fix (``store.failures``), passed through the writer's ``failure`` function:
+the proxy gives ``proxy.errors.storage_error``, which makes it ``StorageFull`` (507) or ``StorageError`` (503), and
+the request handlers render it like any other. The store names no HTTP status and imports nothing from ``proxy``
+(a contract of ``make test``). Each call is its own transaction, rolled back on failure, so the next call starts
+clean: once the disk has room again, requests are journaled again.
 
 An answer that could not be journaled that way (often after the client got it) is kept in memory and written
 before the next call: left unwritten, its request would look in flight until the next restart, and the
-session's next request would fork it (``store.journal._continued``).
+session's next request would fork it (``store.placement._continued``).
 """
 
 from __future__ import annotations
@@ -24,8 +26,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from proxy.errors import CtxError, StorageError, StorageFull
-from store.failures import explain
+from store.failures import JournalUnavailable, explain
 from store.journal import Journal
 
 __all__ = ["JournalWriter"]
@@ -40,8 +41,10 @@ interrupted)."""
 class JournalWriter:
     """Runs ``Journal`` methods on the writer thread: ``await writer.call(Journal.record_request, req)``."""
 
-    def __init__(self, journal: Journal) -> None:
+    def __init__(self, journal: Journal, failure: Callable[[JournalUnavailable], Exception] = lambda e: e) -> None:
         self.journal = journal
+        self._failure = failure
+        """What a storage failure is raised as (the proxy's HTTP error); by default the ``JournalUnavailable``."""
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ctxproxy-journal")
         self._unwritten: deque[tuple[object, ...]] = deque(maxlen=UNWRITTEN)
         self._data_version: int | None = None
@@ -59,12 +62,12 @@ class JournalWriter:
         try:
             return method(self.journal, *args)
         except sqlite3.Error as exc:
-            error = storage_error(exc, self.journal)
-            if error is None:
+            problem = storage_failure(exc, self.journal)
+            if problem is None:
                 raise
             if method is Journal.record_response:
                 self._unwritten.append(args)
-            raise error from exc
+            raise self._failure(problem) from exc
 
     def _notice_other_writers(self) -> None:
         try:
@@ -91,13 +94,11 @@ class JournalWriter:
         self._executor.shutdown(wait=True)
 
 
-def storage_error(exc: sqlite3.Error, journal: Journal) -> CtxError | None:
-    """The proxy's own error for a storage failure; None for anything else (a constraint, a misuse: a bug, which
+def storage_failure(exc: sqlite3.Error, journal: Journal) -> JournalUnavailable | None:
+    """The operator's version of a storage failure; None for anything else (a constraint, a misuse: a bug, which
     stays as it is, for the log and a 500)."""
     problem = explain(exc, journal.path)
-    if problem.kind == "full":
-        return StorageFull(problem.message)
-    if problem.kind != "unavailable" or isinstance(exc, sqlite3.OperationalError):
-        return StorageError(problem.message)
+    if problem.kind in ("full", "read_only", "corrupt") or isinstance(exc, sqlite3.OperationalError):
+        return problem
     return None
 

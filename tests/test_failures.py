@@ -18,7 +18,7 @@ import pytest
 from starlette.types import Message, Receive, Scope, Send
 
 from config import load_settings
-from proxy.errors import StorageError, StorageFull
+from proxy.errors import StorageError, StorageFull, storage_error
 from store import Journal, JournalUnavailable, JournalWriter, open_journal
 from tests.conftest import app_client, chat
 from tests.fakes import FakeUpstream, receive_body
@@ -225,7 +225,7 @@ def test_a_journal_call_that_hits_a_full_database_raises_storage_full(tmp_path: 
     journal = Journal(tmp_path / "journal.db")
     pages = journal.conn.execute("PRAGMA page_count").fetchone()[0]
     journal.conn.execute(f"PRAGMA max_page_count = {pages + 2}")  # SQLite's own SQLITE_FULL, no root needed
-    writer = JournalWriter(journal)
+    writer = JournalWriter(journal, storage_error)
     with pytest.raises(StorageFull, match=str(tmp_path / "journal.db")) as caught:
         asyncio.run(writer.call(Journal.record_request, incoming(run(40, result="y" * 2000)[-1])))
     assert caught.value.status == 507
@@ -236,8 +236,19 @@ def test_a_page_that_breaks_while_serving_is_503_storage_error_naming_the_file(t
     path = _journal_with_rows(tmp_path)
     journal = open_journal(path)  # opened and read before the damage: its cache holds the schema only
     _corrupt(path, from_page=2, pages=path.stat().st_size // PAGE - 2)
-    writer = JournalWriter(journal)
+    writer = JournalWriter(journal, storage_error)
     with pytest.raises(StorageError, match="corrupt") as caught:
         asyncio.run(writer.call(Journal.sessions))
     assert caught.value.status == 503 and caught.value.code == "storage_error" and str(path) in caught.value.message
+    writer.close()
+
+
+def test_the_writer_alone_raises_the_stores_own_error_and_names_no_http_status(tmp_path: Path) -> None:
+    journal = Journal(tmp_path / "journal.db")
+    pages = journal.conn.execute("PRAGMA page_count").fetchone()[0]
+    journal.conn.execute(f"PRAGMA max_page_count = {pages + 2}")
+    writer = JournalWriter(journal)  # the store's default: its own error, the proxy's mapping is the proxy's
+    with pytest.raises(JournalUnavailable, match=str(tmp_path / "journal.db")) as caught:
+        asyncio.run(writer.call(Journal.record_request, incoming(run(40, result="y" * 2000)[-1])))
+    assert caught.value.kind == "full" and not isinstance(caught.value, StorageFull)
     writer.close()

@@ -3,7 +3,8 @@
 ``apply_intent(intent, view)`` returns the decisions to journal, the bodies that go to the overflow store, the
 result the model reads ("what actually happened": handles acted on, tokens freed, refusals and why) and the
 ``context_op`` event. The view is the session as the model last saw it: the incoming messages and the state the
-last projection left. ``read_overflow`` needs a stored body: the runner fetches it and calls ``render_overflow``.
+last projection left (``proxy.tools.handles`` resolves the handles it names). ``read_overflow`` needs a stored
+body: the runner fetches it and calls ``render_overflow``.
 
 Refused, with the reason in the result (the first seed): a pinned item (unpin first); a result that is already a
 stub; by ``context_drop``, a result that carries a pending approval id (``context_note`` keeps those ids in its
@@ -16,16 +17,26 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from proxy.rewrite.budget import MIN_CUT_CHARS
 from proxy.rewrite.decisions import Decision, OverflowWrite
-from proxy.rewrite.fenced import text_of
-from proxy.rewrite.identity import content_text
-from proxy.rewrite.project import PASTE
-from proxy.rewrite.segments import segment_target
-from proxy.rewrite.state import Counter, Rules, State, sha256_text
+from proxy.rewrite.state import sha256_text
 from proxy.rewrite.stubs import full_output, program, stub_line
+from proxy.tools.handles import (
+    Unit,
+    View,
+    call_of,
+    current_text,
+    handle_of,
+    is_cut,
+    message_text,
+    result_units,
+    snippet_index,
+    unit_body,
+    unit_cut,
+    unit_target,
+    units_named,
+)
 from proxy.tools.intents import Ctx, Drop, Intent, Note, Pin, Status, Unpin
 
 __all__ = ["Outcome", "View", "apply_intent", "render_overflow"]
@@ -34,21 +45,6 @@ _STUB = re.compile(r"\[(?:overflow|folded) id=([0-9a-f]{64})")
 _URL = re.compile(r"https?://[^\s\"'<>)\]]+")
 _PATH = re.compile(r"(?<![\w/.-])(?:/|\./|\w[\w.-]*/)[\w./-]*\.\w{1,8}\b")
 _KEPT = 20
-
-
-@dataclass(frozen=True)
-class View:
-    messages: Sequence[dict[str, Any]]
-    state: State
-    rules: Rules
-    counter: Counter
-    max_pins: int
-    approval_pattern: str
-    model_pins: int
-    mirror: str = ""
-    """Where the live mirror (LIVE_CONTEXT.json) is or would be written, for ``ctx status``."""
-    revision: int = 0
-    """The last mirror revision accepted (0: none yet)."""
 
 
 @dataclass(frozen=True)
@@ -82,110 +78,6 @@ def apply_intent(intent: Intent, view: View) -> Outcome:
     raise TypeError(f"read_overflow is served by the runner, not applied: {intent!r}")
 
 
-# --- handles -----------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class _Unit:
-    """What a handle names: message ``i``, or result body ``k`` of a text-protocol results message (or paste)."""
-
-    handle: str
-    i: int
-    k: int | None = None
-
-
-_ROUND = re.compile(r"^r(\d+)(?:\.(\d+))?$")
-_MESSAGE = re.compile(r"^m([0-9a-f]{8})$")
-
-
-def _units(view: View, handle: str) -> list[_Unit] | str:
-    """The units a handle names, or why it names none. ``r<round>.<i>``, ``r<round>`` (every result of the round),
-    or a native result's tool_call_id (or identity)."""
-    match = _ROUND.match(handle)
-    if match:
-        wanted = int(match.group(1))
-        found = [(i, r) for i, r in view.state.fenced.items()
-                 if r.round == wanted and r.command != PASTE and i < len(view.messages)]
-        if not found:
-            return f"{handle}: no text-protocol round {match.group(1)} in your context"
-        i, result = found[-1]
-        if match.group(2) is None:
-            return [_Unit(f"r{result.round}.{k + 1}", i, k) for k in range(len(result.segments))]
-        k = int(match.group(2)) - 1
-        return [_Unit(handle, i, k)] if 0 <= k < len(result.segments) else f"{handle}: round {result.round} has " \
-            f"{len(result.segments)} result(s)"
-    whole = _MESSAGE.match(handle)
-    if whole:  # m<8 hex>: a whole results message (every result body in it), by its content hash
-        hits = [i for i, r in view.state.fenced.items() if view.state.hashes[i].startswith(whole.group(1))
-                and r.command != PASTE and i < len(view.messages)]
-        if len(hits) != 1:
-            return f"{handle}: names {len(hits)} results messages; use r<round>.<i>"
-        result = view.state.fenced[hits[0]]
-        return [_Unit(f"r{result.round}.{k + 1}", hits[0], k) for k in range(len(result.segments))]
-    index = _index(view, handle)
-    return [_Unit(handle, index)] if index is not None else f"{handle}: no result with this handle in your context"
-
-
-def _index(view: View, handle: str) -> int | None:
-    """The newest result named ``handle`` (its tool_call_id, or its identity ``tool:<id>[#n]``)."""
-    state = view.state
-    if handle in state.ids:
-        i = len(state.ids) - 1 - state.ids[::-1].index(handle)
-        return i if i < len(view.messages) else None
-    for i in reversed(state.tool_indices):
-        if view.messages[i].get("tool_call_id") == handle:
-            return i
-    return None
-
-
-def _snippet_index(view: View, snippet: str) -> int | str:
-    hits = [i for i, m in enumerate(view.messages)
-            if m.get("role") not in ("system", "developer") and snippet in _text(m)]
-    return hits[0] if len(hits) == 1 else f"the snippet appears in {len(hits)} messages; it must name exactly one"
-
-
-def _text(message: dict[str, Any]) -> str:
-    return content_text(message.get("content"))
-
-
-def _current(view: View, i: int) -> str:
-    out = view.state.out[i]
-    return _text(out) if out is not None else ""
-
-
-def _is_cut(view: View, i: int) -> bool:
-    """Result ``i`` goes out changed: spilled, elided, dropped, noted or folded."""
-    return view.state.out[i] is None or view.state.out_hashes[i] != view.state.hashes[i]
-
-
-def _body(view: View, unit: _Unit) -> str:
-    if unit.k is None:
-        return _text(view.messages[unit.i])
-    segment = view.state.fenced[unit.i].segments[unit.k]  # offsets into the text the presets read
-    return (text_of(view.messages[unit.i].get("content")) or "")[segment.start:segment.end]
-
-
-def _target(view: View, unit: _Unit) -> str:
-    mid = view.state.ids[unit.i]
-    return mid if unit.k is None else segment_target(mid, unit.k)
-
-
-def _unit_cut(view: View, unit: _Unit) -> bool:
-    if unit.k is None or view.state.out[unit.i] is None:
-        return _is_cut(view, unit.i)
-    decided = view.state.decided.get(_target(view, unit))
-    return decided is not None and decided.message_hash == view.state.hashes[unit.i]
-
-
-def _call_of(view: View, unit: _Unit) -> tuple[str, str]:
-    """(tool, call id) as the stub names them."""
-    if unit.k is None:
-        call_id = str(view.messages[unit.i].get("tool_call_id"))
-        return view.state.result_calls.get(unit.i, ("?", ""))[0], call_id
-    result = view.state.fenced[unit.i]
-    if result.command == PASTE:
-        return PASTE, f"paste.{result.round}"
-    return result.command or "fenced", f"r{result.round}.{unit.k + 1}"
-
-
 # --- pins --------------------------------------------------------------------------------------------------------
 def _pin(intent: Pin, view: View) -> Outcome:
     targets, refused = _targets(view, intent.handles, intent.snippet, any_role=True)
@@ -195,14 +87,14 @@ def _pin(intent: Pin, view: View) -> Outcome:
         handle, i, mid = unit.handle, unit.i, view.state.ids[unit.i]
         if mid in view.state.pins:
             refused.append(f"{handle}: already pinned")
-        elif (_unit_cut(view, unit) or (unit.k is not None and _is_cut(view, i))) \
+        elif (unit_cut(view, unit) or (unit.k is not None and is_cut(view, i))) \
                 and view.messages[i].get("role") != "assistant":  # a call's cut arguments: the pin restores them
             refused.append(f"{handle}: already cut (a stub or a note); read_overflow restores it")
         elif room <= 0:
             refused.append(f"{handle}: you hold {view.max_pins} pins, the most allowed; unpin one first")
         else:
             room -= 1
-            excerpt = "[model] " + " ".join(_text(view.messages[i]).split())[:80]
+            excerpt = "[model] " + " ".join(message_text(view.messages[i]).split())[:80]
             decisions.append(Decision("pin", mid, replacement=excerpt, source="model"))
             acted.append(handle)
     return _outcome("pin", acted, refused, decisions=decisions,
@@ -228,37 +120,37 @@ def _unpin(intent: Unpin, view: View) -> Outcome:
 
 
 def _targets(view: View, handles: Sequence[str], snippet: str | None,
-             any_role: bool = False) -> tuple[list[_Unit], list[str]]:
-    targets: list[_Unit] = []
+             any_role: bool = False) -> tuple[list[Unit], list[str]]:
+    targets: list[Unit] = []
     refused: list[str] = []
     for handle in handles:
-        found = _units(view, handle)
+        found = units_named(view, handle)
         if isinstance(found, str):
             refused.append(found)
         else:
             targets += found
     if snippet:
-        index = _snippet_index(view, snippet)
+        index = snippet_index(view, snippet)
         if isinstance(index, str):
             refused.append(f"snippet: {index}")
         elif any_role or view.messages[index].get("role") == "tool":
-            targets.append(_Unit(f"snippet:{snippet[:20]}", index))
+            targets.append(Unit(f"snippet:{snippet[:20]}", index))
     return targets, refused
 
 
 # --- drop and note -----------------------------------------------------------------------------------------------
-def _cuttable(view: View, unit: _Unit, drop: bool) -> str | None:
+def _cuttable(view: View, unit: Unit, drop: bool) -> str | None:
     """Why ``unit`` may not be cut by the model, or None."""
     if unit.k is None and view.messages[unit.i].get("role") != "tool":
         return f"{unit.handle}: only tool results can be cut; the dialogue is never touched"
     if view.state.ids[unit.i] in view.state.pins:
         cover = "; a pin covers the whole round's message" if unit.k is not None else ""
         return f"{unit.handle}: pinned; unpin it first{cover}"
-    if _unit_cut(view, unit) or view.state.out[unit.i] is None:
+    if unit_cut(view, unit) or view.state.out[unit.i] is None:
         return f"{unit.handle}: already a stub"
-    if drop and re.search(view.approval_pattern, _body(view, unit), flags=re.I):
+    if drop and re.search(view.approval_pattern, unit_body(view, unit), flags=re.I):
         return f"{unit.handle}: carries a pending approval id; use context_note to keep it"
-    if drop and len(_body(view, unit)) < MIN_CUT_CHARS:
+    if drop and len(unit_body(view, unit)) < MIN_CUT_CHARS:
         return f"{unit.handle}: under {MIN_CUT_CHARS} characters, its stub would not be smaller"
     return None
 
@@ -271,9 +163,9 @@ def _drop(intent: Drop, view: View) -> Outcome:
         if reason:
             refused.append(reason)
             continue
-        body = _body(view, unit)
+        body = unit_body(view, unit)
         stub = _stub(view, unit, body) + "\nDropped by you (context_drop). " + _restore(view, sha256_text(body))
-        decisions.append(Decision("drop", _target(view, unit), view.state.hashes[unit.i], stub, sha256_text(body),
+        decisions.append(Decision("drop", unit_target(view, unit), view.state.hashes[unit.i], stub, sha256_text(body),
                                   source="model"))
         writes.append(_write(view, unit, body))
         acted.append(unit.handle)
@@ -292,14 +184,14 @@ def _note(intent: Note, view: View) -> Outcome:
             chosen.append(unit)
     if not chosen:
         return _outcome("note", [], refused)
-    bodies = [_body(view, unit) for unit in chosen]
+    bodies = [unit_body(view, unit) for unit in chosen]
     first = chosen[0].handle
     lines = [intent.note.strip(), ""] + [_stub(view, u, b) for u, b in zip(chosen, bodies, strict=True)]
     lines += _preserved(bodies, view.approval_pattern)
     texts = ["\n".join(lines)] + [f"{_stub(view, u, b)}\nSummarized in your note on {first}. "
                                   f"{_restore(view, sha256_text(b))}" for u, b in zip(chosen[1:], bodies[1:],
                                                                                      strict=True)]
-    decisions = [Decision("note", _target(view, u), view.state.hashes[u.i], text, sha256_text(body), source="model")
+    decisions = [Decision("note", unit_target(view, u), view.state.hashes[u.i], text, sha256_text(body), source="model")
                  for u, text, body in zip(chosen, texts, bodies, strict=True)]
     freed = sum(_freed(view, u, b, text) for u, b, text in zip(chosen, bodies, texts, strict=True))
     writes = [_write(view, u, b) for u, b in zip(chosen, bodies, strict=True)]
@@ -317,22 +209,13 @@ def _ctx(intent: Ctx, view: View) -> Outcome:
     return _clear(intent, view)
 
 
-def _results(view: View) -> list[_Unit]:
-    """Every tool result in context, in order: native results and the bodies of text-protocol rounds."""
-    units = [_Unit(str(view.messages[i].get("tool_call_id")), i) for i in view.state.tool_indices
-             if i < len(view.messages)]
-    for i, result in view.state.fenced.items():
-        if result.command != PASTE and i < len(view.messages):
-            units += [_Unit(f"r{result.round}.{k + 1}", i, k) for k in range(len(result.segments))]
-    return sorted(units, key=lambda u: (u.i, u.k or 0))
-
 
 def _clear(intent: Ctx, view: View) -> Outcome:
     """Select by ``call_ids`` or ``before``, and the masks narrow that selection: ``tool`` keeps that tool's
     results, ``keep_last`` spares the newest of them. Without a selection the masks select by themselves (the
     second seed's ``{"action": "clear", "keep_last": 3, "tool": "read"}``: every ``read`` result but the last
     three). Results already cut are skipped; if none is left, there is nothing to clear."""
-    every = _results(view)
+    every = result_units(view)
     if not intent.call_ids and intent.before is None and not intent.tool and intent.keep_last is None:
         return Outcome("clear", "ctx clear: nothing selected. Name call_ids, before, tool or keep_last.", False)
     chosen = [u for u in every if u.handle in intent.call_ids or view.state.ids[u.i] in intent.call_ids]
@@ -343,10 +226,10 @@ def _clear(intent: Ctx, view: View) -> Outcome:
         chosen = list(every)  # the masks alone: they select from every result
     chosen = sorted(dict.fromkeys(chosen), key=lambda u: (u.i, u.k or 0))
     if intent.tool:
-        chosen = [u for u in chosen if program(_call_of(view, u)[0]) == intent.tool]
+        chosen = [u for u in chosen if program(call_of(view, u)[0]) == intent.tool]
     if intent.keep_last:
         chosen = chosen[: max(0, len(chosen) - intent.keep_last)]
-    chosen = [u for u in dict.fromkeys(chosen) if not _unit_cut(view, u) and view.state.out[u.i] is not None]
+    chosen = [u for u in dict.fromkeys(chosen) if not unit_cut(view, u) and view.state.out[u.i] is not None]
     if not chosen:
         return Outcome("clear", "ctx clear: nothing to clear (the selection is already cut, or empty).", False)
     outcome = _drop(Drop(tuple(u.handle for u in chosen)), view)
@@ -368,8 +251,8 @@ def _preserved(bodies: Sequence[str], approval_pattern: str) -> list[str]:
     return ["", "Preserved (compaction-safe):", *(f"- {item}" for item in kept)] if kept else []
 
 
-def _stub(view: View, unit: _Unit, body: str) -> str:
-    tool, call_id, oid = *_call_of(view, unit), sha256_text(body)
+def _stub(view: View, unit: Unit, body: str) -> str:
+    tool, call_id, oid = *call_of(view, unit), sha256_text(body)
     return "\n".join([stub_line(oid, tool, len(body.encode()), call_id, view.rules.storage),
                       *full_output(oid, view.rules.storage, view.rules.overflow_dir)])
 
@@ -379,12 +262,12 @@ def _restore(view: View, overflow_id: str) -> str:
            f"read_overflow id={overflow_id}."
 
 
-def _write(view: View, unit: _Unit, body: str) -> OverflowWrite:
-    tool, call_id = _call_of(view, unit)
+def _write(view: View, unit: Unit, body: str) -> OverflowWrite:
+    tool, call_id = call_of(view, unit)
     return OverflowWrite(sha256_text(body), body, tool, call_id)
 
 
-def _freed(view: View, unit: _Unit, body: str, replacement: str) -> int:
+def _freed(view: View, unit: Unit, body: str, replacement: str) -> int:
     if unit.k is None:
         return max(0, view.state.counts[unit.i] - view.counter.count({**view.messages[unit.i], "content": replacement}))
     return max(0, view.counter.count({"role": "user", "content": body}) -
@@ -409,15 +292,15 @@ def status_text(view: View, top: int) -> str:
     used = rules.scaled(state.total + rules.tools_tokens)
     lines = [f"Context: about {used} of {rules.budget.window} tokens ({100 * used // rules.budget.window}%); "
              f"budget {rules.budget.budget}, cuts stop at {rules.budget.target}."]
-    whole = [(state.counts[i], _handle(view, i)) for i in state.tool_indices if not _is_cut(view, i)]
-    cut = [(_handle(view, i), m.group(1)) for i in state.tool_indices if (m := _STUB.search(_current(view, i)))]
-    for unit in _results(view):
+    whole = [(state.counts[i], handle_of(view, i)) for i in state.tool_indices if not is_cut(view, i)]
+    cut = [(handle_of(view, i), m.group(1)) for i in state.tool_indices if (m := _STUB.search(current_text(view, i)))]
+    for unit in result_units(view):
         if unit.k is not None:
-            if _unit_cut(view, unit):
-                decided = state.decided[_target(view, unit)]
+            if unit_cut(view, unit):
+                decided = state.decided[unit_target(view, unit)]
                 cut.append((unit.handle, decided.overflow_id))
             else:
-                body = _body(view, unit)
+                body = unit_body(view, unit)
                 whole.append((view.counter.count({"role": "user", "content": body}), unit.handle))
     lines.append("Largest results in context (handle: tokens):")
     largest = [f"- {handle}: {n}" for n, handle in sorted(whole, reverse=True)[:top]]
@@ -427,12 +310,6 @@ def status_text(view: View, top: int) -> str:
     lines += ["Cut, restorable with read_overflow (handle: id):", *([f"- {h}: {oid}" for h, oid in cut] or ["- none"])]
     lines.append(f"Model pins: {view.model_pins}/{view.max_pins}.")
     return "\n".join(lines)
-
-
-def _handle(view: View, i: int) -> str:
-    """The result's tool_call_id, or its identity (``tool:call_0#1``) when the id names more than one result."""
-    mid = view.state.ids[i]
-    return mid if "#" in mid or view.state.seen.get(mid, 1) > 1 else str(view.messages[i].get("tool_call_id"))
 
 
 def render_overflow(body: str, offset: int, limit: int, grep: str | None) -> str:

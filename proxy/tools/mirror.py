@@ -15,16 +15,15 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from config import Settings
 from proxy.rewrite.arguments import ArgumentCut, args_target
 from proxy.rewrite.decisions import Decision, OverflowWrite
 from proxy.rewrite.identity import content_text
 from proxy.rewrite.state import Rules, sha256_text
 from proxy.rewrite.stubs import full_output, stub_line
 
-__all__ = ["PARAGRAPH", "Revision", "maintenance_rounds", "mirror_document", "mirror_path", "revise"]
+__all__ = ["PARAGRAPH", "MirrorPlaces", "Revision", "maintenance_rounds", "mirror_document", "mirror_path", "revise"]
 
 _FILE_TOOL = re.compile(r"read|view|open|cat|edit|write|create|patch|replace|insert", re.I)
 _SHELL_TOOL = re.compile(r"bash|shell|run|exec|terminal|command|python", re.I)
@@ -37,7 +36,17 @@ PARAGRAPH = ("[ctxproxy] You manage your context: it no longer fits by the autom
              "as the next system line.")
 
 
-def mirror_path(settings: Settings, session_id: str) -> Path:
+class MirrorPlaces(Protocol):
+    """What ``mirror_path`` reads of the settings (``config.Settings`` has both): the core does not import config."""
+
+    @property
+    def mirror_dir(self) -> str: ...
+
+    @property
+    def data_path(self) -> Path: ...
+
+
+def mirror_path(settings: MirrorPlaces, session_id: str) -> Path:
     """Where a session's LIVE_CONTEXT.json goes: under ``mirror_dir`` (the agent's workspace) or the data dir."""
     folder = Path(settings.mirror_dir) if settings.mirror_dir else settings.data_path / "mirror" / session_id
     return folder / "LIVE_CONTEXT.json"
