@@ -10,7 +10,7 @@ import proxy
 
 PACKAGE = Path(proxy.__file__).parent
 DECIDING = ("proxy.engine.turn", "proxy.engine.policy", "proxy.engine.replies")
-IO = ("httpx", "starlette", "anyio", "asyncio", "sqlite3", "store", "config", "proxy.state", "proxy.planning")
+IO = ("httpx", "starlette", "anyio", "asyncio", "sqlite3", "store", "config", "proxy.state", "proxy.engine.planning")
 
 
 def _modules() -> dict[str, Path]:

@@ -16,11 +16,11 @@ import httpx
 import orjson
 
 from proxy.engine.exchange import Exchange
+from proxy.engine.planning import Plan, plan_forward, what_takes_room
 from proxy.engine.turn import Forward
 from proxy.errors import ContextTooLarge, CtxError, UpstreamBrokeOff, UpstreamTimeout
 from proxy.loop import VIA_HEADER
 from proxy.overflow import Overflow, detect_overflow
-from proxy.planning import Plan, plan_forward, what_takes_room
 from proxy.upstream import client_headers
 
 __all__ = ["ATTEMPTS", "FollowUpTooLong", "Forwarder", "Opened", "read_whole"]
@@ -54,7 +54,7 @@ class Opened:
 
 
 class Forwarder:
-    """The request's forwards: each planned (``proxy.planning``), sent, and judged for an overflow."""
+    """The request's forwards: each planned (``proxy.engine.planning``), sent, and judged for an overflow."""
 
     def __init__(self, exchange: Exchange, raw: bytes, compact: str | None) -> None:
         self.exchange, self.raw, self.compact = exchange, raw, compact

@@ -1,7 +1,7 @@
 """Pure policy beside the turn engine: when the context tools are offered, what the model is told, what is sent.
 
 No I/O and no session object: plain values in, plain values out, so each rule is tested on its own
-(``tests/test_policy.py``). ``proxy.planning`` gathers the values (settings, the session's working context, the
+(``tests/test_policy.py``). ``proxy.engine.planning`` gathers the values (settings, the session's working context, the
 projection), calls these, and performs what they decide (it alone updates the session and journals).
 """
 
