@@ -25,7 +25,7 @@ from config import Secret, Settings
 from proxy.errors import BadRequest, Unauthorized
 
 __all__ = [
-    "MAX_SESSION_ID_CHARS", "as_header", "bearer_matches", "incognito_requested", "requested_session",
+    "MAX_SESSION_ID_CHARS", "bearer_matches", "incognito_requested", "requested_session",
     "require_admin", "require_metrics", "scoped_fingerprint",
 ]
 
@@ -87,12 +87,6 @@ def credential_tag(headers: Iterable[tuple[bytes, bytes]]) -> str:
         if name.lower() in CREDENTIAL_HEADERS:
             digest.update(name.lower() + b"\0" + value + b"\0")
     return "k-" + digest.hexdigest()[:16]
-
-
-def as_header(text: str) -> str:
-    """``text`` as a header value whose bytes on the wire are its UTF-8 (starlette encodes values as latin-1):
-    the client gets back the bytes it sent."""
-    return text.encode("utf-8").decode("latin-1")
 
 
 def bearer_matches(request: Request, *tokens: Secret | None) -> bool:

@@ -14,7 +14,6 @@ from datetime import UTC, datetime
 from starlette.requests import Request
 
 from proxy.answers import usage_figure
-from proxy.callers import as_header
 from proxy.context import SessionContext
 from proxy.state import AppState
 from proxy.wire import ChatBody
@@ -23,6 +22,12 @@ from store import ForwardRecord, IncomingRequest, Journal, JournalWriter, Record
 __all__ = ["SESSION_RESPONSE_HEADER", "Exchange", "now"]
 
 SESSION_RESPONSE_HEADER = "X-Ctx-Session"
+
+
+def as_header(text: str) -> str:
+    """``text`` as a header value whose bytes on the wire are its UTF-8 (starlette encodes values as latin-1):
+    the client gets back the bytes it sent."""
+    return text.encode("utf-8").decode("latin-1")
 
 
 class Exchange:
