@@ -3,7 +3,9 @@
 A mixin of ``Journal`` (same connection, same single writer). ``record_forward`` writes, in one transaction and
 before anything is forwarded, the decisions a projection made, the bodies it cut (content-addressed blobs scoped
 to the session by an ``overflow`` row) and the message list that goes upstream, delta-encoded against the list the
-caller names (usually the session's previous projection), so a long session still costs O(total bytes).
+caller names (usually the session's previous projection), so a long session still costs O(total bytes). A fold's
+body is not stored at all: a ``fold_spans`` row names the messages it stands for in the request's own list, and
+``overflow_body`` rebuilds it from their stored bodies, byte for byte.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["CutsMixin", "ForwardRecord", "OverflowBody"]
+__all__ = ["CutsMixin", "FoldSpansMixin", "ForwardRecord", "OverflowBody"]
 
 _DECISION_FIELDS = ("kind", "target", "message_hash", "replacement", "overflow_id", "until", "count", "source")
 
@@ -25,6 +27,10 @@ class OverflowBody:
     body: str
     tool: str
     call_id: str
+    span: tuple[int, int] | None = None
+    """A fold: ``[start, end)`` of the request's own messages, whose bodies are stored already (``body`` is empty)."""
+    size: int = 0
+    """A fold: the byte length of the body it stands for."""
 
 
 @dataclass(frozen=True)
@@ -51,7 +57,54 @@ class ForwardRecord:
     """The calibration's sample count in force (``k``'s weight): with ``k``, what a restart rebuilds it from."""
 
 
-class CutsMixin:
+class FoldSpansMixin:
+    """Folds as spans of a request's own message list: written in O(1), rebuilt on read from the stored bodies."""
+
+    conn: sqlite3.Connection
+
+    if TYPE_CHECKING:  # provided by Journal
+        def message_hashes(self, list_id: int) -> list[str]: ...
+
+    def _insert_folds(self, session_id: str, folds: Sequence[OverflowBody], created_at: str,
+                      request_id: int | None) -> None:
+        """Each fold as the span of the request's incoming list it stands for: O(1), whatever it covers."""
+        row = self.conn.execute("SELECT list_id FROM requests WHERE id = ?", [request_id]).fetchone()
+        if row is None:
+            raise ValueError(f"a fold names messages of request {request_id}, which the journal does not hold")
+        self.conn.executemany(
+            "INSERT OR IGNORE INTO fold_spans (session_id, id, list_id, start, count, bytes, created_at)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?)",
+            [(session_id, b.overflow_id, row[0], b.span[0], b.span[1] - b.span[0], b.size, created_at)
+             for b in folds if b.span is not None])
+
+    def _fold_body(self, overflow_id: str, sessions: Sequence[str] | None) -> dict[str, Any] | None:
+        """A fold's body rebuilt from the stored bodies of the messages it stands for: the JSON array of them."""
+        sql = "SELECT session_id, list_id, start, count, bytes, created_at FROM fold_spans WHERE id = ?"
+        params: list[Any] = [overflow_id]
+        if sessions is not None:
+            sql += f" AND session_id IN ({','.join('?' * len(sessions))})"
+            params += sessions
+        row = self.conn.execute(sql + " LIMIT 1", params).fetchone()
+        if row is None:
+            return None
+        session_id, list_id, start, count, nbytes, created_at = row
+        hashes = self.message_hashes(int(list_id))[start:start + count]
+        body = "[" + ",".join(self._raw_bodies(hashes)) + "]"
+        return {"id": overflow_id, "session_id": session_id, "tool": "fold", "call_id": "", "bytes": nbytes,
+                "created_at": created_at, "body": body}
+
+    def _raw_bodies(self, hashes: Sequence[str]) -> list[str]:
+        """The stored text of each message of ``hashes``, in order (undecoded: byte for byte what was hashed)."""
+        found: dict[str, str] = {}
+        unique = list(dict.fromkeys(hashes))
+        for start in range(0, len(unique), 500):
+            chunk = unique[start:start + 500]
+            query = f"SELECT hash, body FROM blobs WHERE hash IN ({','.join('?' * len(chunk))})"
+            found.update(self.conn.execute(query, chunk).fetchall())
+        return [found[h] for h in hashes]
+
+
+class CutsMixin(FoldSpansMixin):
     conn: sqlite3.Connection
 
     if TYPE_CHECKING:  # provided by Journal
@@ -66,7 +119,7 @@ class CutsMixin:
     def write_forward(self, rec: ForwardRecord) -> int:
         """``record_forward`` inside the caller's transaction."""
         if rec.overflow:
-            self._insert_overflow(rec.session_id, rec.overflow, rec.created_at)
+            self._insert_overflow(rec.session_id, rec.overflow, rec.created_at, rec.request_id)
         if rec.decisions:
             self.insert_decisions(rec.session_id, rec.request_id, rec.decisions, rec.created_at)
         list_id = self._forward_list(rec)
@@ -82,7 +135,7 @@ class CutsMixin:
         """Decisions from outside a projection (the operator's pins, the model's context tools), with the bodies
         they cut, in one transaction."""
         with self.conn:
-            self._insert_overflow(session_id, overflow, created_at)
+            self._insert_overflow(session_id, overflow, created_at, request_id)
             self.insert_decisions(session_id, request_id, decisions, created_at)
 
     def insert_decisions(self, session_id: str, request_id: int | None, decisions: Sequence[Mapping[str, Any]],
@@ -92,7 +145,12 @@ class CutsMixin:
             " until, count, source, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             [(session_id, request_id, *(d[f] for f in _DECISION_FIELDS), created_at) for d in decisions])
 
-    def _insert_overflow(self, session_id: str, bodies: Sequence[OverflowBody], created_at: str) -> None:
+    def _insert_overflow(self, session_id: str, bodies: Sequence[OverflowBody], created_at: str,
+                         request_id: int | None = None) -> None:
+        folds = [b for b in bodies if b.span is not None]
+        if folds:
+            self._insert_folds(session_id, folds, created_at, request_id)
+            bodies = [b for b in bodies if b.span is None]
         self.conn.executemany("INSERT OR IGNORE INTO blobs (hash, kind, body, chars) VALUES (?, 'overflow', ?, ?)",
                               [(b.overflow_id, b.body, len(b.body)) for b in bodies])
         self.conn.executemany(
@@ -176,7 +234,7 @@ class CutsMixin:
             params += sessions
         row = self.conn.execute(sql + " LIMIT 1", params).fetchone()
         if row is None:
-            return None
+            return self._fold_body(overflow_id, sessions)
         keys = ("session_id", "tool", "call_id", "bytes", "created_at", "body")
         return {"id": overflow_id} | dict(zip(keys, row, strict=True))
 

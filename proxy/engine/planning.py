@@ -97,13 +97,22 @@ async def plan_forward(app: AppState, writer: JournalWriter, ctx: SessionContext
         deferred, list_id = record, recorded.list_id
     else:
         list_id = await writer.call(Journal.record_forward, record)
-        await write_outfiles(shaped.rules.overflow_dir, [(w.overflow_id, w.body) for w in p.writes])
+        await write_outfiles(shaped.rules.overflow_dir, _outfile_bodies(shaped.rules, p, incoming.bodies))
     ctx.decisions += p.new
     app.metrics.decided([d.kind for d in p.new])
     ctx.state = p.state
     ctx.sent_list = (list_id, shaped.hashes)
     await ctx.journal_state(writer, recorded.session_id, recorded.request_id)
     return Plan(shaped.body, shaped.estimate, shaped.rules.k, p, shaped.rules, shaped.offered, deferred)
+
+
+def _outfile_bodies(rules: Rules, p: Projection, bodies: Sequence[bytes]) -> list[tuple[str, str]]:
+    """The cut bodies to write as ``<id>.out`` (none unless ``overflow_dir`` is set); a fold's is assembled from the
+    request's canonical message bodies, the bytes the journal rebuilds it from."""
+    if not rules.overflow_dir:
+        return []
+    return [(w.overflow_id, w.body if w.span is None else
+             (b"[" + b",".join(bodies[w.span[0]:w.span[1]]) + b"]").decode()) for w in p.writes]
 
 
 @dataclass(frozen=True)
@@ -269,7 +278,8 @@ def _forward_record(recorded: RecordedRequest, incoming: IncomingRequest, ctx: S
                            verbatim=not changed, estimate=estimate, k=k,
                            samples=ctx.calibration(incoming.model).samples,
                            decisions=[asdict(d) for d in p.new],
-                           overflow=[OverflowBody(w.overflow_id, w.body, w.tool, w.call_id) for w in p.writes])
+                           overflow=[OverflowBody(w.overflow_id, w.body, w.tool, w.call_id, w.span, w.size)
+                                     for w in p.writes])
     if not changed:
         return record
     base_id, base = ctx.sent_list or (recorded.list_id, list(incoming.hashes))

@@ -37,9 +37,16 @@ class Decision:
 
 @dataclass(frozen=True)
 class OverflowWrite:
-    """A body the caller must store (content-addressed, under the session) before forwarding the projection."""
+    """A body the caller must store (content-addressed, under the session) before forwarding the projection.
+
+    A fold names its originals instead of carrying them: ``span`` is the ``[start, end)`` of the request's own
+    messages it stands for (their bodies are in the journal already, so storing them again made the journal grow
+    with the square of the session), ``body`` is empty and ``size`` is the byte length of the body it stands for,
+    the canonical JSON array of those messages (``fold_body``), whose sha256 ``overflow_id`` is."""
 
     overflow_id: str
     body: str
     tool: str
     call_id: str
+    span: tuple[int, int] | None = None
+    size: int = 0
