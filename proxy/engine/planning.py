@@ -200,21 +200,54 @@ def _context_tools_cost(app: AppState, settings: Settings, body: ChatBody, fence
 
 def _mirror(ctx: SessionContext, settings: Settings, session_id: str, p: Projection) -> Path | None:
     """When the automatic cuts could not reach the target, write the projection where the model can edit it; the
-    mirror stays on (rewritten on every request) until the context is back under the target."""
+    mirror stays on until the context is back under the target. Only while it is of use: the context tools are
+    enabled (``ctx commit`` is the only way an edit is applied). Written only when what it shows changed; a draft
+    of the model's is noticed by the file's size and times changing, not by reading and hashing it every time."""
     above = p.report.scaled > p.report.target
+    if not settings.tools_enabled:
+        return None
     if (p.report.elided or p.report.folded) and above:
         ctx.mirror = ctx.mirror or mirror_path(settings, session_id)
     if ctx.mirror is None or not above:
         return None
-    if ctx.mirror_written and ctx.mirror.exists() and sha256_text(ctx.mirror.read_text()) != ctx.mirror_written[0]:
+    if _draft_pending(ctx, ctx.mirror):
         return ctx.mirror  # the model is editing it: its draft waits for ctx commit
     ids = [mid for mid, out in zip(p.state.ids, p.state.out, strict=True) if out is not None]
+    key = (session_id, ctx.mirror_revision, tuple(ids), tuple(p.hashes[: len(ids)]))
+    if key == ctx.mirror_key and ctx.mirror_written and ctx.mirror_stat == _stat(ctx.mirror):
+        return ctx.mirror  # what it shows has not changed, nor has the file
     document = mirror_document(session_id, ctx.mirror_revision, ids, p.messages[: len(ids)])
     ctx.mirror.parent.mkdir(parents=True, exist_ok=True)
     ctx.mirror.write_text(document)
     written = {mid: content_text(m.get("content")) for mid, m in zip(ids, p.messages, strict=False)}
     ctx.mirror_written, ctx.mirror_document = (sha256_text(document), written), document
+    ctx.mirror_key, ctx.mirror_stat = key, _stat(ctx.mirror)
     return ctx.mirror
+
+
+def _draft_pending(ctx: SessionContext, path: Path) -> bool:
+    """Does the file hold a draft of the model's (it differs from what was last written)? Read and hashed only when
+    its size or times changed since the proxy wrote it (or the proxy restarted since)."""
+    if not ctx.mirror_written:
+        return False
+    stat = _stat(path)
+    if stat is None:
+        return False
+    if stat == ctx.mirror_stat:
+        return False
+    if sha256_text(path.read_text()) != ctx.mirror_written[0]:
+        return True
+    ctx.mirror_stat = stat  # touched, not changed
+    return False
+
+
+def _stat(path: Path) -> tuple[int, int, int, int] | None:
+    """What tells a file rewritten by someone else: its inode, size, modification and change times."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 def _offered(ctx: SessionContext, settings: Settings, body: ChatBody, messages: list[dict[str, Any]],
