@@ -55,6 +55,7 @@ _FORGET = [
     """DELETE FROM message_lists WHERE id NOT IN (
            WITH RECURSIVE live(id) AS (
                SELECT list_id FROM requests UNION SELECT list_id FROM forwards UNION SELECT list_id FROM fold_spans
+               UNION SELECT mirror_list FROM session_state WHERE mirror_list IS NOT NULL
                UNION SELECT head_list_id FROM sessions WHERE head_list_id IS NOT NULL
                UNION SELECT l.base_id FROM message_lists l JOIN live ON l.id = live.id WHERE l.base_id IS NOT NULL)
            SELECT id FROM live)""",

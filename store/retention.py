@@ -118,6 +118,7 @@ WITH RECURSIVE live(id) AS (
     SELECT list_id FROM requests
     UNION SELECT list_id FROM forwards
     UNION SELECT list_id FROM fold_spans
+    UNION SELECT mirror_list FROM session_state WHERE mirror_list IS NOT NULL
     UNION SELECT head_list_id FROM sessions WHERE head_list_id IS NOT NULL
     UNION SELECT m.base_id FROM message_lists m JOIN live l ON m.id = l.id WHERE m.base_id IS NOT NULL
 )

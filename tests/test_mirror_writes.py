@@ -15,8 +15,11 @@ from typing import Any
 import httpx
 
 from config import load_settings
+from proxy.tools.mirror import mirror_document
+from store import Journal, SessionState, record_session_state, session_state
 from tests.conftest import app_client
 from tests.fakes import CountingUpstream
+from tests.test_journal import incoming
 
 TOOLS = [{"type": "function", "function": {"name": "read_file", "parameters": {
     "type": "object", "properties": {"path": {"type": "string"}}}}}]
@@ -86,3 +89,25 @@ def test_without_the_context_tools_no_mirror_is_written_nor_announced(tmp_path: 
     sent = _send(tmp_path, [_body(13, 3600), _body(14, 3600)], CTXPROXY_TOOLS_ENABLED="off")
     assert not any(PARAGRAPH in s for s in sent)
     assert not (tmp_path / "ws" / "LIVE_CONTEXT.json").exists()
+
+
+def test_the_journal_keeps_each_mirror_entry_once_and_gives_the_text_back(tmp_path: Path) -> None:
+    """Each version of a growing mirror is journaled (a restart judges a pending draft against it), as pieces
+    stored once: the journal holds about one copy of the last version, not the sum of every version."""
+    journal = Journal(tmp_path / "j.db")
+    try:
+        recorded = journal.record_request(incoming([{"role": "user", "content": "task"}]))
+        msgs = _body(40, 500)["messages"]
+        ids = [f"m{i}" for i in range(len(msgs))]
+        texts = [mirror_document(recorded.session_id, n // 30, ids[:n], msgs[:n]) for n in range(2, len(msgs) + 1)]
+        for text in texts:
+            state = SessionState(mirror="LIVE_CONTEXT.json", mirror_text=text)
+            record_session_state(journal, recorded.session_id, recorded.request_id, state, "2026-01-01T00:00:00")
+            assert session_state(journal, recorded.session_id).mirror_text == text
+        stored = journal.conn.execute("SELECT SUM(chars) FROM blobs WHERE kind = 'mirror'").fetchone()[0]
+        assert stored <= 3 * len(texts[-1]), (stored, len(texts[-1]), sum(map(len, texts)))
+        off = SessionState(mirror=None, mirror_text=None)
+        record_session_state(journal, recorded.session_id, recorded.request_id, off, "2026-01-01T00:00:01")
+        assert session_state(journal, recorded.session_id) == off
+    finally:
+        journal.close()
