@@ -97,56 +97,90 @@ def bodies(rounds: int) -> list[bytes]:
     return [orjson.dumps(body) for body in harness.requests_of(conversation(rounds=rounds))]
 
 
-def replay(direct: str, proxied: str, requests: list[bytes]) -> list[tuple[int, int]]:
-    """(direct ns, proxied ns) per request, the order alternating."""
-    pairs = []
-    with httpx.Client(base_url=direct, timeout=600) as d, httpx.Client(base_url=proxied, timeout=600) as p:
+def replay(direct: str, proxies: list[str], requests: list[bytes]) -> list[list[int]]:
+    """Per request, [direct ns, then each proxy's ns]: the same body to each, in an order that rotates."""
+    clients = [httpx.Client(base_url=url, timeout=600) for url in (direct, *proxies)]
+    rows = []
+    try:
         for i, body in enumerate(requests):
-            pairs.append(latency._one_pair(latency.time_whole, d, p, body, proxied_first=i % 2 == 1))
-    return pairs
+            times = [0] * len(clients)
+            for k in range(len(clients)):
+                j = (i + k) % len(clients)
+                times[j] = latency.time_whole(clients[j], latency.CHAT_PATH, body)
+            rows.append(times)
+    finally:
+        for client in clients:
+            client.close()
+    return rows
 
 
 @contextlib.contextmanager
-def proxy_process(upstream_base: str, tmp: Path, window: int, source: Path) -> Iterator[tuple[str, int]]:
-    """``harness.proxy_process``, run from ``source`` (its working directory and PYTHONPATH)."""
+def proxy_process(upstream_base: str, tmp: Path, window: int, source: Path) -> Iterator[tuple[str, int, Path]]:
+    """``harness.proxy_process``, run from ``source`` (its working directory and PYTHONPATH): URL, PID, data dir."""
     port, data = latency.free_port(), tmp / f"data-{time.monotonic_ns()}"
     command = [sys.executable, "-c", harness.AS_INSTALLED, "serve", "--upstream", upstream_base + "/v1",
                "--host", "127.0.0.1", "--port", str(port), "--data-dir", str(data)]
     env = latency._proxy_environ([f"CTXPROXY_CTX_WINDOW={window}", f"PYTHONPATH={source}"])
-    with (tmp / "proxy.log").open("wb") as log:
+    log_path = tmp / f"proxy-{port}.log"
+    with log_path.open("wb") as log:
         proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
                                 cwd=source)
     try:
-        latency._wait_ready(proc, f"http://127.0.0.1:{port}/healthz", tmp / "proxy.log")
+        latency._wait_ready(proc, f"http://127.0.0.1:{port}/healthz", log_path)
         httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=30)  # loads what the first request would
-        yield f"http://127.0.0.1:{port}", proc.pid
+        yield f"http://127.0.0.1:{port}", proc.pid, data
     finally:
         latency._stop(proc)
 
 
-def run_window(window: int, requests: list[bytes], tmp: Path, source: Path) -> dict[str, Any]:
-    with upstream(tmp) as base, proxy_process(base, tmp, window, source) as (proxy, pid):
-        idle = harness.rss_mb(pid, "VmRSS")
-        started = time.monotonic()
-        pairs = replay(base, proxy, requests)
-        seconds = time.monotonic() - started
-        after = harness.rss_mb(pid, "VmRSS")
-    data = max(tmp.glob("data-*"), key=lambda p: p.stat().st_mtime)
+def run_window(window: int, requests: list[bytes], tmp: Path, sources: list[Path]) -> list[dict[str, Any]]:
+    """One run per source, side by side: each request goes direct and to every source's proxy in turn."""
     history = len(orjson.dumps(orjson.loads(requests[-1])["messages"]))
-    return {"window": window, "requests": len(requests), "seconds": round(seconds, 1),
-            **added_latency(pairs), **journal_size(data, history),
-            "idle_rss_mb": round(idle, 1), "after_rss_mb": round(after, 1), "rss_growth_mb": round(after - idle, 1),
-            "trace": trace(data / "journal.db")}
+    with upstream(tmp) as base, contextlib.ExitStack() as stack:
+        proxies = [stack.enter_context(proxy_process(base, tmp, window, source)) for source in sources]
+        idle = [harness.rss_mb(pid, "VmRSS") for _, pid, _ in proxies]
+        started = time.monotonic()
+        rows = replay(base, [url for url, _, _ in proxies], requests)
+        seconds = time.monotonic() - started
+        after = [harness.rss_mb(pid, "VmRSS") for _, pid, _ in proxies]
+    runs = []
+    for k, (source, (_, _, data)) in enumerate(zip(sources, proxies, strict=True)):
+        added = [(row[k + 1] - row[0]) / 1e6 for row in rows]
+        runs.append({"source": str(source), "window": window, "requests": len(requests), "seconds": round(seconds, 1),
+                     **added_latency(added, fold_requests(data / "journal.db")), **journal_size(data, history),
+                     "idle_rss_mb": round(idle[k], 1), "after_rss_mb": round(after[k], 1),
+                     "rss_growth_mb": round(after[k] - idle[k], 1), "trace": trace(data / "journal.db")})
+    return runs
 
 
-def added_latency(pairs: list[tuple[int, int]]) -> dict[str, Any]:
-    added = [(p - d) / 1e6 for d, p in pairs]
+def added_latency(added: list[float], folds: list[int]) -> dict[str, Any]:
+    """The added latency's spread, and the requests that folded against their neighbours (the ten before and
+    after, folds left out): the body grows from a few KB to 6.7 MB, so the cost of a request is judged beside
+    those of about its size."""
     median = statistics.median(added)
     p99 = statistics.quantiles(added, n=100, method="inclusive")[98]
     slow = [i for i, a in enumerate(added) if a > 2 * median]
+    local = [a / _neighbours(added, i, set(folds)) for i, a in enumerate(added)]
+    fold_ratios = [local[i] for i in folds]
     return {"added_median_ms": round(median, 2), "added_p99_ms": round(p99, 2), "added_max_ms": round(max(added), 2),
             "over_2x_median": len(slow), "over_2x_median_requests": slow[:20],
-            "added_ms": [round(a, 2) for a in added]}
+            "over_2x_neighbours": sum(r > 2 for r in local), "folds": len(folds),
+            "fold_vs_neighbours_median": round(statistics.median(fold_ratios), 2) if folds else None,
+            "fold_vs_neighbours_max": round(max(fold_ratios), 2) if folds else None,
+            "added_ms": [round(a, 2) for a in added], "fold_requests": folds}
+
+
+def _neighbours(added: list[float], i: int, skip: set[int]) -> float:
+    around = [added[j] for j in range(max(0, i - 10), min(len(added), i + 11)) if j != i and j not in skip]
+    return max(statistics.median(around), 1e-3) if around else max(added[i], 1e-3)
+
+
+def fold_requests(journal: Path) -> list[int]:
+    """The positions (in the run) of the requests whose projection folded."""
+    with contextlib.closing(sqlite3.connect(journal)) as db:
+        ids = [r[0] for r in db.execute("SELECT id FROM requests ORDER BY id")]
+        folded = {r[0] for r in db.execute("SELECT request_id FROM decisions WHERE kind = 'fold'")}
+    return [i for i, request_id in enumerate(ids) if request_id in folded]
 
 
 def journal_size(data: Path, history: int) -> dict[str, Any]:
@@ -210,14 +244,17 @@ def gpu_seconds(model_dir: Path | None, rows: list[dict[str, int]], tmp: Path) -
 
 # --- the report ---------------------------------------------------------------------------------------------------
 def markdown(report: dict[str, Any]) -> str:
-    lines = ["| window | requests | added median / p99 / max (ms) | > 2× median | journal / history (MB) |"
-             " of it fold blobs (MB) | RSS idle → after (MB) | GPU s (tokens processed) |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| source | window | requests | added median / p99 / max (ms) | > 2× median | > 2× neighbours |"
+             " fold requests: n, vs neighbours median / max | journal / history (MB) | of it fold blobs (MB) |"
+             " RSS idle → after (MB) | GPU s (tokens processed) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["runs"]:
         gpu = r.get("gpu")
         gpu_cell = f"{gpu['total_s']} ({gpu['tokens_processed'] / 1000:.0f}k)" if gpu else "—"
-        lines.append(f"| {r['window'] // 1024}k | {r['requests']} | {r['added_median_ms']} / {r['added_p99_ms']} / "
-                     f"{r['added_max_ms']} | {r['over_2x_median']} | {r['journal_bytes'] / 1e6:.1f} / "
+        lines.append(f"| {Path(r['source']).name} | {r['window'] // 1024}k | {r['requests']} | "
+                     f"{r['added_median_ms']} / {r['added_p99_ms']} / {r['added_max_ms']} | {r['over_2x_median']} | "
+                     f"{r['over_2x_neighbours']} | {r['folds']}, {r['fold_vs_neighbours_median']}× / "
+                     f"{r['fold_vs_neighbours_max']}× | {r['journal_bytes'] / 1e6:.1f} / "
                      f"{r['history_bytes'] / 1e6:.1f} ({r['journal_ratio']}×) | {r['fold_blob_bytes'] / 1e6:.1f} | "
                      f"{r['idle_rss_mb']} → {r['after_rss_mb']} | {gpu_cell} |")
     if report["gpu_note"]:
@@ -231,7 +268,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--windows", default=",".join(map(str, WINDOWS)), help="comma-separated token windows")
     parser.add_argument("--gpu-model", type=Path, default=Path(os.environ[GPU_ENV]) if os.environ.get(GPU_ENV)
                         else None, help=f"the folder of the shared gpu_seconds.py (or {GPU_ENV})")
-    parser.add_argument("--source", type=Path, default=ROOT, help="the checkout the proxy runs from")
+    parser.add_argument("--source", type=Path, action="append", help="a checkout to run the proxy from (repeat to "
+                        "run several side by side, same requests, interleaved); default: this one")
     parser.add_argument("--json", type=Path, help="write the raw numbers here")
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--serve-upstream", type=int, help=argparse.SUPPRESS)
@@ -252,16 +290,16 @@ def main(argv: list[str] | None = None) -> int:
         for window in (int(w) for w in args.windows.split(",")):
             folder = Path(tmp) / str(window)
             folder.mkdir()
-            run = run_window(window, requests, folder, args.source.resolve())
-            run["gpu"] = gpu_seconds(args.gpu_model, run.pop("trace"), folder)
-            runs.append(run)
-            print(f"  {window}: {run['requests']} requests in {run['seconds']} s", file=sys.stderr)
+            for run in run_window(window, requests, folder, [p.resolve() for p in args.source or [ROOT]]):
+                run["gpu"] = gpu_seconds(args.gpu_model, run.pop("trace"), folder)
+                runs.append(run)
+            print(f"  {window}: {len(requests)} requests in {runs[-1]['seconds']} s", file=sys.stderr)
     report = {"command": " ".join(["bench/long_run.py", *(argv if argv is not None else sys.argv[1:])]),
-              "rounds": args.rounds, "source": str(args.source), "gpu_note": note, "runs": runs}
+              "rounds": args.rounds, "gpu_note": note, "runs": runs}
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
     print(markdown(report) if args.markdown else json.dumps({**report, "runs": [
-        {k: v for k, v in r.items() if k != "added_ms"} for r in runs]}, indent=1))
+        {k: v for k, v in r.items() if k not in ("added_ms", "fold_requests")} for r in runs]}, indent=1))
     return 0
 
 

@@ -55,6 +55,8 @@ class SessionContext:
     """The mirror's text as last written: what ``mirror_written`` is read back from after a restart."""
     mirror_key: tuple[Any, ...] | None = field(default=None, compare=False)
     """What the mirror last written showed (session, revision, identities, hashes): unchanged, it is not rewritten."""
+    mirror_entries: dict[tuple[str, str], str] = field(default_factory=dict, compare=False)
+    """The mirror's entries as last written, by (identity, hash): a new version serialises only what is new."""
     mirror_stat: tuple[int, int, int, int] | None = field(default=None, compare=False)
     """The file's inode, size and times just after the proxy wrote it: while they hold, no draft is pending."""
     confirmations: list[str] = field(default_factory=list)

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 
 from config import load_settings
+from proxy.rewrite import message_hash
 from proxy.tools.mirror import mirror_document
 from store import Journal, SessionState, record_session_state, session_state
 from tests.conftest import app_client
@@ -111,3 +112,18 @@ def test_the_journal_keeps_each_mirror_entry_once_and_gives_the_text_back(tmp_pa
         assert session_state(journal, recorded.session_id) == off
     finally:
         journal.close()
+
+
+def test_the_mirror_assembled_from_cached_entries_is_the_json_it_always_was() -> None:
+    msgs = _body(6, 40)["messages"] + [{"role": "user", "content": "é\n\"quoted\"\ttab"}]
+    ids = [f"m{i}" for i in range(len(msgs))]
+    cache: dict[tuple[str, str], str] = {}
+    for n in [0, 1, 4, len(msgs), len(msgs)]:
+        whole = json.dumps({"session": "s", "revision": n, "messages": [
+            {"id": mid, **{k: v for k, v in m.items() if k in ("role", "content", "tool_call_id", "tool_calls")}}
+            for mid, m in zip(ids[:n], msgs[:n], strict=True)]}, indent=1, ensure_ascii=False)
+        hashes = [message_hash(m) for m in msgs[:n]]
+        assert mirror_document("s", n, ids[:n], msgs[:n], hashes, cache) == whole
+    changed = [*msgs[:-1], {"role": "user", "content": "cut"}]  # same identity, another message: not the old text
+    text = mirror_document("s", 0, ids, changed, [message_hash(m) for m in changed], cache)
+    assert json.loads(text)["messages"][-1]["content"] == "cut" and len(cache) == len(ids)

@@ -216,7 +216,8 @@ def _mirror(ctx: SessionContext, settings: Settings, session_id: str, p: Project
     key = (session_id, ctx.mirror_revision, tuple(ids), tuple(p.hashes[: len(ids)]))
     if key == ctx.mirror_key and ctx.mirror_written and ctx.mirror_stat == _stat(ctx.mirror):
         return ctx.mirror  # what it shows has not changed, nor has the file
-    document = mirror_document(session_id, ctx.mirror_revision, ids, p.messages[: len(ids)])
+    document = mirror_document(session_id, ctx.mirror_revision, ids, p.messages[: len(ids)], key[3],
+                               ctx.mirror_entries)
     ctx.mirror.parent.mkdir(parents=True, exist_ok=True)
     ctx.mirror.write_text(document)
     written = {mid: content_text(m.get("content")) for mid, m in zip(ids, p.messages, strict=False)}
