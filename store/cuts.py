@@ -3,20 +3,21 @@
 A mixin of ``Journal`` (same connection, same single writer). ``record_forward`` writes, in one transaction and
 before anything is forwarded, the decisions a projection made, the bodies it cut (content-addressed blobs scoped
 to the session by an ``overflow`` row) and the message list that goes upstream, delta-encoded against the list the
-caller names (usually the session's previous projection), so a long session still costs O(total bytes). A fold's
-body is not stored at all: a ``fold_spans`` row names the messages it stands for in the request's own list, and
-``overflow_body`` rebuilds it from their stored bodies, byte for byte.
+caller names (usually the session's previous projection), so a long session still costs O(total bytes). A body
+made of messages the journal holds already (a fold, a result spilled or elided whole) is not stored again: an
+``overflow_spans`` row names them in the request's own list, and ``overflow_body`` rebuilds it, byte for byte.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sqlite3
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["CutsMixin", "FoldSpansMixin", "ForwardRecord", "OverflowBody"]
+__all__ = ["CutsMixin", "ForwardRecord", "OverflowBody", "SpansMixin"]
 
 _DECISION_FIELDS = ("kind", "target", "message_hash", "replacement", "overflow_id", "until", "count", "source")
 
@@ -28,9 +29,12 @@ class OverflowBody:
     tool: str
     call_id: str
     span: tuple[int, int] | None = None
-    """A fold: ``[start, end)`` of the request's own messages, whose bodies are stored already (``body`` is empty)."""
+    """``[start, end)`` of the request's own messages the body is made of (stored already): the body is named, not
+    stored again. ``part`` "messages": their JSON array (a fold; ``body`` is empty); "content": the one message's
+    content."""
     size: int = 0
-    """A fold: the byte length of the body it stands for."""
+    """With ``span``: the byte length of the body."""
+    part: str = "messages"
 
 
 @dataclass(frozen=True)
@@ -57,29 +61,31 @@ class ForwardRecord:
     """The calibration's sample count in force (``k``'s weight): with ``k``, what a restart rebuilds it from."""
 
 
-class FoldSpansMixin:
-    """Folds as spans of a request's own message list: written in O(1), rebuilt on read from the stored bodies."""
+class SpansMixin:
+    """Cut bodies the journal holds already, as spans of the cutting request's own message list: written in O(1),
+    whatever they cover, and rebuilt on read from the stored message bodies."""
 
     conn: sqlite3.Connection
 
     if TYPE_CHECKING:  # provided by Journal
         def message_hashes(self, list_id: int) -> list[str]: ...
 
-    def _insert_folds(self, session_id: str, folds: Sequence[OverflowBody], created_at: str,
+    def _insert_spans(self, session_id: str, spans: Sequence[OverflowBody], created_at: str,
                       request_id: int | None) -> None:
-        """Each fold as the span of the request's incoming list it stands for: O(1), whatever it covers."""
         row = self.conn.execute("SELECT list_id FROM requests WHERE id = ?", [request_id]).fetchone()
         if row is None:
-            raise ValueError(f"a fold names messages of request {request_id}, which the journal does not hold")
+            raise ValueError(f"a cut names messages of request {request_id}, which the journal does not hold")
         self.conn.executemany(
-            "INSERT OR IGNORE INTO fold_spans (session_id, id, list_id, start, count, bytes, created_at)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?)",
-            [(session_id, b.overflow_id, row[0], b.span[0], b.span[1] - b.span[0], b.size, created_at)
-             for b in folds if b.span is not None])
+            "INSERT OR IGNORE INTO overflow_spans (session_id, id, list_id, start, count, part, tool, call_id, bytes,"
+            " created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            [(session_id, b.overflow_id, row[0], b.span[0], b.span[1] - b.span[0], b.part, b.tool, b.call_id, b.size,
+              created_at) for b in spans if b.span is not None])
 
-    def _fold_body(self, overflow_id: str, sessions: Sequence[str] | None) -> dict[str, Any] | None:
-        """A fold's body rebuilt from the stored bodies of the messages it stands for: the JSON array of them."""
-        sql = "SELECT session_id, list_id, start, count, bytes, created_at FROM fold_spans WHERE id = ?"
+    def _span_body(self, overflow_id: str, sessions: Sequence[str] | None) -> dict[str, Any] | None:
+        """A body rebuilt from the stored messages it is made of: the JSON array of them (a fold), or the one
+        message's content (a result); None when no such span is in scope, or it does not hash to its id."""
+        sql = ("SELECT session_id, list_id, start, count, part, tool, call_id, bytes, created_at FROM overflow_spans"
+               " WHERE id = ?")
         params: list[Any] = [overflow_id]
         if sessions is not None:
             sql += f" AND session_id IN ({','.join('?' * len(sessions))})"
@@ -87,10 +93,12 @@ class FoldSpansMixin:
         row = self.conn.execute(sql + " LIMIT 1", params).fetchone()
         if row is None:
             return None
-        session_id, list_id, start, count, nbytes, created_at = row
-        hashes = self.message_hashes(int(list_id))[start:start + count]
-        body = "[" + ",".join(self._raw_bodies(hashes)) + "]"
-        return {"id": overflow_id, "session_id": session_id, "tool": "fold", "call_id": "", "bytes": nbytes,
+        session_id, list_id, start, count, part, tool, call_id, nbytes, created_at = row
+        bodies = self._raw_bodies(self.message_hashes(int(list_id))[start:start + count])
+        body = "[" + ",".join(bodies) + "]" if part == "messages" else json.loads(bodies[0])["content"]
+        if hashlib.sha256(body.encode()).hexdigest() != overflow_id:
+            return None
+        return {"id": overflow_id, "session_id": session_id, "tool": tool, "call_id": call_id, "bytes": nbytes,
                 "created_at": created_at, "body": body}
 
     def _raw_bodies(self, hashes: Sequence[str]) -> list[str]:
@@ -104,7 +112,7 @@ class FoldSpansMixin:
         return [found[h] for h in hashes]
 
 
-class CutsMixin(FoldSpansMixin):
+class CutsMixin(SpansMixin):
     conn: sqlite3.Connection
 
     if TYPE_CHECKING:  # provided by Journal
@@ -147,10 +155,10 @@ class CutsMixin(FoldSpansMixin):
 
     def _insert_overflow(self, session_id: str, bodies: Sequence[OverflowBody], created_at: str,
                          request_id: int | None = None) -> None:
-        folds = [b for b in bodies if b.span is not None]
-        if folds:
-            self._insert_folds(session_id, folds, created_at, request_id)
-            bodies = [b for b in bodies if b.span is None]
+        spans = [b for b in bodies if b.span is not None and request_id is not None]
+        if spans:  # the journal holds these bodies already: named, not stored again
+            self._insert_spans(session_id, spans, created_at, request_id)
+            bodies = [b for b in bodies if b.span is None or request_id is None]
         self.conn.executemany("INSERT OR IGNORE INTO blobs (hash, kind, body, chars) VALUES (?, 'overflow', ?, ?)",
                               [(b.overflow_id, b.body, len(b.body)) for b in bodies])
         self.conn.executemany(
@@ -234,7 +242,7 @@ class CutsMixin(FoldSpansMixin):
             params += sessions
         row = self.conn.execute(sql + " LIMIT 1", params).fetchone()
         if row is None:
-            return self._fold_body(overflow_id, sessions)
+            return self._span_body(overflow_id, sessions)
         keys = ("session_id", "tool", "call_id", "bytes", "created_at", "body")
         return {"id": overflow_id} | dict(zip(keys, row, strict=True))
 

@@ -254,7 +254,8 @@ def test_every_invariant_holds_on_every_request(case: tuple[list[Any], set[int]]
         p = project(request, hashes[:end], decisions, rules, CharCounter(), state)
         decisions += p.new
         state = p.state
-        bodies |= {w.overflow_id: w.body if w.span is None else fold_body(request, w.span) for w in p.writes}
+        bodies |= {w.overflow_id: fold_body(request, w.span) if w.span and w.part == "messages" else w.body
+                   for w in p.writes}
         assert violations(request, p.messages, pinned={i for i in pinned if i < end}) == []
         assert p.report.estimate <= rules.budget.budget or p.report.over_budget
         again = project(request, hashes[:end], decisions, rules, CharCounter())  # from scratch, same journal

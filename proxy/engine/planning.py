@@ -111,7 +111,7 @@ def _outfile_bodies(rules: Rules, p: Projection, bodies: Sequence[bytes]) -> lis
     request's canonical message bodies, the bytes the journal rebuilds it from."""
     if not rules.overflow_dir:
         return []
-    return [(w.overflow_id, w.body if w.span is None else
+    return [(w.overflow_id, w.body if w.span is None or w.part == "content" else
              (b"[" + b",".join(bodies[w.span[0]:w.span[1]]) + b"]").decode()) for w in p.writes]
 
 
@@ -312,7 +312,7 @@ def _forward_record(recorded: RecordedRequest, incoming: IncomingRequest, ctx: S
                            verbatim=not changed, estimate=estimate, k=k,
                            samples=ctx.calibration(incoming.model).samples,
                            decisions=[asdict(d) for d in p.new],
-                           overflow=[OverflowBody(w.overflow_id, w.body, w.tool, w.call_id, w.span, w.size)
+                           overflow=[OverflowBody(w.overflow_id, w.body, w.tool, w.call_id, w.span, w.size, w.part)
                                      for w in p.writes])
     if not changed:
         return record

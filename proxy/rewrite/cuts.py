@@ -65,8 +65,9 @@ def elide(state: State, messages: Sequence[dict[str, Any]], rules: Rules, counte
         spilled = state.decided.get(state.ids[i])
         if spilled is None or spilled.message_hash != state.hashes[i]:  # else its body is stored already
             call_id = str(messages[i].get("tool_call_id"))
-            writes.append(OverflowWrite(decision.overflow_id, str(messages[i]["content"]),
-                                        state.result_calls.get(i, ("?", ""))[0], call_id))
+            content = str(messages[i]["content"])
+            writes.append(OverflowWrite(decision.overflow_id, content, state.result_calls.get(i, ("?", ""))[0],
+                                        call_id, (i, i + 1), len(content.encode()), "content"))
         state.decided[state.ids[i]] = decision
         new.append(decision)
         _replace(state, i, {**messages[i], "content": decision.replacement}, counter)
