@@ -32,10 +32,10 @@ def _requests(rounds: int) -> list[dict[str, Any]]:
     return [{"model": "fake-model", "messages": messages[:end]} for end in range(4, len(messages) + 1, 2)]
 
 
-def _replay(tmp_path: Path, rounds: int) -> tuple[FakeUpstream, list[dict[str, Any]], Path]:
+def _replay(tmp_path: Path, rounds: int, **extra: str) -> tuple[FakeUpstream, list[dict[str, Any]], Path]:
     fake = FakeUpstream()
     settings = load_settings(env={"CTXPROXY_DATA_DIR": str(tmp_path), "CTXPROXY_UPSTREAM": "http://u.test/v1",
-                                  "CTXPROXY_CTX_WINDOW": "4096"})
+                                  "CTXPROXY_CTX_WINDOW": "4096", **extra})
     requests = _requests(rounds)
     with app_client(settings, httpx.ASGITransport(app=fake)) as client:
         for body in requests:
@@ -134,3 +134,13 @@ def test_a_fold_blob_journaled_before_the_change_is_still_read(tmp_path: Path) -
     finally:
         journal.close()
 
+
+
+def test_a_folds_out_file_holds_the_body_its_stub_names(tmp_path: Path) -> None:
+    """With ``overflow_dir`` set, every cut body is also a file: a fold's is assembled from the request's messages."""
+    fake, requests, _ = _replay(tmp_path, 30, CTXPROXY_OVERFLOW_DIR=str(tmp_path / "out"))
+    folds = _folds(fake)
+    assert folds
+    for overflow_id, count, nbytes in folds:
+        text = (tmp_path / "out" / f"{overflow_id}.out").read_text()
+        assert text == canonical_json(requests[-1]["messages"][2:2 + count]).decode() and len(text.encode()) == nbytes
