@@ -25,6 +25,8 @@ MIRROR_SEPARATOR = "\n  },\n  {\n"
 """Where the mirror's text is cut into pieces for the journal: between two of its entries, as
 ``proxy.tools.mirror.mirror_document`` lays them out (any text splits and joins back the same; this one makes the
 pieces the entries, which repeat from one version of the mirror to the next)."""
+_MIRROR_TAIL = "\n  }\n ]\n}"
+"""How the mirror ends: a piece of its own (the last), so the newest entry is the same piece in the next version."""
 _MAX_DEPTH = 16
 """A mirror's list is stored whole rather than as the 17th delta of a chain: a read walks at most 16 rows."""
 
@@ -62,15 +64,18 @@ def session_state(journal: Journal, session_id: str) -> SessionState:
         return SessionState()
     offered, reminded, confirmations, mirror, text, mirror_list = row
     if mirror_list is not None:
-        text = MIRROR_SEPARATOR.join(_pieces(journal, _mirror_hashes(journal, int(mirror_list))[0]))
+        pieces = _pieces(journal, _mirror_hashes(journal, int(mirror_list))[0])
+        text = MIRROR_SEPARATOR.join(pieces[:-1]) + pieces[-1]
     return SessionState(offered, reminded, tuple(json.loads(confirmations)), mirror, text)
 
 
 def _record_mirror(journal: Journal, session_id: str, text: str) -> int:
-    """The mirror's text as its pieces (split at ``MIRROR_SEPARATOR``: one a message, mostly), each a blob stored
-    once, listed like a request's messages: delta-encoded against the session's previous mirror. Stored whole on
-    every change, the mirror took 57 MB of a 600-round session's journal for 6.7 MB of history."""
-    pieces = text.split(MIRROR_SEPARATOR)
+    """The mirror's text as its pieces (split at ``MIRROR_SEPARATOR``: one a message, mostly; the closing brackets
+    the last piece), each a blob stored once, listed like a request's messages: delta-encoded against the session's
+    previous mirror. Stored whole on every change, the mirror took 57 MB of a 600-round session's journal for 6.7 MB
+    of history."""
+    tail = _MIRROR_TAIL if text.endswith(_MIRROR_TAIL) else ""
+    pieces = [*text[: len(text) - len(tail)].split(MIRROR_SEPARATOR), tail]
     hashes = [hashlib.sha256(p.encode()).hexdigest() for p in pieces]
     journal.conn.executemany("INSERT OR IGNORE INTO blobs (hash, kind, body, chars) VALUES (?, 'mirror', ?, ?)",
                              [(h, p, len(p)) for h, p in zip(hashes, pieces, strict=True)])
