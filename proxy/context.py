@@ -17,6 +17,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from proxy.rewrite import Decision, State
 from proxy.rewrite.identity import content_text
@@ -52,6 +53,12 @@ class SessionContext:
     model's draft (not overwritten until committed), judged against what it was given, entry by entry."""
     mirror_document: str | None = None
     """The mirror's text as last written: what ``mirror_written`` is read back from after a restart."""
+    mirror_key: tuple[Any, ...] | None = field(default=None, compare=False)
+    """What the mirror last written showed (session, revision, identities, hashes): unchanged, it is not rewritten."""
+    mirror_entries: dict[tuple[str, str], str] = field(default_factory=dict, compare=False)
+    """The mirror's entries as last written, by (identity, hash): a new version serialises only what is new."""
+    mirror_stat: tuple[int, int, int, int] | None = field(default=None, compare=False)
+    """The file's inode, size and times just after the proxy wrote it: while they hold, no draft is pending."""
     confirmations: list[str] = field(default_factory=list)
     """What the model's context tools did, told to it as one system line in its next request."""
     journaled: SessionState = field(default_factory=SessionState, compare=False)

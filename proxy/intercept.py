@@ -102,7 +102,8 @@ class ContextRunner:
                     str(mirror), self.ctx.mirror_revision)
 
     async def _journal(self, outcome: Outcome, rules: Rules) -> None:
-        overflow = [OverflowBody(w.overflow_id, w.body, w.tool, w.call_id) for w in outcome.writes]
+        overflow = [OverflowBody(w.overflow_id, w.body, w.tool, w.call_id, w.span, w.size, w.part)
+                    for w in outcome.writes]
         await self.writer.call(Journal.add_decisions, self.session_id, [asdict(d) for d in outcome.decisions],
                                _now(), self.request_id, overflow)
         await write_outfiles(rules.overflow_dir, [(w.overflow_id, w.body) for w in outcome.writes])

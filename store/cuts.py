@@ -3,18 +3,21 @@
 A mixin of ``Journal`` (same connection, same single writer). ``record_forward`` writes, in one transaction and
 before anything is forwarded, the decisions a projection made, the bodies it cut (content-addressed blobs scoped
 to the session by an ``overflow`` row) and the message list that goes upstream, delta-encoded against the list the
-caller names (usually the session's previous projection), so a long session still costs O(total bytes).
+caller names (usually the session's previous projection), so a long session still costs O(total bytes). A body
+made of messages the journal holds already (a fold, a result spilled or elided whole) is not stored again: an
+``overflow_spans`` row names them in the request's own list, and ``overflow_body`` rebuilds it, byte for byte.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sqlite3
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["CutsMixin", "ForwardRecord", "OverflowBody"]
+__all__ = ["CutsMixin", "ForwardRecord", "OverflowBody", "SpansMixin"]
 
 _DECISION_FIELDS = ("kind", "target", "message_hash", "replacement", "overflow_id", "until", "count", "source")
 
@@ -25,6 +28,13 @@ class OverflowBody:
     body: str
     tool: str
     call_id: str
+    span: tuple[int, int] | None = None
+    """``[start, end)`` of the request's own messages the body is made of (stored already): the body is named, not
+    stored again. ``part`` "messages": their JSON array (a fold; ``body`` is empty); "content": the one message's
+    content."""
+    size: int = 0
+    """With ``span``: the byte length of the body."""
+    part: str = "messages"
 
 
 @dataclass(frozen=True)
@@ -51,7 +61,58 @@ class ForwardRecord:
     """The calibration's sample count in force (``k``'s weight): with ``k``, what a restart rebuilds it from."""
 
 
-class CutsMixin:
+class SpansMixin:
+    """Cut bodies the journal holds already, as spans of the cutting request's own message list: written in O(1),
+    whatever they cover, and rebuilt on read from the stored message bodies."""
+
+    conn: sqlite3.Connection
+
+    if TYPE_CHECKING:  # provided by Journal
+        def message_hashes(self, list_id: int) -> list[str]: ...
+
+    def _insert_spans(self, session_id: str, spans: Sequence[OverflowBody], created_at: str,
+                      request_id: int | None) -> None:
+        row = self.conn.execute("SELECT list_id FROM requests WHERE id = ?", [request_id]).fetchone()
+        if row is None:
+            raise ValueError(f"a cut names messages of request {request_id}, which the journal does not hold")
+        self.conn.executemany(
+            "INSERT OR IGNORE INTO overflow_spans (session_id, id, list_id, start, count, part, tool, call_id, bytes,"
+            " created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            [(session_id, b.overflow_id, row[0], b.span[0], b.span[1] - b.span[0], b.part, b.tool, b.call_id, b.size,
+              created_at) for b in spans if b.span is not None])
+
+    def _span_body(self, overflow_id: str, sessions: Sequence[str] | None) -> dict[str, Any] | None:
+        """A body rebuilt from the stored messages it is made of: the JSON array of them (a fold), or the one
+        message's content (a result); None when no such span is in scope, or it does not hash to its id."""
+        sql = ("SELECT session_id, list_id, start, count, part, tool, call_id, bytes, created_at FROM overflow_spans"
+               " WHERE id = ?")
+        params: list[Any] = [overflow_id]
+        if sessions is not None:
+            sql += f" AND session_id IN ({','.join('?' * len(sessions))})"
+            params += sessions
+        row = self.conn.execute(sql + " LIMIT 1", params).fetchone()
+        if row is None:
+            return None
+        session_id, list_id, start, count, part, tool, call_id, nbytes, created_at = row
+        bodies = self._raw_bodies(self.message_hashes(int(list_id))[start:start + count])
+        body = "[" + ",".join(bodies) + "]" if part == "messages" else json.loads(bodies[0])["content"]
+        if hashlib.sha256(body.encode()).hexdigest() != overflow_id:
+            return None
+        return {"id": overflow_id, "session_id": session_id, "tool": tool, "call_id": call_id, "bytes": nbytes,
+                "created_at": created_at, "body": body}
+
+    def _raw_bodies(self, hashes: Sequence[str]) -> list[str]:
+        """The stored text of each message of ``hashes``, in order (undecoded: byte for byte what was hashed)."""
+        found: dict[str, str] = {}
+        unique = list(dict.fromkeys(hashes))
+        for start in range(0, len(unique), 500):
+            chunk = unique[start:start + 500]
+            query = f"SELECT hash, body FROM blobs WHERE hash IN ({','.join('?' * len(chunk))})"
+            found.update(self.conn.execute(query, chunk).fetchall())
+        return [found[h] for h in hashes]
+
+
+class CutsMixin(SpansMixin):
     conn: sqlite3.Connection
 
     if TYPE_CHECKING:  # provided by Journal
@@ -66,7 +127,7 @@ class CutsMixin:
     def write_forward(self, rec: ForwardRecord) -> int:
         """``record_forward`` inside the caller's transaction."""
         if rec.overflow:
-            self._insert_overflow(rec.session_id, rec.overflow, rec.created_at)
+            self._insert_overflow(rec.session_id, rec.overflow, rec.created_at, rec.request_id)
         if rec.decisions:
             self.insert_decisions(rec.session_id, rec.request_id, rec.decisions, rec.created_at)
         list_id = self._forward_list(rec)
@@ -82,7 +143,7 @@ class CutsMixin:
         """Decisions from outside a projection (the operator's pins, the model's context tools), with the bodies
         they cut, in one transaction."""
         with self.conn:
-            self._insert_overflow(session_id, overflow, created_at)
+            self._insert_overflow(session_id, overflow, created_at, request_id)
             self.insert_decisions(session_id, request_id, decisions, created_at)
 
     def insert_decisions(self, session_id: str, request_id: int | None, decisions: Sequence[Mapping[str, Any]],
@@ -92,7 +153,12 @@ class CutsMixin:
             " until, count, source, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             [(session_id, request_id, *(d[f] for f in _DECISION_FIELDS), created_at) for d in decisions])
 
-    def _insert_overflow(self, session_id: str, bodies: Sequence[OverflowBody], created_at: str) -> None:
+    def _insert_overflow(self, session_id: str, bodies: Sequence[OverflowBody], created_at: str,
+                         request_id: int | None = None) -> None:
+        spans = [b for b in bodies if b.span is not None and request_id is not None]
+        if spans:  # the journal holds these bodies already: named, not stored again
+            self._insert_spans(session_id, spans, created_at, request_id)
+            bodies = [b for b in bodies if b.span is None or request_id is None]
         self.conn.executemany("INSERT OR IGNORE INTO blobs (hash, kind, body, chars) VALUES (?, 'overflow', ?, ?)",
                               [(b.overflow_id, b.body, len(b.body)) for b in bodies])
         self.conn.executemany(
@@ -176,7 +242,7 @@ class CutsMixin:
             params += sessions
         row = self.conn.execute(sql + " LIMIT 1", params).fetchone()
         if row is None:
-            return None
+            return self._span_body(overflow_id, sessions)
         keys = ("session_id", "tool", "call_id", "bytes", "created_at", "body")
         return {"id": overflow_id} | dict(zip(keys, row, strict=True))
 

@@ -46,6 +46,7 @@ _FORGET = [
     "DELETE FROM session_state WHERE session_id IN (SELECT id FROM temp.forget)",
     "DELETE FROM decisions WHERE session_id IN (SELECT id FROM temp.forget)",
     "DELETE FROM overflow WHERE session_id IN (SELECT id FROM temp.forget)",
+    "DELETE FROM overflow_spans WHERE session_id IN (SELECT id FROM temp.forget)",
     "DELETE FROM responses WHERE request_id IN (SELECT r.id FROM requests r JOIN temp.forget f ON r.session_id = f.id)",
     "DELETE FROM forwards WHERE request_id IN (SELECT r.id FROM requests r JOIN temp.forget f ON r.session_id = f.id)",
     "DELETE FROM requests WHERE session_id IN (SELECT id FROM temp.forget)",
@@ -53,7 +54,8 @@ _FORGET = [
     # Message lists nothing reaches any more: not a request's, a forward's or a head, nor the base of one that is.
     """DELETE FROM message_lists WHERE id NOT IN (
            WITH RECURSIVE live(id) AS (
-               SELECT list_id FROM requests UNION SELECT list_id FROM forwards
+               SELECT list_id FROM requests UNION SELECT list_id FROM forwards UNION SELECT list_id FROM overflow_spans
+               UNION SELECT mirror_list FROM session_state WHERE mirror_list IS NOT NULL
                UNION SELECT head_list_id FROM sessions WHERE head_list_id IS NOT NULL
                UNION SELECT l.base_id FROM message_lists l JOIN live ON l.id = live.id WHERE l.base_id IS NOT NULL)
            SELECT id FROM live)""",

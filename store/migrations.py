@@ -216,3 +216,35 @@ def m005_session_state(db: Database) -> None:
         ALTER TABLE forwards ADD COLUMN samples INTEGER;
         """
     )
+
+
+@migrations()
+def m007_overflow_spans_and_mirror_lists(db: Database) -> None:
+    db.executescript(
+        """
+        -- A cut body the journal holds already, named by its place in the cutting request's own message list
+        -- rather than stored again: a fold (part 'messages': '[' + the span's message bodies joined by ',' + ']')
+        -- or a tool result spilled or elided (part 'content': the one message's content). Before, each fold stored
+        -- its whole span again as an overflow blob, and each later fold (which extends the earlier one) the longer
+        -- span again: 600 rounds left 59.8 MB of fold blobs for 6.5 MB of history. Rebuilt on read, byte for
+        -- byte, whose sha256 is `id`. Bodies cut before keep their overflow row and blob, read as before.
+        CREATE TABLE overflow_spans (
+            session_id TEXT NOT NULL REFERENCES sessions(id),
+            id TEXT NOT NULL,            -- sha256 of the rebuilt body (the id the stub names)
+            list_id INTEGER NOT NULL REFERENCES message_lists(id),  -- the cutting request's incoming list
+            start INTEGER NOT NULL,      -- the span within that list: [start, start + count)
+            count INTEGER NOT NULL,
+            part TEXT NOT NULL,          -- 'messages' (a fold) | 'content' (one message's content)
+            tool TEXT NOT NULL,
+            call_id TEXT NOT NULL,
+            bytes INTEGER NOT NULL,      -- length of the rebuilt body
+            created_at TEXT NOT NULL,
+            PRIMARY KEY (session_id, id)
+        );
+
+        -- The live mirror as last written, kept as its pieces (one entry each, mostly: blobs of kind 'mirror'
+        -- stored once) in a message list delta-encoded against the session's previous mirror. Stored whole on every
+        -- change (`mirror_hash`), it took 57 MB of a 600-round session's journal; rows written before keep that.
+        ALTER TABLE session_state ADD COLUMN mirror_list INTEGER REFERENCES message_lists(id);
+        """
+    )

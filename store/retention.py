@@ -6,7 +6,7 @@ The journal is append-only while the proxy runs; pruning is the one deliberate e
 - every session last active before the cutoff, *unless* a remaining session descends from it: a forked child
   inherits its parent's decisions and may restore the bodies its parent cut (``CutsMixin._ancestry``), so a
   parent stays, whole, as long as any descendant does;
-- their requests, forwards, answers, decisions, context ops, overflow rows and journaled working state;
+- their requests, forwards, answers, decisions, context ops, overflow rows, overflow spans and journaled working state;
 - message lists no remaining request, forward or session head reaches (through the delta encoding's bases);
 - content-addressed blobs (messages, parameters, cut bodies, mirror texts) nothing remaining refers to: a body
   two sessions cut, or a message two sessions share, stays while either does.
@@ -105,17 +105,20 @@ _DELETE_ROWS = [  # children before parents: the foreign keys are on
     f"DELETE FROM context_ops WHERE session_id IN (SELECT id FROM temp.pruned) OR request_id IN ({_OF_PRUNED})",
     f"DELETE FROM decisions WHERE session_id IN (SELECT id FROM temp.pruned) OR request_id IN ({_OF_PRUNED})",
     "DELETE FROM overflow WHERE session_id IN (SELECT id FROM temp.pruned)",
+    "DELETE FROM overflow_spans WHERE session_id IN (SELECT id FROM temp.pruned)",
     f"DELETE FROM responses WHERE request_id IN ({_OF_PRUNED})",
     f"DELETE FROM forwards WHERE request_id IN ({_OF_PRUNED})",
     "DELETE FROM requests WHERE session_id IN (SELECT id FROM temp.pruned)",
     "DELETE FROM sessions WHERE id IN (SELECT id FROM temp.pruned)",
 ]
-_REQUESTS = 6
+_REQUESTS = 7
 
 _DELETE_LISTS = """
 WITH RECURSIVE live(id) AS (
     SELECT list_id FROM requests
     UNION SELECT list_id FROM forwards
+    UNION SELECT list_id FROM overflow_spans
+    UNION SELECT mirror_list FROM session_state WHERE mirror_list IS NOT NULL
     UNION SELECT head_list_id FROM sessions WHERE head_list_id IS NOT NULL
     UNION SELECT m.base_id FROM message_lists m JOIN live l ON m.id = l.id WHERE m.base_id IS NOT NULL
 )

@@ -4,7 +4,8 @@ The projection is rebuilt from the decisions; these few values are not derived f
 them (a restart, a session evicted from the proxy's working cache) changed what went upstream: an offer vanished
 mid-turn (the tool list changed, the prefix cache broke), a confirmation was never told, the reminder came twice,
 a draft of the mirror was overwritten. Each change is one row; the newest row of a session is its state. The
-mirror's text as last written is a content-addressed blob, stored once however many rows name it.
+mirror's text as last written is kept as its pieces (its entries, content-addressed blobs stored once however many
+versions hold them) listed like a request's messages, delta-encoded against the previous version.
 
 Plain functions over a ``Journal`` (``writer.call(record_session_state, ...)``), so the Journal class stays as is.
 """
@@ -17,7 +18,17 @@ from dataclasses import dataclass
 
 from store.journal import Journal
 
-__all__ = ["CalibrationInForce", "SessionState", "calibration_in_force", "record_session_state", "session_state"]
+__all__ = ["MIRROR_SEPARATOR", "CalibrationInForce", "SessionState", "calibration_in_force", "record_session_state",
+           "session_state"]
+
+MIRROR_SEPARATOR = "\n  },\n  {\n"
+"""Where the mirror's text is cut into pieces for the journal: between two of its entries, as
+``proxy.tools.mirror.mirror_document`` lays them out (any text splits and joins back the same; this one makes the
+pieces the entries, which repeat from one version of the mirror to the next)."""
+_MIRROR_TAIL = "\n  }\n ]\n}"
+"""How the mirror ends: a piece of its own (the last), so the newest entry is the same piece in the next version."""
+_MAX_DEPTH = 16
+"""A mirror's list is stored whole rather than as the 17th delta of a chain: a read walks at most 16 rows."""
 
 
 @dataclass(frozen=True)
@@ -34,29 +45,77 @@ class SessionState:
 def record_session_state(journal: Journal, session_id: str, request_id: int, state: SessionState,
                          created_at: str) -> None:
     """Journal the session's state as it is after ``request_id`` changed it."""
-    digest = None
     with journal.conn:
-        if state.mirror_text is not None:
-            digest = hashlib.sha256(state.mirror_text.encode()).hexdigest()
-            journal.conn.execute("INSERT OR IGNORE INTO blobs (hash, kind, body, chars) VALUES (?, 'mirror', ?, ?)",
-                                 [digest, state.mirror_text, len(state.mirror_text)])
+        mirror_list = None if state.mirror_text is None else _record_mirror(journal, session_id, state.mirror_text)
         journal.conn.execute(
             "INSERT INTO session_state (session_id, request_id, offered_turn, reminded_turn, confirmations, mirror,"
-            " mirror_hash, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            " mirror_list, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
             [session_id, request_id, state.offered_turn, state.reminded_turn, json.dumps(list(state.confirmations)),
-             state.mirror, digest, created_at])
+             state.mirror, mirror_list, created_at])
 
 
 def session_state(journal: Journal, session_id: str) -> SessionState:
     """The session's latest journaled state (the defaults when nothing was journaled)."""
     row = journal.conn.execute(
-        "SELECT s.offered_turn, s.reminded_turn, s.confirmations, s.mirror, b.body FROM session_state s"
+        "SELECT s.offered_turn, s.reminded_turn, s.confirmations, s.mirror, b.body, s.mirror_list FROM session_state s"
         " LEFT JOIN blobs b ON b.hash = s.mirror_hash WHERE s.session_id = ? ORDER BY s.id DESC LIMIT 1",
         [session_id]).fetchone()
     if row is None:
         return SessionState()
-    offered, reminded, confirmations, mirror, text = row
+    offered, reminded, confirmations, mirror, text, mirror_list = row
+    if mirror_list is not None:
+        pieces = _pieces(journal, _mirror_hashes(journal, int(mirror_list))[0])
+        text = MIRROR_SEPARATOR.join(pieces[:-1]) + pieces[-1]
     return SessionState(offered, reminded, tuple(json.loads(confirmations)), mirror, text)
+
+
+def _record_mirror(journal: Journal, session_id: str, text: str) -> int:
+    """The mirror's text as its pieces (split at ``MIRROR_SEPARATOR``: one a message, mostly; the closing brackets
+    the last piece), each a blob stored once, listed like a request's messages: delta-encoded against the session's
+    previous mirror. Stored whole on every change, the mirror took 57 MB of a 600-round session's journal for 6.7 MB
+    of history."""
+    tail = _MIRROR_TAIL if text.endswith(_MIRROR_TAIL) else ""
+    pieces = [*text[: len(text) - len(tail)].split(MIRROR_SEPARATOR), tail]
+    hashes = [hashlib.sha256(p.encode()).hexdigest() for p in pieces]
+    journal.conn.executemany("INSERT OR IGNORE INTO blobs (hash, kind, body, chars) VALUES (?, 'mirror', ?, ?)",
+                             [(h, p, len(p)) for h, p in zip(hashes, pieces, strict=True)])
+    row = journal.conn.execute("SELECT mirror_list FROM session_state WHERE session_id = ? AND mirror_list IS NOT"
+                               " NULL ORDER BY id DESC LIMIT 1", [session_id]).fetchone()
+    base_id, same = None, 0
+    if row is not None:
+        before, depth = _mirror_hashes(journal, int(row[0]))
+        same = next((i for i, (a, b) in enumerate(zip(before, hashes, strict=False)) if a != b),
+                    min(len(before), len(hashes)))
+        base_id = int(row[0]) if same and depth < _MAX_DEPTH else None
+    same = same if base_id is not None else 0
+    cursor = journal.conn.execute("INSERT INTO message_lists (base_id, base_len, added, length) VALUES (?, ?, ?, ?)",
+                                  [base_id, same, json.dumps(hashes[same:]), len(hashes)])
+    return int(cursor.lastrowid or 0)
+
+
+def _mirror_hashes(journal: Journal, list_id: int) -> tuple[list[str], int]:
+    """A mirror's piece hashes, and how many lists its delta chain has (bounded by ``_MAX_DEPTH``)."""
+    pieces: list[tuple[int, list[str]]] = []
+    current: int | None = list_id
+    while current is not None:
+        base_id, base_len, added = journal.conn.execute(
+            "SELECT base_id, base_len, added FROM message_lists WHERE id = ?", [current]).fetchone()
+        pieces.append((base_len, json.loads(added)))
+        current = base_id
+    hashes: list[str] = []
+    for base_len, added in reversed(pieces):
+        hashes = hashes[:base_len] + added
+    return hashes, len(pieces)
+
+
+def _pieces(journal: Journal, hashes: list[str]) -> list[str]:
+    found: dict[str, str] = {}
+    unique = list(dict.fromkeys(hashes))
+    for start in range(0, len(unique), 500):
+        chunk = unique[start:start + 500]
+        found.update(journal.conn.execute(
+            f"SELECT hash, body FROM blobs WHERE hash IN ({','.join('?' * len(chunk))})", chunk).fetchall())
+    return [found[h] for h in hashes]
 
 
 @dataclass(frozen=True)

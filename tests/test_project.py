@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from config import load_settings
 from proxy.budgets import budget_for
 from proxy.rewrite.budget import Budget
+from proxy.rewrite.cuts import fold_body
 from proxy.rewrite.decisions import Decision
 from proxy.rewrite.identity import message_hash
 from proxy.rewrite.invariants import broken_pairs, violations
@@ -253,7 +254,8 @@ def test_every_invariant_holds_on_every_request(case: tuple[list[Any], set[int]]
         p = project(request, hashes[:end], decisions, rules, CharCounter(), state)
         decisions += p.new
         state = p.state
-        bodies |= {w.overflow_id: w.body for w in p.writes}
+        bodies |= {w.overflow_id: fold_body(request, w.span) if w.span and w.part == "messages" else w.body
+                   for w in p.writes}
         assert violations(request, p.messages, pinned={i for i in pinned if i < end}) == []
         assert p.report.estimate <= rules.budget.budget or p.report.over_budget
         again = project(request, hashes[:end], decisions, rules, CharCounter())  # from scratch, same journal

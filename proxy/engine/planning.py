@@ -97,13 +97,22 @@ async def plan_forward(app: AppState, writer: JournalWriter, ctx: SessionContext
         deferred, list_id = record, recorded.list_id
     else:
         list_id = await writer.call(Journal.record_forward, record)
-        await write_outfiles(shaped.rules.overflow_dir, [(w.overflow_id, w.body) for w in p.writes])
+        await write_outfiles(shaped.rules.overflow_dir, _outfile_bodies(shaped.rules, p, incoming.bodies))
     ctx.decisions += p.new
     app.metrics.decided([d.kind for d in p.new])
     ctx.state = p.state
     ctx.sent_list = (list_id, shaped.hashes)
     await ctx.journal_state(writer, recorded.session_id, recorded.request_id)
     return Plan(shaped.body, shaped.estimate, shaped.rules.k, p, shaped.rules, shaped.offered, deferred)
+
+
+def _outfile_bodies(rules: Rules, p: Projection, bodies: Sequence[bytes]) -> list[tuple[str, str]]:
+    """The cut bodies to write as ``<id>.out`` (none unless ``overflow_dir`` is set); a fold's is assembled from the
+    request's canonical message bodies, the bytes the journal rebuilds it from."""
+    if not rules.overflow_dir:
+        return []
+    return [(w.overflow_id, w.body if w.span is None or w.part == "content" else
+             (b"[" + b",".join(bodies[w.span[0]:w.span[1]]) + b"]").decode()) for w in p.writes]
 
 
 @dataclass(frozen=True)
@@ -204,21 +213,55 @@ def _full_set_fits(app: AppState, budget: int) -> bool:
 
 def _mirror(ctx: SessionContext, settings: Settings, session_id: str, p: Projection) -> Path | None:
     """When the automatic cuts could not reach the target, write the projection where the model can edit it; the
-    mirror stays on (rewritten on every request) until the context is back under the target."""
+    mirror stays on until the context is back under the target. Only while it is of use: the context tools are
+    enabled (``ctx commit`` is the only way an edit is applied). Written only when what it shows changed; a draft
+    of the model's is noticed by the file's size and times changing, not by reading and hashing it every time."""
     above = p.report.scaled > p.report.target
+    if not settings.tools_enabled:
+        return None
     if (p.report.elided or p.report.folded) and above:
         ctx.mirror = ctx.mirror or mirror_path(settings, session_id)
     if ctx.mirror is None or not above:
         return None
-    if ctx.mirror_written and ctx.mirror.exists() and sha256_text(ctx.mirror.read_text()) != ctx.mirror_written[0]:
+    if _draft_pending(ctx, ctx.mirror):
         return ctx.mirror  # the model is editing it: its draft waits for ctx commit
     ids = [mid for mid, out in zip(p.state.ids, p.state.out, strict=True) if out is not None]
-    document = mirror_document(session_id, ctx.mirror_revision, ids, p.messages[: len(ids)])
+    key = (session_id, ctx.mirror_revision, tuple(ids), tuple(p.hashes[: len(ids)]))
+    if key == ctx.mirror_key and ctx.mirror_written and ctx.mirror_stat == _stat(ctx.mirror):
+        return ctx.mirror  # what it shows has not changed, nor has the file
+    document = mirror_document(session_id, ctx.mirror_revision, ids, p.messages[: len(ids)], key[3],
+                               ctx.mirror_entries)
     ctx.mirror.parent.mkdir(parents=True, exist_ok=True)
     ctx.mirror.write_text(document)
     written = {mid: content_text(m.get("content")) for mid, m in zip(ids, p.messages, strict=False)}
     ctx.mirror_written, ctx.mirror_document = (sha256_text(document), written), document
+    ctx.mirror_key, ctx.mirror_stat = key, _stat(ctx.mirror)
     return ctx.mirror
+
+
+def _draft_pending(ctx: SessionContext, path: Path) -> bool:
+    """Does the file hold a draft of the model's (it differs from what was last written)? Read and hashed only when
+    its size or times changed since the proxy wrote it (or the proxy restarted since)."""
+    if not ctx.mirror_written:
+        return False
+    stat = _stat(path)
+    if stat is None:
+        return False
+    if stat == ctx.mirror_stat:
+        return False
+    if sha256_text(path.read_text()) != ctx.mirror_written[0]:
+        return True
+    ctx.mirror_stat = stat  # touched, not changed
+    return False
+
+
+def _stat(path: Path) -> tuple[int, int, int, int] | None:
+    """What tells a file rewritten by someone else: its inode, size, modification and change times."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 def _offered(ctx: SessionContext, settings: Settings, body: ChatBody, messages: list[dict[str, Any]],
@@ -282,7 +325,8 @@ def _forward_record(recorded: RecordedRequest, incoming: IncomingRequest, ctx: S
                            verbatim=not changed, estimate=estimate, k=k,
                            samples=ctx.calibration(incoming.model).samples,
                            decisions=[asdict(d) for d in p.new],
-                           overflow=[OverflowBody(w.overflow_id, w.body, w.tool, w.call_id) for w in p.writes])
+                           overflow=[OverflowBody(w.overflow_id, w.body, w.tool, w.call_id, w.span, w.size, w.part)
+                                     for w in p.writes])
     if not changed:
         return record
     base_id, base = ctx.sent_list or (recorded.list_id, list(incoming.hashes))

@@ -5,6 +5,7 @@ in place of what was cut, ``invariants`` the checks of DESIGN.md §6, ``tokens``
 """
 
 from proxy.rewrite.budget import Budget, Limits
+from proxy.rewrite.cuts import fold_body
 from proxy.rewrite.decisions import Decision, OverflowWrite
 from proxy.rewrite.identity import canonical_json, content_hash, fingerprint, message_hash, message_ids
 from proxy.rewrite.invariants import broken_pairs, violations
@@ -13,5 +14,6 @@ from proxy.rewrite.state import Rules, State
 
 __all__ = [
     "Budget", "Decision", "Limits", "OverflowWrite", "Projection", "Report", "Rules", "State", "broken_pairs",
-    "canonical_json", "content_hash", "fingerprint", "message_hash", "message_ids", "project", "violations",
+    "canonical_json", "content_hash", "fingerprint", "fold_body", "message_hash", "message_ids", "project",
+    "violations",
 ]

@@ -7,7 +7,8 @@ target. One pass cuts deep, then nothing changes for many requests: the upstream
 Folding: when every eligible result is already a marker and the request is still over budget, the oldest whole
 rounds after the first task (an assistant message with the results of its calls, or a lone message) fold into
 one stub, never splitting a call from its result, never folding a pinned message or the newest rounds. A later
-fold extends the earlier one from the same start, so there is only ever one fold stub.
+fold extends the earlier one from the same start, so there is only ever one fold stub. A fold names the messages
+it stands for (``OverflowWrite.span``) rather than carrying them: their bodies are in the journal already.
 
 How much is protected is the caller's choice (``keep_results``, ``newest``): ``project`` first cuts with the
 configured protection, then, only if the request still cannot fit, squeezes with everything but the newest
@@ -26,10 +27,10 @@ from proxy.rewrite.decisions import Decision, OverflowWrite
 from proxy.rewrite.fenced import text_of
 from proxy.rewrite.identity import canonical_json, message_hash
 from proxy.rewrite.segments import compose, segment_target
-from proxy.rewrite.state import READ_OVERFLOW, Counter, Rules, State, sha256_text
+from proxy.rewrite.state import READ_OVERFLOW, Counter, FoldSum, Rules, State, sha256_text
 from proxy.rewrite.stubs import elision_marker, fold_stub
 
-__all__ = ["apply_fold", "apply_hides", "elide", "fold", "hide_decision", "replace_out", "rounds"]
+__all__ = ["apply_fold", "apply_hides", "elide", "fold", "fold_body", "hide_decision", "replace_out", "rounds"]
 
 _FOLD_STUB_TOKENS = 120
 """Room a fold stub takes, reckoned before it is written (its exact count replaces this after)."""
@@ -64,8 +65,9 @@ def elide(state: State, messages: Sequence[dict[str, Any]], rules: Rules, counte
         spilled = state.decided.get(state.ids[i])
         if spilled is None or spilled.message_hash != state.hashes[i]:  # else its body is stored already
             call_id = str(messages[i].get("tool_call_id"))
-            writes.append(OverflowWrite(decision.overflow_id, str(messages[i]["content"]),
-                                        state.result_calls.get(i, ("?", ""))[0], call_id))
+            content = str(messages[i]["content"])
+            writes.append(OverflowWrite(decision.overflow_id, content, state.result_calls.get(i, ("?", ""))[0],
+                                        call_id, (i, i + 1), len(content.encode()), "content"))
         state.decided[state.ids[i]] = decision
         new.append(decision)
         _replace(state, i, {**messages[i], "content": decision.replacement}, counter)
@@ -209,19 +211,32 @@ def fold(state: State, messages: Sequence[dict[str, Any]], rules: Rules, counter
         return
     if not required and rules.scaled(total + rules.tools_tokens + _FOLD_STUB_TOKENS) > rules.budget.target:
         return
-    decision = _fold_decision(state, messages, start, end, rules)
-    writes.append(OverflowWrite(decision.overflow_id, canonical_json(list(messages[start:end])).decode(), "fold", ""))
+    decision, size = _fold_decision(state, messages, start, end, rules)
+    writes.append(OverflowWrite(decision.overflow_id, "", "fold", "", span=(start, end), size=size))
     state.fold = decision
     new.append(decision)
     apply_fold(state, decision, messages, counter)
 
 
-def _fold_decision(state: State, messages: Sequence[dict[str, Any]], start: int, end: int, rules: Rules) -> Decision:
-    body = canonical_json(list(messages[start:end]))
-    overflow_id = sha256_text(body.decode())
-    stub = fold_stub(overflow_id, messages[start:end], len(body), rules.storage, rules.overflow_dir)
-    return Decision("fold", state.ids[start], _digest(state.hashes[start:end]), stub, overflow_id,
-                    until=state.ids[end - 1], count=end - start)
+def _fold_decision(state: State, messages: Sequence[dict[str, Any]], start: int, end: int,
+                   rules: Rules) -> tuple[Decision, int]:
+    """The fold of ``[start, end)`` and the byte length of its body. Its id is the sha256 of ``fold_body``, as it
+    always was, but only the messages the last fold did not cover are serialised and hashed here."""
+    run = state.fold_sum
+    if run is None or run.start != start or run.end > end:
+        run = FoldSum.empty(start)
+    state.fold_sum = run.extend(canonical_json(messages[i]) for i in range(run.end, end))
+    overflow_id, size = state.fold_sum.closed()
+    stub = fold_stub(overflow_id, messages[start:end], size, rules.storage, rules.overflow_dir)
+    decision = Decision("fold", state.ids[start], _digest(state.hashes[start:end]), stub, overflow_id,
+                        until=state.ids[end - 1], count=end - start)
+    return decision, size
+
+
+def fold_body(messages: Sequence[dict[str, Any]], span: tuple[int, int]) -> str:
+    """What a fold of ``span`` stands for, byte for byte: the canonical JSON array of those messages (the journal
+    rebuilds it from the messages' own stored bodies)."""
+    return canonical_json(list(messages[span[0]:span[1]])).decode()
 
 
 def _digest(hashes: Sequence[str]) -> str:

@@ -37,9 +37,18 @@ class Decision:
 
 @dataclass(frozen=True)
 class OverflowWrite:
-    """A body the caller must store (content-addressed, under the session) before forwarding the projection."""
+    """A body the caller must store (content-addressed, under the session) before forwarding the projection.
+
+    A body the journal holds already is named rather than stored again: ``span`` is the ``[start, end)`` of the
+    request's own messages it is made of. ``part`` "messages": a fold, the canonical JSON array of those messages
+    (``fold_body``), whose sha256 ``overflow_id`` is; ``body`` is empty and ``size`` is its byte length (a fold
+    stored its whole span again, and each later fold the longer span: the journal grew with the square of the
+    session). ``part`` "content": one tool result's whole content (spilled or elided), also in ``body``."""
 
     overflow_id: str
     body: str
     tool: str
     call_id: str
+    span: tuple[int, int] | None = None
+    size: int = 0
+    part: Literal["messages", "content"] = "messages"

@@ -157,7 +157,7 @@ def _ingest(state: State, i: int, messages: Sequence[dict[str, Any]], message_ha
     if message.get("role") == "tool":
         state.tool_indices.append(i)
         state.result_calls[i] = state.calls.get(str(message.get("tool_call_id")), ("?", ""))
-        out = _cut_tool_result(state, mid, message, message_hash, rules, new, writes, spill=i >= seen)
+        out = _cut_tool_result(state, i, message, message_hash, rules, new, writes, spill=i >= seen)
     elif message.get("role") == "assistant" and message.get("tool_calls"):
         state.call_indices.append(i)
         out = _cut_calls(state, mid, message, message_hash)
@@ -174,9 +174,10 @@ def _ingest(state: State, i: int, messages: Sequence[dict[str, Any]], message_ha
     state.total += count
 
 
-def _cut_tool_result(state: State, mid: str, message: dict[str, Any], message_hash: str, rules: Rules,
+def _cut_tool_result(state: State, i: int, message: dict[str, Any], message_hash: str, rules: Rules,
                      new: list[Decision], writes: list[OverflowWrite], spill: bool) -> dict[str, Any]:
     """The result as it goes out: a stored decision re-applied, or (arriving now) a spill decided, or untouched."""
+    mid = state.ids[i]
     if mid in state.pins:
         return message
     decided = state.decided.get(mid)
@@ -196,7 +197,7 @@ def _cut_tool_result(state: State, mid: str, message: dict[str, Any], message_ha
     decision = Decision("spill", mid, message_hash, stub, overflow_id)
     state.decided[mid] = decision
     new.append(decision)
-    writes.append(OverflowWrite(overflow_id, content, tool, call_id))
+    writes.append(OverflowWrite(overflow_id, content, tool, call_id, (i, i + 1), len(content.encode()), "content"))
     return {**message, "content": stub}
 
 

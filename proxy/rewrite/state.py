@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
@@ -13,7 +14,7 @@ from proxy.rewrite.decisions import Decision
 from proxy.rewrite.fenced import Preset
 from proxy.rewrite.segments import FencedResult
 
-__all__ = ["READ_OVERFLOW", "Counter", "Rules", "State", "sha256_text"]
+__all__ = ["READ_OVERFLOW", "Counter", "FoldSum", "Rules", "State", "sha256_text"]
 
 READ_OVERFLOW = "read_overflow"
 """Results of the tool that restores cut content are never cut again."""
@@ -36,6 +37,41 @@ class Rules:
 
     def scaled(self, estimate: int) -> int:
         return math.ceil(round(estimate * self.k, 9))  # 50 × 1.1 is 55, not 55.000000000000007 → 56
+
+
+@dataclass(frozen=True)
+class FoldSum:
+    """A fold body's sha256 and byte length so far: ``[`` then the canonical JSON of messages ``[start, end)``
+    joined by ``,`` (the closing ``]`` is added when a digest is taken). A fold that extends the last one hashes only
+    the messages it adds; re-serialising the whole span on every fold made the fold requests the slowest of a long
+    session. Never mutated (``extend`` hashes on a copy), so a copied ``State`` may share it."""
+
+    start: int
+    end: int
+    digest: Any
+    """A ``hashlib.sha256`` object."""
+    size: int
+
+    @staticmethod
+    def empty(start: int) -> FoldSum:
+        return FoldSum(start, start, hashlib.sha256(b"["), 1)
+
+    def extend(self, bodies: Iterable[bytes]) -> FoldSum:
+        """This sum with ``bodies`` (the canonical JSON of the next messages, in order) appended."""
+        digest, size, end = self.digest.copy(), self.size, self.end
+        for body in bodies:
+            if end > self.start:
+                digest.update(b",")
+                size += 1
+            digest.update(body)
+            size, end = size + len(body), end + 1
+        return FoldSum(self.start, end, digest, size)
+
+    def closed(self) -> tuple[str, int]:
+        """(sha256 hex, byte length) of the whole body, ``]`` included."""
+        digest = self.digest.copy()
+        digest.update(b"]")
+        return digest.hexdigest(), self.size + 1
 
 
 @dataclass
@@ -65,6 +101,8 @@ class State:
     pins: dict[str, str] = field(default_factory=dict)
     """Pinned identities and who pinned them (operator or model)."""
     fold: Decision | None = None
+    fold_sum: FoldSum | None = None
+    """The running digest of the latest fold's body (None after a recomputation: the next fold hashes afresh)."""
     hides: tuple[Decision, ...] = ()
     """Rounds taken out of the projection altogether (the agent's own edits of the mirror, once applied)."""
     hidden: tuple[int, ...] = ()

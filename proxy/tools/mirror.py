@@ -52,11 +52,32 @@ def mirror_path(settings: MirrorPlaces, session_id: str) -> Path:
     return folder / "LIVE_CONTEXT.json"
 
 
-def mirror_document(session: str, revision: int, ids: Sequence[str], messages: Sequence[dict[str, Any]]) -> str:
-    """The projection as the model sees it, one entry per message, each with the identity a revision keys on."""
-    entries = [{"id": mid, **{k: v for k, v in m.items() if k in ("role", "content", "tool_call_id", "tool_calls")}}
-               for mid, m in zip(ids, messages, strict=True)]
-    return json.dumps({"session": session, "revision": revision, "messages": entries}, indent=1, ensure_ascii=False)
+def mirror_document(session: str, revision: int, ids: Sequence[str], messages: Sequence[dict[str, Any]],
+                    hashes: Sequence[str] = (), cache: dict[tuple[str, str], str] | None = None) -> str:
+    """The projection as the model sees it, one entry per message, each with the identity a revision keys on:
+    ``json.dumps(..., indent=1, ensure_ascii=False)`` of ``{"session", "revision", "messages"}``, assembled from each
+    entry's own text. With the messages' ``hashes``, ``cache`` keeps those texts by (identity, hash) from one version
+    to the next (left holding the current entries only), so a mirror that grows by a round serialises that round."""
+    if not ids:
+        return json.dumps({"session": session, "revision": revision, "messages": []}, indent=1, ensure_ascii=False)
+    known = cache if cache is not None and hashes else {}
+    texts, kept = [], {}
+    for mid, message, digest in zip(ids, messages, hashes or [""] * len(ids), strict=True):
+        key = (mid, digest)
+        text = known.get(key) or _entry_text(mid, message)
+        kept[key] = text
+        texts.append(text)
+    if cache is not None and hashes:
+        cache.clear()
+        cache.update(kept)
+    head = json.dumps({"session": session, "revision": revision}, indent=1, ensure_ascii=False)[:-2]
+    return head + ',\n "messages": [\n' + ",\n".join(texts) + "\n ]\n}"
+
+
+def _entry_text(mid: str, message: dict[str, Any]) -> str:
+    """One entry as it stands in the document: two spaces in, its inner lines too (JSON strings hold no newline)."""
+    entry = {"id": mid, **{k: v for k, v in message.items() if k in ("role", "content", "tool_call_id", "tool_calls")}}
+    return "  " + json.dumps(entry, indent=1, ensure_ascii=False).replace("\n", "\n  ")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,307 @@
+"""A 600-round agent run through the real proxy: what each request costs, what the journal keeps, what the GPU does.
+
+Why: the latency bench times one body many times; a long session is where costs that grow with the history show
+(a fold that re-serialises everything folded before, a file rewritten on every request, a journal that grows with
+the square of the session). Per window (32k and 128k by default) this replays ``tests/workloads.py``'s
+``conversation(rounds=600)`` — each request the history through the newest tool result, as an agent sends it —
+through a fresh ``ctxproxy serve`` process, each request also sent directly to the upstream, interleaved (the
+order alternates), and reports:
+
+- the added latency per request (proxied − direct, same body): median, p99, max, and how many requests took more
+  than twice the median (goal: none);
+- the journal's size on disk (the SQLite file and its WAL, after the proxy stopped) against the raw history (the
+  last request's messages, compact JSON; goal ≤ 2×), and how much of it is fold bodies stored as blobs;
+- the proxy's resident memory when idle (before the first chat) and after the run (goal ≤ idle + 40 MB);
+- the GPU seconds of the run's upstream request trace (each forward's characters, and those repeating the
+  previous forward from its start) from the shared H200 cost model: ``gpu_seconds.py`` in the folder
+  ``--gpu-model DIR`` or ``CTXPROXY_GPU_MODEL`` names (the peers' ``bench/gpu/``, not part of the repository);
+  without it that column is left out, and the report says so.
+
+The upstream is ``fake_upstream.py``'s fixed answer without ``usage`` (its constant ``prompt_tokens`` would
+calibrate the proxy's token estimate to the clamp), in its own process. ``--source DIR`` runs the proxy from
+another checkout (``git archive main | tar -x -C DIR``) to measure the code before a change with the same bench.
+
+Run: ``.venv/bin/python bench/long_run.py --markdown --gpu-model PEERS/gpu``
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(BENCH))
+
+import fake_upstream  # noqa: E402
+import harness  # noqa: E402
+import latency  # noqa: E402
+
+from tests.workloads import conversation  # noqa: E402
+
+GPU_ENV = "CTXPROXY_GPU_MODEL"
+WINDOWS = (32768, 131072)
+NO_USAGE = json.dumps({k: v for k, v in json.loads(fake_upstream.COMPLETION).items() if k != "usage"},
+                      separators=(",", ":")).encode()
+
+
+# --- the upstream -------------------------------------------------------------------------------------------------
+async def _upstream_app(scope: Any, receive: Any, send: Any) -> None:
+    """``fake_upstream.app`` answering chats without ``usage``."""
+    if scope["type"] == "http" and scope["method"] == "POST" and scope["path"].endswith("/chat/completions"):
+        await fake_upstream.read_body(receive)
+        await fake_upstream.send_bytes(send, 200, NO_USAGE)
+        return
+    await fake_upstream.app(scope, receive, send)
+
+
+def serve_upstream(port: int) -> None:
+    import uvicorn
+
+    uvicorn.run(_upstream_app, host="127.0.0.1", port=port, loop="uvloop", http="httptools", access_log=False,
+                log_level="warning", server_header=False, date_header=False)
+
+
+@contextlib.contextmanager
+def upstream(tmp: Path) -> Iterator[str]:
+    """The fake upstream in its own process; its base URL (without /v1)."""
+    port = latency.free_port()
+    proc = latency._spawn([sys.executable, __file__, "--serve-upstream", str(port)], tmp / "upstream.log",
+                          os.environ.copy())
+    try:
+        latency._wait_ready(proc, f"http://127.0.0.1:{port}/v1/models", tmp / "upstream.log")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        latency._stop(proc)
+
+
+# --- one run ------------------------------------------------------------------------------------------------------
+def bodies(rounds: int) -> list[bytes]:
+    """The agent's requests, serialised once: the history through each tool result."""
+    return [orjson.dumps(body) for body in harness.requests_of(conversation(rounds=rounds))]
+
+
+def replay(direct: str, proxies: list[str], requests: list[bytes]) -> list[list[int]]:
+    """Per request, [direct ns, then each proxy's ns]: the same body to each, in an order that rotates."""
+    clients = [httpx.Client(base_url=url, timeout=600) for url in (direct, *proxies)]
+    rows = []
+    try:
+        for i, body in enumerate(requests):
+            times = [0] * len(clients)
+            for k in range(len(clients)):
+                j = (i + k) % len(clients)
+                times[j] = latency.time_whole(clients[j], latency.CHAT_PATH, body)
+            rows.append(times)
+    finally:
+        for client in clients:
+            client.close()
+    return rows
+
+
+@contextlib.contextmanager
+def proxy_process(upstream_base: str, tmp: Path, window: int, source: Path) -> Iterator[tuple[str, int, Path]]:
+    """``harness.proxy_process``, run from ``source`` (its working directory and PYTHONPATH): URL, PID, data dir."""
+    port, data = latency.free_port(), tmp / f"data-{time.monotonic_ns()}"
+    command = [sys.executable, "-c", harness.AS_INSTALLED, "serve", "--upstream", upstream_base + "/v1",
+               "--host", "127.0.0.1", "--port", str(port), "--data-dir", str(data)]
+    env = latency._proxy_environ([f"CTXPROXY_CTX_WINDOW={window}", f"PYTHONPATH={source}"])
+    log_path = tmp / f"proxy-{port}.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                cwd=source)
+    try:
+        latency._wait_ready(proc, f"http://127.0.0.1:{port}/healthz", log_path)
+        httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=30)  # loads what the first request would
+        yield f"http://127.0.0.1:{port}", proc.pid, data
+    finally:
+        latency._stop(proc)
+
+
+def run_window(window: int, requests: list[bytes], tmp: Path, sources: list[Path]) -> list[dict[str, Any]]:
+    """One run per source, side by side: each request goes direct and to every source's proxy in turn."""
+    history = len(orjson.dumps(orjson.loads(requests[-1])["messages"]))
+    with upstream(tmp) as base, contextlib.ExitStack() as stack:
+        proxies = [stack.enter_context(proxy_process(base, tmp, window, source)) for source in sources]
+        idle = [harness.rss_mb(pid, "VmRSS") for _, pid, _ in proxies]
+        started = time.monotonic()
+        rows = replay(base, [url for url, _, _ in proxies], requests)
+        seconds = time.monotonic() - started
+        after = [harness.rss_mb(pid, "VmRSS") for _, pid, _ in proxies]
+    runs = []
+    for k, (source, (_, _, data)) in enumerate(zip(sources, proxies, strict=True)):
+        added = [(row[k + 1] - row[0]) / 1e6 for row in rows]
+        runs.append({"source": str(source), "window": window, "requests": len(requests), "seconds": round(seconds, 1),
+                     **added_latency(added, fold_requests(data / "journal.db")), **journal_size(data, history),
+                     "idle_rss_mb": round(idle[k], 1), "after_rss_mb": round(after[k], 1),
+                     "rss_growth_mb": round(after[k] - idle[k], 1), "trace": trace(data / "journal.db")})
+    return runs
+
+
+def added_latency(added: list[float], folds: list[int]) -> dict[str, Any]:
+    """The added latency's spread, and the requests that folded against their neighbours (the ten before and
+    after, folds left out): the body grows from a few KB to 6.7 MB, so the cost of a request is judged beside
+    those of about its size."""
+    median = statistics.median(added)
+    p99 = statistics.quantiles(added, n=100, method="inclusive")[98]
+    slow = [i for i, a in enumerate(added) if a > 2 * median]
+    local = [a / _neighbours(added, i, set(folds)) for i, a in enumerate(added)]
+    fold_ratios = [local[i] for i in folds]
+    return {"added_median_ms": round(median, 2), "added_p99_ms": round(p99, 2), "added_max_ms": round(max(added), 2),
+            "over_2x_median": len(slow), "over_2x_median_requests": slow[:20],
+            "over_2x_neighbours": sum(r > 2 for r in local), "folds": len(folds),
+            "fold_vs_neighbours_median": round(statistics.median(fold_ratios), 2) if folds else None,
+            "fold_vs_neighbours_max": round(max(fold_ratios), 2) if folds else None,
+            "added_ms": [round(a, 2) for a in added], "fold_requests": folds}
+
+
+def _neighbours(added: list[float], i: int, skip: set[int]) -> float:
+    around = [added[j] for j in range(max(0, i - 10), min(len(added), i + 11)) if j != i and j not in skip]
+    return max(statistics.median(around), 1e-3) if around else max(added[i], 1e-3)
+
+
+def fold_requests(journal: Path) -> list[int]:
+    """The positions (in the run) of the requests whose projection folded."""
+    with contextlib.closing(sqlite3.connect(journal)) as db:
+        ids = [r[0] for r in db.execute("SELECT id FROM requests ORDER BY id")]
+        folded = {r[0] for r in db.execute("SELECT request_id FROM decisions WHERE kind = 'fold'")}
+    return [i for i, request_id in enumerate(ids) if request_id in folded]
+
+
+def journal_size(data: Path, history: int) -> dict[str, Any]:
+    """The journal on disk after the proxy stopped, and the fold bodies stored as blobs (the old way)."""
+    files = [data / "journal.db", data / "journal.db-wal"]
+    size = sum(f.stat().st_size for f in files if f.exists())
+    with contextlib.closing(sqlite3.connect(data / "journal.db")) as db:
+        folds = db.execute("SELECT COALESCE(SUM(b.chars), 0) FROM overflow o JOIN blobs b ON b.hash = o.id"
+                           " WHERE o.tool = 'fold'").fetchone()[0]
+        kinds = dict(db.execute("SELECT kind, SUM(chars) FROM blobs GROUP BY kind"))
+    return {"history_bytes": history, "journal_bytes": size, "journal_ratio": round(size / history, 2),
+            "fold_blob_bytes": folds, "blob_chars_by_kind": kinds}
+
+
+def trace(journal: Path) -> list[dict[str, int]]:
+    """Each forward upstream, in order: its characters (messages' canonical JSON and the tool list) and those that
+    repeat the previous forward from its start, as ``gpu_seconds.py`` reads them."""
+    with contextlib.closing(sqlite3.connect(journal)) as db:
+        chars = dict(db.execute("SELECT hash, chars FROM blobs WHERE kind = 'message'"))
+        rows = db.execute("SELECT f.list_id, b.body FROM forwards f JOIN blobs b ON b.hash = f.params_hash"
+                          " ORDER BY f.request_id, f.attempt").fetchall()
+        lists = {lid: _hashes(db, lid) for lid in {r[0] for r in rows}}
+    out, previous, previous_tools = [], [], None
+    for list_id, params in rows:
+        hashes, tools = lists[list_id], json.loads(params).get("tools")
+        tool_chars = len(json.dumps(tools, separators=(",", ":"))) if tools else 0
+        same = 0
+        if tools == previous_tools:
+            same = next((i for i, (a, b) in enumerate(zip(previous, hashes, strict=False)) if a != b),
+                        min(len(previous), len(hashes)))
+        total = sum(chars[h] for h in hashes) + tool_chars
+        reused = sum(chars[h] for h in hashes[:same]) + (tool_chars if previous else 0) if same else 0
+        out.append({"chars": total, "reused_chars": reused})
+        previous, previous_tools = hashes, tools
+    return out
+
+
+def _hashes(db: sqlite3.Connection, list_id: int) -> list[str]:
+    pieces, current = [], list_id
+    while current is not None:
+        base_id, base_len, added = db.execute("SELECT base_id, base_len, added FROM message_lists WHERE id = ?",
+                                              [current]).fetchone()
+        pieces.append((base_len, json.loads(added)))
+        current = base_id
+    hashes: list[str] = []
+    for base_len, added in reversed(pieces):
+        hashes = hashes[:base_len] + added
+    return hashes
+
+
+def gpu_seconds(model_dir: Path | None, rows: list[dict[str, int]], tmp: Path) -> dict[str, Any] | None:
+    """The shared cost model's verdict on the trace, or None without the model (``--gpu-model``)."""
+    if model_dir is None:
+        return None
+    path = tmp / f"trace-{time.monotonic_ns()}.json"
+    path.write_text(json.dumps(rows))
+    done = subprocess.run([sys.executable, str(model_dir / "gpu_seconds.py"), str(path)], capture_output=True,
+                          text=True, check=True)
+    return dict(json.loads(done.stdout))
+
+
+# --- the report ---------------------------------------------------------------------------------------------------
+def markdown(report: dict[str, Any]) -> str:
+    lines = ["| source | window | requests | added median / p99 / max (ms) | > 2× median | > 2× neighbours |"
+             " fold requests: n, vs neighbours median / max | journal / history (MB) | of it fold blobs (MB) |"
+             " RSS idle → after (MB) | GPU s (tokens processed) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in report["runs"]:
+        gpu = r.get("gpu")
+        gpu_cell = f"{gpu['total_s']} ({gpu['tokens_processed'] / 1000:.0f}k)" if gpu else "—"
+        lines.append(f"| {Path(r['source']).name} | {r['window'] // 1024}k | {r['requests']} | "
+                     f"{r['added_median_ms']} / {r['added_p99_ms']} / {r['added_max_ms']} | {r['over_2x_median']} | "
+                     f"{r['over_2x_neighbours']} | {r['folds']}, {r['fold_vs_neighbours_median']}× / "
+                     f"{r['fold_vs_neighbours_max']}× | {r['journal_bytes'] / 1e6:.1f} / "
+                     f"{r['history_bytes'] / 1e6:.1f} ({r['journal_ratio']}×) | {r['fold_blob_bytes'] / 1e6:.1f} | "
+                     f"{r['idle_rss_mb']} → {r['after_rss_mb']} | {gpu_cell} |")
+    if report["gpu_note"]:
+        lines.append(f"\n{report['gpu_note']}")
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--rounds", type=int, default=600)
+    parser.add_argument("--windows", default=",".join(map(str, WINDOWS)), help="comma-separated token windows")
+    parser.add_argument("--gpu-model", type=Path, default=Path(os.environ[GPU_ENV]) if os.environ.get(GPU_ENV)
+                        else None, help=f"the folder of the shared gpu_seconds.py (or {GPU_ENV})")
+    parser.add_argument("--source", type=Path, action="append", help="a checkout to run the proxy from (repeat to "
+                        "run several side by side, same requests, interleaved); default: this one")
+    parser.add_argument("--json", type=Path, help="write the raw numbers here")
+    parser.add_argument("--markdown", action="store_true")
+    parser.add_argument("--serve-upstream", type=int, help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers it started (their finally blocks)
+    if args.serve_upstream:
+        serve_upstream(args.serve_upstream)
+        return 0
+    requests = bodies(args.rounds)
+    note = "" if args.gpu_model else (f"GPU seconds left out: no cost model given (--gpu-model DIR or {GPU_ENV}, "
+                                      "the folder holding the shared gpu_seconds.py).")
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for window in (int(w) for w in args.windows.split(",")):
+            folder = Path(tmp) / str(window)
+            folder.mkdir()
+            for run in run_window(window, requests, folder, [p.resolve() for p in args.source or [ROOT]]):
+                run["gpu"] = gpu_seconds(args.gpu_model, run.pop("trace"), folder)
+                runs.append(run)
+            print(f"  {window}: {len(requests)} requests in {runs[-1]['seconds']} s", file=sys.stderr)
+    report = {"command": " ".join(["bench/long_run.py", *(argv if argv is not None else sys.argv[1:])]),
+              "rounds": args.rounds, "gpu_note": note, "runs": runs}
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    print(markdown(report) if args.markdown else json.dumps({**report, "runs": [
+        {k: v for k, v in r.items() if k not in ("added_ms", "fold_requests")} for r in runs]}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""The live mirror is written only while it is of use and only when what it shows changed.
+
+Before, ``LIVE_CONTEXT.json`` was rewritten, read back and hashed on every request while the mirror was on (9% of
+the samples of a 600-round run), and written even with the context tools off, when no edit of it could ever be
+committed. A draft of the model's is still never overwritten: a changed file is noticed by its size and times.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from config import load_settings
+from proxy.rewrite import message_hash
+from proxy.tools.mirror import mirror_document
+from store import Journal, SessionState, record_session_state, session_state
+from tests.conftest import app_client
+from tests.fakes import CountingUpstream
+from tests.test_journal import incoming
+
+TOOLS = [{"type": "function", "function": {"name": "read_file", "parameters": {
+    "type": "object", "properties": {"path": {"type": "string"}}}}}]
+PARAGRAPH = "You manage your context"
+OLD = 10**9
+"""A file time long past: a file the proxy writes again gets the current time."""
+
+
+def _body(rounds: int, size: int = 3000) -> dict[str, Any]:
+    """Eight newest results protected, each about 1000 tokens: elision cannot reach the target (the mirror's case)."""
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": "You are an agent."},
+                                  {"role": "user", "content": "Fix the bug."}]
+    for k in range(1, rounds + 1):
+        msgs += [{"role": "assistant", "content": None, "tool_calls": [
+            {"id": f"call_{k}", "type": "function", "function": {"name": "read_file", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": f"call_{k}", "content": f"{k % 10}" * size}]
+    return {"model": "m", "tools": TOOLS, "messages": msgs}
+
+
+def _settings(tmp_path: Path, **extra: str) -> Any:
+    return load_settings(env={"CTXPROXY_UPSTREAM": "http://u.test/v1", "CTXPROXY_CTX_WINDOW": "16384",
+                              "CTXPROXY_SPILL_CHARS": "100000", "CTXPROXY_KEEP_RESULTS": "8",
+                              "CTXPROXY_DATA_DIR": str(tmp_path / "data"), "CTXPROXY_MIRROR_DIR": str(tmp_path / "ws"),
+                              **extra})
+
+
+def _send(tmp_path: Path, bodies: list[dict[str, Any]], between: Any = None, **extra: str) -> list[str]:
+    """Each request's upstream body, as text; ``between(i)`` runs before request ``i`` (from the second on)."""
+    fake = CountingUpstream(window=16384)  # answers with the real prompt size: the calibration stays near 1
+    with app_client(_settings(tmp_path, **extra), httpx.ASGITransport(app=fake)) as client:
+        for i, body in enumerate(bodies):
+            if i and between is not None:
+                between(i)
+            assert client.post("/v1/chat/completions", json=body).status_code == 200
+    return [got.body.decode() for got in fake.chats]
+
+
+def test_the_mirror_is_not_rewritten_when_what_it_shows_is_unchanged(tmp_path: Path) -> None:
+    mirror = tmp_path / "ws" / "LIVE_CONTEXT.json"
+    sent = _send(tmp_path, [_body(13)] * 3, between=lambda i: os.utime(mirror, ns=(OLD, OLD)))
+    assert all(PARAGRAPH in s for s in sent)  # on for every request, as before
+    assert mirror.stat().st_mtime_ns == OLD  # touched, not changed: the same projection is not written again
+
+
+def test_the_mirror_is_rewritten_when_the_projection_changed(tmp_path: Path) -> None:
+    mirror = tmp_path / "ws" / "LIVE_CONTEXT.json"
+    first, second = _body(13), _body(14)
+    _send(tmp_path, [first, second], between=lambda i: os.utime(mirror, ns=(OLD, OLD)))
+    shown = [e["id"] for e in json.loads(mirror.read_text())["messages"]]
+    assert mirror.stat().st_mtime_ns != OLD and "tool:call_14" in shown
+
+
+def test_a_draft_of_the_model_is_still_never_overwritten(tmp_path: Path) -> None:
+    mirror = tmp_path / "ws" / "LIVE_CONTEXT.json"
+
+    def edit(_: int) -> None:
+        draft = json.loads(mirror.read_text())
+        draft["messages"] = [e for e in draft["messages"] if e.get("tool_call_id") != "call_9"]
+        mirror.write_text(json.dumps(draft))
+
+    _send(tmp_path, [_body(13), _body(14)], between=edit)
+    shown = [e["id"] for e in json.loads(mirror.read_text())["messages"]]
+    assert "tool:call_9" not in shown and "tool:call_14" not in shown  # the draft as the model left it
+
+
+def test_without_the_context_tools_no_mirror_is_written_nor_announced(tmp_path: Path) -> None:
+    sent = _send(tmp_path, [_body(13, 3600), _body(14, 3600)], CTXPROXY_TOOLS_ENABLED="off")
+    assert not any(PARAGRAPH in s for s in sent)
+    assert not (tmp_path / "ws" / "LIVE_CONTEXT.json").exists()
+
+
+def test_the_journal_keeps_each_mirror_entry_once_and_gives_the_text_back(tmp_path: Path) -> None:
+    """Each version of a growing mirror is journaled (a restart judges a pending draft against it), as pieces
+    stored once: the journal holds about one copy of the last version, not the sum of every version."""
+    journal = Journal(tmp_path / "j.db")
+    try:
+        recorded = journal.record_request(incoming([{"role": "user", "content": "task"}]))
+        msgs = _body(40, 500)["messages"]
+        ids = [f"m{i}" for i in range(len(msgs))]
+        texts = [mirror_document(recorded.session_id, n // 30, ids[:n], msgs[:n]) for n in range(len(msgs) + 1)]
+        for text in texts:
+            state = SessionState(mirror="LIVE_CONTEXT.json", mirror_text=text)
+            record_session_state(journal, recorded.session_id, recorded.request_id, state, "2026-01-01T00:00:00")
+            assert session_state(journal, recorded.session_id).mirror_text == text
+        stored = journal.conn.execute("SELECT SUM(chars) FROM blobs WHERE kind = 'mirror'").fetchone()[0]
+        assert stored <= 1.5 * len(texts[-1]), (stored, len(texts[-1]), sum(map(len, texts)))
+        off = SessionState(mirror=None, mirror_text=None)
+        record_session_state(journal, recorded.session_id, recorded.request_id, off, "2026-01-01T00:00:01")
+        assert session_state(journal, recorded.session_id) == off
+    finally:
+        journal.close()
+
+
+def test_the_mirror_assembled_from_cached_entries_is_the_json_it_always_was() -> None:
+    msgs = _body(6, 40)["messages"] + [{"role": "user", "content": "é\n\"quoted\"\ttab"}]
+    ids = [f"m{i}" for i in range(len(msgs))]
+    cache: dict[tuple[str, str], str] = {}
+    for n in [0, 1, 4, len(msgs), len(msgs)]:
+        whole = json.dumps({"session": "s", "revision": n, "messages": [
+            {"id": mid, **{k: v for k, v in m.items() if k in ("role", "content", "tool_call_id", "tool_calls")}}
+            for mid, m in zip(ids[:n], msgs[:n], strict=True)]}, indent=1, ensure_ascii=False)
+        hashes = [message_hash(m) for m in msgs[:n]]
+        assert mirror_document("s", n, ids[:n], msgs[:n], hashes, cache) == whole
+    changed = [*msgs[:-1], {"role": "user", "content": "cut"}]  # same identity, another message: not the old text
+    text = mirror_document("s", 0, ids, changed, [message_hash(m) for m in changed], cache)
+    assert json.loads(text)["messages"][-1]["content"] == "cut" and len(cache) == len(ids)
