@@ -1,0 +1,76 @@
+"""The per-request cost of an ordinary request: what the proxy recomputes when a request carries new text.
+
+The peers' latency method sends the same history with a new user message each time, so every request is a fork
+of the last one and its projection is recomputed from the session's decisions. What was counted or serialised
+for an earlier request must not be done again: these tests count the work, never time it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from starlette.testclient import TestClient
+
+from config import load_settings
+from proxy.rewrite.tokens import MessageCounter, TextCounter
+from proxy.state import AppState
+from tests.conftest import app_client
+from tests.fakes import FakeUpstream
+
+
+class CountingText:
+    """A real text counter that delegates to the proxy's and remembers what it was asked to count."""
+
+    def __init__(self, inner: TextCounter) -> None:
+        self.inner = inner
+        self.texts: list[str] = []
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    def count(self, text: str) -> int:
+        self.texts.append(text)
+        return self.inner.count(text)
+
+
+def history(rounds: int) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are an agent."},
+                                      {"role": "user", "content": "Fix the failing test."}]
+    for k in range(rounds):
+        messages.append({"role": "assistant", "content": None, "tool_calls": [
+            {"id": f"call_{k}", "type": "function", "function": {"name": "sh", "arguments": f'{{"n": {k}}}'}}]})
+        messages.append({"role": "tool", "tool_call_id": f"call_{k}", "content": f"output {k}\n" + "word " * 900})
+    return messages
+
+
+@pytest.fixture
+def small_window(tmp_path: Path) -> Iterator[tuple[TestClient, CountingText]]:
+    """The app at an 8k window (a 20-round history gets its oldest results elided), tokenizer calls recorded."""
+    settings = load_settings(env={"CTXPROXY_DATA_DIR": str(tmp_path), "CTXPROXY_UPSTREAM": "http://u.test/v1",
+                                  "CTXPROXY_CTX_WINDOW": "8192"})
+    with app_client(settings, httpx.ASGITransport(app=FakeUpstream())) as client:
+        state: AppState = client.app.state.ctx  # type: ignore[attr-defined]
+        state.counter = MessageCounter(CountingText(state.counter.text_counter))
+        yield client, state.counter.text_counter  # type: ignore[misc]
+
+
+def _send(client: TestClient, messages: list[dict[str, Any]]) -> None:
+    response = client.post("/v1/chat/completions", json={"model": "fake-model", "messages": messages})
+    assert response.status_code == 200, response.text
+
+
+def test_a_request_with_new_text_counts_only_its_new_message(small_window: tuple[TestClient, CountingText]) -> None:
+    client, text = small_window
+    messages = history(20)
+    for k in range(1, 21):
+        _send(client, messages[:2 + 2 * k])
+    _send(client, [*messages, {"role": "user", "content": "continue (nonce 0)"}])
+    text.texts.clear()
+    for i in (1, 2):  # each forks the last: its projection is recomputed, its elided results' stubs recounted
+        _send(client, [*messages, {"role": "user", "content": f"continue (nonce {i})"}])
+    assert text.texts == ["continue (nonce 1)", "continue (nonce 2)"]
