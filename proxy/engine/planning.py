@@ -22,7 +22,6 @@ import orjson
 from config import Settings
 from proxy.budgets import budget_for
 from proxy.context import SessionContext
-from proxy.engine.counting import IdentifiedCounter
 from proxy.engine.policy import (
     assemble,
     confirmation_notice,
@@ -48,7 +47,8 @@ from proxy.rewrite import (
 )
 from proxy.rewrite.fenced import presets_for, route_of
 from proxy.rewrite.identity import content_text
-from proxy.rewrite.state import Counter, sha256_text
+from proxy.rewrite.state import sha256_text
+from proxy.rewrite.tokens import MessageCounter
 from proxy.state import AppState
 from proxy.tools.mirror import mirror_document, mirror_path
 from proxy.tools.offer import person_asked, turn_in
@@ -141,8 +141,8 @@ def _shape(app: AppState, settings: Settings, ctx: SessionContext, ask: _Ask, wi
     body, messages = ask.body, cast(list[dict[str, Any]], ask.body["messages"])
     rules = _rules(app, settings, ctx, ask, window)
     may_offer = _schemas_may_go(settings, body, bool(rules.fenced))
-    p = _checked_projection(messages, ask.incoming.hashes, ctx.decisions, rules, IdentifiedCounter(app.counter),
-                            previous, ask.recorded.seen)
+    p = _checked_projection(messages, ask.incoming.hashes, ctx.decisions, rules, app.counter, previous,
+                            ask.recorded.seen)
     mirror = None if ask.incognito or ask.splice else _mirror(ctx, settings, ask.recorded.session_id, p)
     offered = ask.offer and (_offered(ctx, settings, body, messages, p, rules) or (
         (ask.compact is not None or ctx.mirror is not None) and settings.tools_enabled))
@@ -238,7 +238,7 @@ def _notices(ctx: SessionContext, settings: Settings, p: Projection, rules: Rule
 
 
 def _checked_projection(messages: list[dict[str, Any]], hashes: Sequence[str], decisions: Sequence[Decision],
-                        rules: Rules, counter: Counter, previous: State | None, seen: int) -> Projection:
+                        rules: Rules, counter: MessageCounter, previous: State | None, seen: int) -> Projection:
     """The projection, refused if it cannot fit, the request as it came if it broke an invariant. Pure and sized by
     the request: a large one's runs on the worker (``proxy.heavy``), under the session's lock."""
     p = project(messages, hashes, decisions, rules, counter, previous, seen)
@@ -274,8 +274,10 @@ def _forward_record(recorded: RecordedRequest, incoming: IncomingRequest, ctx: S
         return record
     base_id, base = ctx.sent_list or (recorded.list_id, list(incoming.hashes))
     same = next((i for i, (a, b) in enumerate(zip(base, hashes, strict=False)) if a != b), min(len(base), len(hashes)))
+    known = dict(zip(incoming.hashes, incoming.bodies, strict=True))  # an untouched message's body: serialised
     return replace(record, length=len(hashes), base_list_id=base_id, base_len=same, added_hashes=hashes[same:],
-                   added_bodies=[canonical_json(m) for m in sent[same:]])
+                   added_bodies=[known.get(h) or canonical_json(m) for h, m in zip(hashes[same:], sent[same:],
+                                                                                   strict=True)])
 
 
 def describe_overflow(report: Report, messages: list[Any], ids: list[str]) -> str:
