@@ -71,6 +71,35 @@ def test_a_request_with_new_text_counts_only_its_new_message(small_window: tuple
         _send(client, messages[:2 + 2 * k])
     _send(client, [*messages, {"role": "user", "content": "continue (nonce 0)"}])
     text.texts.clear()
-    for i in (1, 2):  # each forks the last: its projection is recomputed, its elided results' stubs recounted
+    for i in (1, 2):  # each forks the last: its projection is recomputed, its stubs must come from the cache
         _send(client, [*messages, {"role": "user", "content": f"continue (nonce {i})"}])
     assert text.texts == ["continue (nonce 1)", "continue (nonce 2)"]
+
+
+def _nested(depth: int) -> Any:
+    value: Any = "bottom"
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize(("field", "where"), [("messages", "`messages[1].content[0].text"), ("metadata", "`metadata")])
+def test_a_body_nested_too_deep_to_write_is_refused_before_it_is_journaled(
+        client: TestClient, fake: FakeUpstream, field: str, where: str) -> None:
+    """orjson reads 1024 levels and writes 254: the body is not re-serialised whole to find out, its new parts
+    are, on their way to the journal; the refusal still names where and nothing is stored or forwarded."""
+    deep = {"type": "text", "text": _nested(300)}
+    messages: list[Any] = [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]
+    body: dict[str, Any] = {"model": "fake-model", "messages": messages}
+    _send(client, messages)
+    if field == "messages":
+        body["messages"] = [messages[0], {"role": "user", "content": [deep]}]
+    else:
+        body["metadata"] = _nested(300)
+    response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400, response.text
+    assert "deeper than 254 levels" in response.json()["error"]["message"]
+    assert response.json()["error"]["message"].startswith(where)
+    assert len(fake.chats) == 1
+    sessions = client.get("/ctx/sessions").json()["sessions"]
+    assert sum(s["requests"] for s in sessions) == 1
