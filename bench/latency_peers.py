@@ -15,6 +15,7 @@ them): the table's last column, ``added ms small / 630 KB``.
 from __future__ import annotations
 
 import json
+import os
 import re
 import statistics
 import time
@@ -65,22 +66,40 @@ def replay(proxied: str, conversation: dict[str, Any]) -> None:
             _post(client, body)
 
 
-def measure(direct: str, proxied: str, kind: str, requests: int, start: int,
-            body_of: Callable[[int], bytes]) -> dict[str, Any]:
-    """``requests`` timed pairs (after the peers' warm-up) of new-text bodies ``body_of(start + i)``."""
-    d_times: list[int] = []
-    p_times: list[int] = []
-    with httpx.Client(base_url=direct, timeout=60.0) as d, httpx.Client(base_url=proxied, timeout=60.0) as p:
-        for i in range(WARMUP[kind] + requests):
+def measure(direct: str, proxies: dict[str, tuple[str, int]], kind: str, requests: int, start: int,
+            body_of: Callable[[int], bytes]) -> list[dict[str, Any]]:
+    """``requests`` timed rounds (after the peers' warm-up) of new-text bodies ``body_of(start + i)``: each goes
+    direct and through every proxy (``name: (url, pid)``), in an order that rotates with ``i``. One summary per
+    proxy, with the CPU time its process spent per timed request (all threads): on a busy machine wall times
+    swing by milliseconds, CPU time much less."""
+    urls = [direct, *(url for url, _ in proxies.values())]
+    times: list[list[int]] = [[] for _ in urls]
+    clients = [httpx.Client(base_url=url, timeout=60.0) for url in urls]
+    warmup = WARMUP.get(kind, 10)
+    try:
+        for i in range(warmup + requests):
+            if i == warmup:
+                cpu = {name: cpu_seconds(pid) for name, (_, pid) in proxies.items()}
             body = body_of(start + i)
-            if i % 2:
-                p_ns, d_ns = _post(p, body), _post(d, body)
-            else:
-                d_ns, p_ns = _post(d, body), _post(p, body)
-            if i >= WARMUP[kind]:
-                d_times.append(d_ns)
-                p_times.append(p_ns)
-    return summary(kind, len(body_of(start)), d_times, p_times)
+            elapsed = {t: _post(clients[t], body) for t in [(i + j) % len(urls) for j in range(len(urls))]}
+            for t, ns in elapsed.items():
+                times[t] += [ns] if i >= warmup else []
+        spent = {name: cpu_seconds(pid) - cpu[name] for name, (_, pid) in proxies.items()}
+    finally:
+        for client in clients:
+            client.close()
+    return [summary(kind, len(body_of(start)), times[0], t) | {
+        "proxy": name, "cpu_ms_per_request": round(spent[name] * 1000 / requests, 3)}
+        for name, t in zip(proxies, times[1:], strict=True)]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` so far (Linux ``/proc``; 0 elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def summary(kind: str, size: int, direct: list[int], proxied: list[int]) -> dict[str, Any]:
@@ -114,19 +133,21 @@ def peers_figures(readme: Path) -> dict[str, tuple[str, str]]:
     return out
 
 
-def markdown(results: list[dict[str, Any]], identical: list[dict[str, Any]],
+def markdown(rows: list[dict[str, Any]], identical: list[dict[str, Any]],
              peers: dict[str, tuple[str, str]] | None) -> str:
-    """Our new-text and identical-body figures, then the peers' from their README."""
-    lines = ["| method | request | body | direct median | proxied median | added (median) | median pair diff |",
-             "|---|---|---:|---:|---:|---:|---:|"]
-    for r in results:
-        lines.append(f"| new text each time (peers' method) | {r['kind']} | {r['body_bytes'] / 1000:.0f} KB | "
-                     f"{r['direct_median_ms']:.3f} | {r['proxied_median_ms']:.3f} | **{r['added_ms']:.3f}** | "
-                     f"{r['pair_diff_median_ms']:.3f} |")
+    """Our rows (``measure``'s, new text or identical) and ``bench/latency.py``'s identical-body results, then
+    the peers' figures from their README."""
+    lines = ["| method | proxy | request | body | direct median | proxied median | added (median) | median pair diff "
+             "| proxy CPU / request |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        method = "identical body resent" if r["kind"].startswith("identical") else "new text each time (peers')"
+        lines.append(f"| {method} | {r['proxy']} | {r['kind'].removeprefix('identical ')} | "
+                     f"{r['body_bytes'] / 1000:.0f} KB | {r['direct_median_ms']:.3f} | {r['proxied_median_ms']:.3f} | "
+                     f"**{r['added_ms']:.3f}** | {r['pair_diff_median_ms']:.3f} | {r['cpu_ms_per_request']:.2f} |")
     for r in identical:
-        lines.append(f"| identical body resent | {r['workload']} | {r['body_bytes'] / 1000:.0f} KB | "
+        lines.append(f"| identical body resent | ctxproxy | {r['workload']} | {r['body_bytes'] / 1000:.0f} KB | "
                      f"{r['direct']['median_ms']:.3f} | {r['proxied']['median_ms']:.3f} | "
-                     f"**{r['added_ms']:.3f}** | {r['pair_diff_median_ms']:.3f} |")
+                     f"**{r['added_ms']:.3f}** | {r['pair_diff_median_ms']:.3f} | - |")
     if peers:
         lines += ["", "Peers (their README, same method; added ms):", "",
                   "| proxy | small | 630 KB |", "|---|---:|---:|"]
