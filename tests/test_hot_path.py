@@ -7,19 +7,25 @@ for an earlier request must not be done again: these tests count the work, never
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import pytest
 from starlette.testclient import TestClient
 
 from config import load_settings
-from proxy.rewrite.tokens import MessageCounter, TextCounter
+from proxy.context import SessionContexts
+from proxy.rewrite.tokens import Calibration, MessageCounter, TextCounter
 from proxy.state import AppState
+from store import Journal, JournalWriter
 from tests.conftest import app_client
 from tests.fakes import FakeUpstream
+from tests.test_journal import incoming, record
+
+T = TypeVar("T")
 
 
 class CountingText:
@@ -103,3 +109,32 @@ def test_a_body_nested_too_deep_to_write_is_refused_before_it_is_journaled(
     assert len(fake.chats) == 1
     sessions = client.get("/ctx/sessions").json()["sessions"]
     assert sum(s["requests"] for s in sessions) == 1
+
+
+class CountingWriter(JournalWriter):
+    """The real writer, counting its hops to the journal's thread."""
+
+    def __init__(self, journal: Journal) -> None:
+        super().__init__(journal)
+        self.hops = 0
+
+    async def call(self, method: Callable[..., T], *args: object) -> T:
+        self.hops += 1
+        return await super().call(method, *args)
+
+
+def test_a_session_s_context_is_read_back_in_one_hop(tmp_path: Path) -> None:
+    """Every fork and new run loads a context: five hops to the journal's thread were five wake-ups and GIL
+    hand-offs on the request's path."""
+    journal = Journal(tmp_path / "journal.db")
+    messages = history(3)
+    for k in range(1, 4):
+        record(journal, incoming(messages[:2 + 2 * k], n=k))
+    forked = journal.record_request(incoming([*messages, {"role": "user", "content": "continue"}], n=9))
+    writer = CountingWriter(journal)
+    try:
+        context = asyncio.run(SessionContexts().get(writer, forked.session_id, "m"))
+    finally:
+        writer.close()
+    assert writer.hops == 1
+    assert context.decisions == [] and context.calibration("m") == Calibration() and context.mirror is None
