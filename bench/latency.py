@@ -18,8 +18,15 @@ median of the per-pair differences. Nothing leaves 127.0.0.1; only the two proce
 ctxproxy's place: what any Python proxy with that stack costs, to tell ctxproxy's own cost from the hop's.
 ``bench/profile_proxy.py`` shows where ctxproxy's time goes.
 
+``--method peers`` (or ``both``) also measures the peers' way (``bench/latency_peers.py``): after the 60-request
+replay, every request carries new text at its end, so no cache of whole requests answers it. ``--peers
+PEERS/README.md`` prints the peers' figures, read from their README at run time, beside ours. ``--baseline SRC``
+runs a second ctxproxy from another source tree (``git archive REV proxy store config | tar -x -C SRC``) in the
+same run, each round through both, and reports each proxy's CPU time per request: on a busy machine the wall
+times of two runs differ by more than a change is worth, the ratio of one run and the CPU time much less.
+
 Run: ``.venv/bin/python bench/latency.py --requests 200 --markdown`` (``--check``: exit 1 when a goal is missed;
-``--conversation ../shared/bench/conversation-60.json``: the peers' workload)
+``--conversation PEERS/conversation-60.json``: the peers' workload)
 """
 
 from __future__ import annotations
