@@ -193,7 +193,7 @@ def _time_steps(body: bytes) -> dict[str, tuple[float, float]]:
     messages = parsed["messages"]
     bodies = [canonical_json(m) for m in messages]
     request = _fake_request(body)
-    state = SimpleNamespace(settings=load_settings(env={}), hasher=MessageHasher())
+    state = SimpleNamespace(settings=load_settings(env={}), hasher=MessageHasher(), own_headers=frozenset())
     steps: dict[str, Callable[[], Any]] = {
         "orjson.loads (body)": lambda: orjson.loads(body),
         "parse_chat_body (loads + checks)": lambda: parse_chat_body(body),
