@@ -18,8 +18,15 @@ median of the per-pair differences. Nothing leaves 127.0.0.1; only the two proce
 ctxproxy's place: what any Python proxy with that stack costs, to tell ctxproxy's own cost from the hop's.
 ``bench/profile_proxy.py`` shows where ctxproxy's time goes.
 
+``--method peers`` (or ``both``) also measures the peers' way (``bench/latency_peers.py``): after the 60-request
+replay, every request carries new text at its end, so no cache of whole requests answers it. ``--peers
+PEERS/README.md`` prints the peers' figures, read from their README at run time, beside ours. ``--baseline SRC``
+runs a second ctxproxy from another source tree (``git archive REV proxy store config | tar -x -C SRC``) in the
+same run, each round through both, and reports each proxy's CPU time per request: on a busy machine the wall
+times of two runs differ by more than a change is worth, the ratio of one run and the CPU time much less.
+
 Run: ``.venv/bin/python bench/latency.py --requests 200 --markdown`` (``--check``: exit 1 when a goal is missed;
-``--conversation ../shared/bench/conversation-60.json``: the peers' workload)
+``--conversation PEERS/conversation-60.json``: the peers' workload)
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import latency_peers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.real.upstream import stop
@@ -80,18 +88,73 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     command = _command_line(argv)
     chosen = workloads(args.no_stream or args.proxy != "ctxproxy", args.conversation)
+    peers = latency_peers.peers_figures(args.peers) if args.peers else None
     with tempfile.TemporaryDirectory(prefix="ctxproxy-bench-") as tmp, \
-            servers(Path(tmp), args.proxy_env, args.proxy) as targets:
-        results = [_run_workload(targets, w, args.requests) for w in chosen]
-    report = _report(command, args.proxy, args.requests, results)
+            servers(Path(tmp), args.proxy_env, args.proxy) as targets, \
+            baseline_proxy(Path(tmp), targets, args) as baseline:
+        new_text, results, identical = _measure(targets, baseline, args, chosen)
+    report = _report(command, args.proxy, args.requests, results) | {
+        "new_text": new_text, "identical": identical, "baseline": args.baseline and str(args.baseline),
+        "peers": peers}
     out: Path = args.json or (DEFAULT_JSON if args.proxy == "ctxproxy" else DEFAULT_JSON.with_stem(
         f"latency-{args.proxy}"))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"command: {command}")
-    print(_markdown(report) if args.markdown else _summary(report))
+    if new_text or identical:
+        print(latency_peers.markdown([*new_text, *identical], results, peers))
+    elif results:
+        print(_markdown(report) if args.markdown else _summary(report))
     print(f"results: {_rel(out)}")
     return 1 if args.check and any(r["meets_goal"] is False for r in results) else 0
+
+
+def _measure(targets: Targets, baseline: tuple[str, int] | None, args: argparse.Namespace,
+             chosen: list[Workload]) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+    """New-text rows (peers' method), identical-body results (this script's method) and, beside a baseline
+    proxy, identical-body rows measured like the new-text ones (every target in each round)."""
+    new_text = _run_peers_method(targets, args, baseline) if args.method != "identical" else []
+    if args.method == "peers":
+        return new_text, [], []
+    if baseline is None:
+        return new_text, [_run_workload(targets, w, args.requests) for w in chosen], []
+    identical = [row for w in chosen if not w.stream
+                 for row in latency_peers.measure(targets.direct, _proxies(targets, baseline), f"identical {w.name}",
+                                                  args.requests, 0, lambda i, b=w.body: b)]
+    return new_text, [], identical
+
+
+def _proxies(targets: Targets, baseline: tuple[str, int] | None) -> dict[str, tuple[str, int]]:
+    return {"ctxproxy": (targets.proxied, targets.proxy_pid), **({"baseline": baseline} if baseline else {})}
+
+
+def _run_peers_method(targets: Targets, args: argparse.Namespace,
+                      baseline: tuple[str, int] | None) -> list[dict[str, Any]]:
+    """The peers' method: the 60-request replay, then new-text small and large requests (``latency_peers``)."""
+    conversation = json.loads(args.conversation.read_text()) if args.conversation else generated(rounds=60)
+    proxies = _proxies(targets, baseline)
+    for url, _ in proxies.values():
+        latency_peers.replay(url, conversation)
+    return [row for kind in ("small", "large")
+            for row in latency_peers.measure(targets.direct, proxies, kind, args.new_text_requests, 0,
+                                             lambda i, k=kind: latency_peers.nonce_body(conversation, k, i))]
+
+
+@contextlib.contextmanager
+def baseline_proxy(tmp: Path, targets: Targets, args: argparse.Namespace) -> Iterator[tuple[str, int] | None]:
+    """With ``--baseline SRC``: a second ctxproxy, the code under SRC first on its PYTHONPATH, in front of the
+    same fake upstream (its own journal), to compare two versions in one run; stopped (by PID) on exit."""
+    if args.baseline is None:
+        yield None
+        return
+    port = free_port()
+    env = _proxy_environ(args.proxy_env) | {"PYTHONPATH": str(args.baseline.absolute())}
+    proc = _spawn(_proxy_command("ctxproxy", f"{targets.direct}/v1", port, tmp / "baseline"), tmp / "base.log", env)
+    try:
+        _wait_ready(proc, f"http://127.0.0.1:{port}/healthz", tmp / "base.log")
+        yield f"http://127.0.0.1:{port}", proc.pid
+    finally:
+        _stop(proc)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -106,6 +169,15 @@ def _parser() -> argparse.ArgumentParser:
                         help="what sits in the middle: ctxproxy, or a bare hop of bench/floor_proxy.py to compare")
     parser.add_argument("--conversation", type=Path, help="the 630 KB request's history from this file, e.g. the "
                         "peers' ../shared/bench/conversation-60.json (default: generated by tests/workloads.py)")
+    parser.add_argument("--method", choices=("identical", "peers", "both"), default="identical",
+                        help="identical: one body resent (default); peers: the peers' method, new text each request "
+                        "after the 60-request replay (bench/latency_peers.py); both: peers', then identical")
+    parser.add_argument("--new-text-requests", type=int, default=30,
+                        help="timed new-text requests per side and size with --method peers|both (30, as the peers)")
+    parser.add_argument("--peers", type=Path, metavar="README", help="the peers' README (e.g. PEERS/README.md): "
+                        "their added-latency figures are printed beside ours")
+    parser.add_argument("--baseline", type=Path, metavar="SRC", help="also measure a second ctxproxy running "
+                        "the code under SRC (a checkout or `git archive` of proxy/ store/ config/), same run")
     parser.add_argument("--proxy-env", action="append", default=[], metavar="KEY=VALUE",
                         help="extra environment for the proxy, e.g. CTXPROXY_LOG_LEVEL=warning (repeatable)")
     return parser

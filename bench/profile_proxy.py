@@ -29,10 +29,14 @@ from types import SimpleNamespace
 from typing import Any
 
 import httpx
+import latency_peers
 import orjson
-from latency import CHAT_PATH, Workload, servers, time_first_byte, time_whole, workloads
+from latency import CHAT_PATH, Workload, generated, servers, time_first_byte, time_whole, workloads
 
-WORKLOADS = {"small": 0, "large": 1, "stream": 2}
+NewText = tuple[dict[str, Any], Callable[[int], bytes]]
+
+WORKLOADS = {"small": 0, "large": 1, "stream": 2, "new-small": 0, "new-large": 1}
+"""``new-*``: the peers' method (``bench/latency_peers.py``): after the 60-request replay, new text in each body."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,30 +48,50 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--py-spy", default=shutil.which("py-spy"), help="the py-spy executable")
     parser.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()),
                         help="directory for the raw py-spy stacks (default: the temp dir; ~2 MB each)")
+    parser.add_argument("--conversation", type=Path, help="the 630 KB history from this file (as bench/latency.py)")
     parser.add_argument("--steps", action="store_true", help="time the proxy's own steps in process instead")
     args = parser.parse_args(argv)
     if args.steps:
-        print(steps_report(workloads(False)))
+        print(steps_report(workloads(False, args.conversation)))
         return 0
     if not args.py_spy:
         sys.exit("py-spy not found: `pip install py-spy` (anywhere) and pass --py-spy PATH")
-    workload = workloads(False)[WORKLOADS[args.workload]]
+    workload = workloads(False, args.conversation)[WORKLOADS[args.workload]]
     args.out.mkdir(parents=True, exist_ok=True)
     raw = args.out / f"profile-{args.workload}.txt"
-    requests = sample(args.py_spy, workload, args.seconds, args.rate, raw)
+    new_text = _new_text(args.workload, args.conversation)
+    requests = sample(args.py_spy, workload, args.seconds, args.rate, raw, new_text)
     print(spy_report(raw, requests, args.rate, args.top))
     print(f"\nraw py-spy stacks: {raw} ({requests} requests in {args.seconds:g} s)")
     return 0
 
 
 # --- py-spy -------------------------------------------------------------------------------------------------------
-def sample(py_spy: str, workload: Workload, seconds: float, rate: int, raw: Path) -> int:
-    """Serve ``workload`` through the proxy, back to back, while py-spy records it; the number of requests."""
+def _new_text(workload: str, conversation: Path | None) -> NewText | None:
+    """For ``new-*``: the conversation to replay first, and the body of the i-th request."""
+    if not workload.startswith("new-"):
+        return None
+    chat = orjson.loads(conversation.read_bytes()) if conversation else generated(rounds=60)
+    kind = workload.removeprefix("new-")
+    return chat, lambda i: latency_peers.nonce_body(chat, kind, i)
+
+
+def sample(py_spy: str, workload: Workload, seconds: float, rate: int, raw: Path,
+           new_text: NewText | None = None) -> int:
+    """Serve ``workload`` through the proxy, back to back, while py-spy records it; the number of requests.
+    With ``new_text``, the conversation is replayed first and each request carries new text."""
     timer = time_first_byte if workload.stream else time_whole
+    counter = itertools.count()
+
+    def body() -> bytes:
+        return new_text[1](next(counter)) if new_text else workload.body
+
     with tempfile.TemporaryDirectory(prefix="ctxproxy-profile-") as tmp, servers(Path(tmp), []) as targets, \
             httpx.Client(base_url=targets.proxied, timeout=30.0) as client:
+        if new_text:
+            latency_peers.replay(targets.proxied, new_text[0])
         for _ in range(20):
-            timer(client, CHAT_PATH, workload.body)
+            timer(client, CHAT_PATH, body())
         spy = subprocess.Popen([py_spy, "record", "--pid", str(targets.proxy_pid), "--rate", str(rate),
                                 "--duration", str(int(seconds)), "--format", "raw", "--threads",
                                 "--output", str(raw)], stdout=subprocess.DEVNULL)
@@ -75,7 +99,7 @@ def sample(py_spy: str, workload: Workload, seconds: float, rate: int, raw: Path
             time.sleep(1.0)  # py-spy attaches
             requests, end = 0, time.monotonic() + seconds - 1.5
             while time.monotonic() < end:
-                timer(client, CHAT_PATH, workload.body)
+                timer(client, CHAT_PATH, body())
                 requests += 1
         finally:
             spy.wait()
@@ -169,7 +193,7 @@ def _time_steps(body: bytes) -> dict[str, tuple[float, float]]:
     messages = parsed["messages"]
     bodies = [canonical_json(m) for m in messages]
     request = _fake_request(body)
-    state = SimpleNamespace(settings=load_settings(env={}), hasher=MessageHasher())
+    state = SimpleNamespace(settings=load_settings(env={}), hasher=MessageHasher(), own_headers=frozenset())
     steps: dict[str, Callable[[], Any]] = {
         "orjson.loads (body)": lambda: orjson.loads(body),
         "parse_chat_body (loads + checks)": lambda: parse_chat_body(body),

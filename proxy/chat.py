@@ -16,11 +16,12 @@ from __future__ import annotations
 from typing import Any, cast
 
 import anyio
+import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
 from proxy.callers import incognito_requested, requested_session, scoped_fingerprint
-from proxy.edge import parse_chat_body, read_body
+from proxy.edge import parse_chat_body, read_body, refuse_unwritable
 from proxy.engine.driver import drive
 from proxy.engine.exchange import Exchange, now
 from proxy.engine.replies import compact_request
@@ -65,7 +66,10 @@ def _admit(request: Request, raw: bytes, state: AppState) -> tuple[ChatBody, Inc
     """Parse, validate and hash: sized by the request, so a large one's runs on the worker (``proxy.heavy``)."""
     body = parse_chat_body(raw)
     check_message_count(len(body["messages"]), state.settings.max_messages)
-    return body, incoming_request(request, raw, body, state)
+    try:  # serialises the parameters and the new messages: the only parts of the body not written before
+        return body, incoming_request(request, raw, body, state)
+    except orjson.JSONEncodeError:
+        refuse_unwritable(dict(body))
 
 
 def incoming_request(request: Request, raw: bytes, body: ChatBody, state: AppState) -> IncomingRequest:

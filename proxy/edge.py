@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 import anyio
 import orjson
@@ -20,7 +20,7 @@ from starlette.requests import Request
 from proxy.errors import BadRequest, PayloadTooLarge, RequestTimeout
 from proxy.wire import ChatBody
 
-__all__ = ["MAX_DEPTH", "parse_chat_body", "read_body"]
+__all__ = ["MAX_DEPTH", "parse_chat_body", "read_body", "refuse_unwritable"]
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 MAX_DEPTH = 254
@@ -55,12 +55,16 @@ def _too_large(size: int, limit: int) -> PayloadTooLarge:
 
 
 def parse_chat_body(raw: bytes) -> ChatBody:
-    body = _loads(raw)
+    """The validated body. Whether it can be written again is checked here only when the stdlib parsed it (it
+    takes any integer); what orjson parsed can only be nested too deep to write, which the caller learns when it
+    serialises the body's new parts for the journal, before anything is journaled (``refuse_unwritable``)."""
+    body, exact = _loads(raw)
     if not isinstance(body, dict):
         raise BadRequest("Request body must be a JSON object with a `messages` array.", code="invalid_json")
     _expect(body, "model", str, "a string")
     _expect(body, "stream", bool, "true or false")
-    _check_writable(body)
+    if not exact:
+        _check_writable(body)
     _expect(body, "tools", list, "an array of tool definitions")
     for i, tool in enumerate(body.get("tools") or []):
         _check_tool(i, tool)
@@ -72,18 +76,18 @@ def parse_chat_body(raw: bytes) -> ChatBody:
     return cast(ChatBody, body)
 
 
-def _loads(raw: bytes) -> Any:
-    """orjson; or, for JSON that only the stdlib accepts (a lone surrogate escape such as ``"\\ud83d"``, which a
-    JavaScript agent emits when it cuts a string mid-emoji), the stdlib with those surrogates made U+FFFD, so
-    every later step (hashing, the journal, a rewritten body) can encode the text. The body itself still goes
-    upstream as it came when nothing is rewritten."""
+def _loads(raw: bytes) -> tuple[Any, bool]:
+    """orjson (then True); or, for JSON that only the stdlib accepts (a lone surrogate escape such as
+    ``"\\ud83d"``, which a JavaScript agent emits when it cuts a string mid-emoji), the stdlib with those
+    surrogates made U+FFFD (then False), so every later step (hashing, the journal, a rewritten body) can encode
+    the text. The body itself still goes upstream as it came when nothing is rewritten."""
     try:
-        return orjson.loads(raw)
+        return orjson.loads(raw), True
     except orjson.JSONDecodeError as exc:
         if "depth" in str(exc):
             raise _too_deep("the body") from None
         try:
-            return _without_surrogates(json.loads(raw))
+            return _without_surrogates(json.loads(raw)), False
         except RecursionError:
             raise _too_deep("the body") from None
         except ValueError:
@@ -107,8 +111,13 @@ def _check_writable(body: dict[str, Any]) -> None:
     try:
         orjson.dumps(body)
     except orjson.JSONEncodeError:
-        _find_unwritable(body)
-        raise BadRequest("The request body cannot be serialised again.", code="invalid_json") from None
+        refuse_unwritable(body)
+
+
+def refuse_unwritable(body: dict[str, Any]) -> NoReturn:
+    """The 400 for a body orjson could not serialise: where it nests too deep or holds too large an integer."""
+    _find_unwritable(body)
+    raise BadRequest("The request body cannot be serialised again.", code="invalid_json") from None
 
 
 def _find_unwritable(body: dict[str, Any]) -> None:
