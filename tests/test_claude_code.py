@@ -1,0 +1,90 @@
+"""Claude Code, unmodified and offline, completes a scripted task through ctxproxy's ``/v1/messages``.
+
+The binary comes from npm (``@anthropic-ai/claude-code``, pinned in ``scripts/test-deps``, which ``make test``
+runs) into the test cache; without it (no npm) the test is skipped and says how to get it. Claude Code talks to
+the proxy on loopback (``ANTHROPIC_BASE_URL``), the proxy translates to a scripted fake chat-completions model:
+the model calls Bash, Claude Code runs the command and sends its output back, the model answers. The journal
+shows the session, named by Claude Code's own ``X-Claude-Code-Session-Id``. A second run asks to free up the
+context: the model's ``context_drop`` runs inside the proxy, Claude Code never sees it, and the cut output is
+restorable byte for byte.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from config import load_settings
+from proxy.app import create_app
+from tests.fakes import FakeUpstream, Reply, serve_in_thread, stream_chunks, stream_tool_answer
+
+pytestmark = pytest.mark.e2e
+CACHE = Path(os.environ.get("CTXPROXY_TEST_CACHE") or Path.home() / ".cache" / "ctxproxy-test")
+CLAUDE = CACHE / "claude-code" / "node_modules" / ".bin" / "claude"
+USAGE = {"prompt_tokens": 100, "completion_tokens": 5}
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[tuple[FakeUpstream, str]]:
+    if not CLAUDE.exists():
+        pytest.skip(f"Claude Code is not installed at {CLAUDE}: run scripts/test-deps (needs npm)")
+    fake = FakeUpstream()
+    with serve_in_thread(fake) as upstream:
+        settings = load_settings(env={"CTXPROXY_DATA_DIR": str(tmp_path / "data"),
+                                      "CTXPROXY_UPSTREAM": upstream + "/v1", "CTXPROXY_CTX_WINDOW": "131072"})
+        with serve_in_thread(create_app(settings)) as proxy:
+            yield fake, proxy
+
+
+def claude(proxy: str, prompt: str, home: Path) -> dict[str, Any]:
+    """``claude -p`` as the issue runs it: offline, a scratch HOME, Bash allowed (as root: IS_SANDBOX=1)."""
+    home.mkdir(exist_ok=True)
+    env = {"PATH": os.environ["PATH"], "HOME": str(home), "ANTHROPIC_BASE_URL": proxy, "ANTHROPIC_API_KEY": "sk-test",
+           "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1", "IS_SANDBOX": "1"}
+    done = subprocess.run([str(CLAUDE), "-p", prompt, "--output-format", "json", "--allowedTools", "Bash",
+                           "--dangerously-skip-permissions"], env=env, cwd=home, capture_output=True, text=True,
+                          timeout=180, check=False)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    result: dict[str, Any] = json.loads(done.stdout)
+    return result
+
+
+def test_claude_code_runs_a_tool_and_answers_through_the_proxy(stack: tuple[FakeUpstream, str],
+                                                               tmp_path: Path) -> None:
+    fake, proxy = stack
+    fake.enqueue(Reply(sse=stream_tool_answer(("Bash", {"command": "echo hello-from-bash"}), usage=USAGE)))
+    fake.enqueue(Reply(sse=stream_chunks("It printed hello-from-bash.", usage=USAGE)))
+    result = claude(proxy, "Run echo hello-from-bash and tell me what it printed.", tmp_path / "home")
+    assert result["is_error"] is False and result["result"].strip() == "It printed hello-from-bash."
+    first, second = fake.chats
+    assert {"Bash", "Read"} <= {t["function"]["name"] for t in first.json()["tools"]}
+    assert first.headers["anthropic-version"] and first.query == ""
+    output = next(m for m in second.json()["messages"] if m["role"] == "tool")
+    assert output["tool_call_id"] == "ctx_0_Bash" and "hello-from-bash" in output["content"]
+    session = httpx.get(f"{proxy}/ctx/sessions/{result['session_id']}").json()
+    assert session["named"] == 1 and session["requests"] == 2 and session["model"]
+
+
+def test_claude_codes_context_is_freed_inside_the_proxy(stack: tuple[FakeUpstream, str], tmp_path: Path) -> None:
+    fake, proxy = stack
+    fake.enqueue(Reply(sse=stream_tool_answer(("Bash", {"command": "seq 1 4000"}), usage=USAGE)))
+    fake.enqueue(Reply(sse=stream_tool_answer(("context_drop", {"handles": ["ctx_0_Bash"]}), usage=USAGE)))
+    fake.enqueue(Reply(sse=stream_chunks("Counted, and the output is put away.", usage=USAGE)))
+    result = claude(proxy, "Run seq 1 4000, then free up your context.", tmp_path / "home")
+    assert result["result"].strip() == "Counted, and the output is put away."
+    offered = {t["function"]["name"] for t in fake.chats[1].json()["tools"]}
+    assert "context_drop" in offered
+    stub = next(m for m in fake.chats[2].json()["messages"] if m.get("tool_call_id") == "ctx_0_Bash")["content"]
+    oid = re.search(r"id=([0-9a-f]{64})", stub).group(1)  # type: ignore[union-attr]
+    restored = httpx.get(f"{proxy}/ctx/sessions/{result['session_id']}/overflow/{oid}").text
+    assert restored.split() == [str(i) for i in range(1, 4001)]
+    session = httpx.get(f"{proxy}/ctx/sessions/{result['session_id']}").json()
+    assert session["requests"] == 2
