@@ -23,7 +23,14 @@ How a front plugs in:
    (errors included) goes through ``whole``.
 3. ``error(exc)`` renders a ``CtxError`` raised before the engine answered (bad body, loop, too large …) in the
    protocol's own error shape.
-4. Route it: ``Route("/v1/<path>", lambda request: serve(request, MyFront(...)), methods=["POST"])`` in
+4. Native upstreams: when the upstream speaks the client's protocol itself (api.anthropic.com, an OpenAI
+   Responses endpoint), set ``Decoded.upstream`` to an ``UpstreamCodec`` (``proxy.engine.forward``): the engine
+   still plans and cuts the chat body, and each forward is encoded back into the protocol (``request``: the
+   client's fields kept byte for byte, its path and query) and its answer decoded into chat (``response``) for
+   the engine to read; the front's ``Encoder`` then turns that chat answer into the protocol again (carry what
+   chat cannot say, such as signatures, in extra keys the encoder reads back). Without it (translated mode) the
+   chat body goes to the upstream's ``/chat/completions``.
+5. Route it: ``Route("/v1/<path>", lambda request: serve(request, MyFront(...)), methods=["POST"])`` in
    ``proxy.app``.
 
 ``serve`` reads the body (within ``max_body_bytes``), decodes it, builds the inner request the chat edge expects
@@ -44,6 +51,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from proxy.chat import chat_completions
 from proxy.edge import read_body
+from proxy.engine.forward import UPSTREAM_CODEC, UpstreamCodec
 from proxy.errors import CtxError
 from proxy.state import AppState
 
@@ -63,6 +71,8 @@ class Decoded:
     """The session key the protocol names, used when the client sends no ``session_header`` of its own."""
     context: dict[str, Any] = field(default_factory=dict)
     """The front's own data for its encoder (never read by the seam)."""
+    upstream: UpstreamCodec | None = None
+    """Native mode: how each forward speaks the upstream's protocol; None: chat completions upstream."""
 
 
 class Encoder(Protocol):
@@ -96,6 +106,8 @@ async def serve(request: Request, front: Front) -> Response:
         raw = await read_body(request, state.settings.max_body_bytes, state.settings.client_body_timeout)
         decoded = await front.decode(raw, request)
         inner = _inner_request(request, orjson.dumps(decoded.body), decoded.session, state.settings.session_header)
+        if decoded.upstream is not None:
+            inner.scope[UPSTREAM_CODEC] = decoded.upstream
         return EncodedResponse(await chat_completions(inner), front.encoder(decoded))
     except CtxError as exc:
         return front.error(exc)
