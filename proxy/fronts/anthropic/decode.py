@@ -24,7 +24,7 @@ import orjson
 
 from proxy.errors import BadRequest
 
-__all__ = ["TRANSLATED_HINTS", "to_chat"]
+__all__ = ["TRANSLATED_HINTS", "image_part", "to_chat"]
 
 TRANSLATED_HINTS = frozenset({"thinking", "output_config", "context_management", "service_tier", "metadata"})
 """Top-level fields a chat upstream has no use for; ``metadata.user_id`` alone is kept (as ``user``)."""
@@ -135,7 +135,7 @@ def _user(blocks: list[Any], where: str) -> list[dict[str, Any]]:
         elif kind == "text":
             parts.append({"type": "text", "text": str(block.get("text", ""))})
         elif kind == "image":
-            parts.append(_image(block, at))
+            parts.append(image_part(block, at))
         else:
             raise _refuse(f"a {kind!r} block", at)
     if parts:
@@ -159,7 +159,7 @@ def _result_text(block: dict[str, Any], where: str) -> str:
     return f"Error: {text}" if block.get("is_error") and not text.startswith("Error") else text
 
 
-def _image(block: dict[str, Any], where: str) -> dict[str, Any]:
+def image_part(block: dict[str, Any], where: str = "image") -> dict[str, Any]:
     source = block.get("source") or {}
     if source.get("type") == "base64":
         url = f"data:{source.get('media_type', 'image/png')};base64,{source.get('data', '')}"

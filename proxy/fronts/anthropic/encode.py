@@ -19,7 +19,11 @@ from starlette.responses import Response
 
 from proxy.errors import CtxError
 
-__all__ = ["ERROR_TYPES", "error_body", "error_response", "message_of", "stop_reason", "tool_input", "usage_of"]
+__all__ = ["CARRIER", "ERROR_TYPES", "error_body", "error_response", "message_of", "stop_of", "stop_reason",
+           "tool_input", "usage_of"]
+
+CARRIER = "ctxproxy_anthropic"
+"""The key on chat values (message, choice, usage, chunk) carrying what a native upstream said that chat cannot."""
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error",
@@ -76,9 +80,20 @@ def usage_of(usage: dict[str, Any] | None) -> dict[str, int]:
 
 
 def message_of(completion: dict[str, Any], model: str | None) -> dict[str, Any]:
-    """A chat completion as an Anthropic message."""
+    """A chat completion as an Anthropic message (a native upstream's own blocks, usage and stop where carried)."""
     choice = (completion.get("choices") or [{}])[0]
     message = choice.get("message") or {}
+    usage = completion.get("usage") or {}
+    return {"id": _message_id(completion.get("id")), "type": "message", "role": "assistant",
+            "model": model or completion.get("model"), "content": _content(message),
+            **_stop(choice), "usage": usage.get(CARRIER) or usage_of(usage)}
+
+
+def _content(message: dict[str, Any]) -> list[dict[str, Any]]:
+    carried = message.get(CARRIER)
+    if isinstance(carried, list):  # a native answer's blocks, less the context calls the engine took out
+        kept = {c.get("id") for c in message.get("tool_calls") or []}
+        return [b for b in carried if b.get("type") != "tool_use" or b.get("id") in kept]
     content: list[dict[str, Any]] = []
     if message.get("reasoning_content"):
         content.append({"type": "thinking", "thinking": message["reasoning_content"], "signature": ""})
@@ -88,11 +103,23 @@ def message_of(completion: dict[str, Any], model: str | None) -> dict[str, Any]:
         function = call.get("function") or {}
         content.append({"type": "tool_use", "id": call.get("id"), "name": function.get("name"),
                         "input": tool_input(function.get("arguments"))})
-    return {"id": _message_id(completion.get("id")), "type": "message", "role": "assistant",
-            "model": model or completion.get("model"), "content": content,
-            "stop_reason": stop_reason(choice.get("finish_reason") or "stop"), "stop_sequence": None,
-            "usage": usage_of(completion.get("usage"))}
+    return content
+
+
+def _stop(choice: dict[str, Any]) -> dict[str, Any]:
+    return stop_of(choice.get("finish_reason") or "stop", choice.get(CARRIER))
+
+
+def stop_of(finish: str, carried: Any) -> dict[str, Any]:
+    """``stop_reason`` and ``stop_sequence``: a native upstream's own, unless the engine changed the answer's kind
+    (its context calls taken out, the finish is no longer a tool call)."""
+    mapped = stop_reason(finish)
+    if isinstance(carried, dict) and (carried.get("stop_reason") == "tool_use") == (mapped == "tool_use"):
+        return {"stop_reason": carried.get("stop_reason"), "stop_sequence": carried.get("stop_sequence")}
+    return {"stop_reason": mapped, "stop_sequence": None}
 
 
 def _message_id(chat_id: Any) -> str:
-    return f"msg_{chat_id}" if isinstance(chat_id, str) and chat_id else "msg_ctxproxy"
+    if isinstance(chat_id, str) and chat_id:
+        return chat_id if chat_id.startswith("msg_") else f"msg_{chat_id}"
+    return "msg_ctxproxy"

@@ -1,8 +1,12 @@
 """``POST /v1/messages``: the Anthropic Messages front, a codec around the chat engine (``proxy.fronts.codec``).
 
+The model's ``anthropic_upstream`` setting (a ``[models."…"]`` profile may set it) picks the mode:
+``translated`` (the default: the upstream speaks only chat completions, as llama.cpp's and vLLM's usual setup)
+sends the chat body to the upstream's ``/chat/completions`` and the query (Claude Code's ``?beta=true``) is not
+forwarded; ``native`` (``proxy.fronts.anthropic.native``) sends each forward to the upstream's ``/v1/messages``
+with the client's query, headers (``anthropic-version``, ``anthropic-beta``) and every field ctxproxy does not own.
 The session key is Claude Code's ``X-Claude-Code-Session-Id`` header when the client sends no ``session_header``
-of its own. A query (Claude Code's ``?beta=true``) is accepted and not forwarded: the translated request goes to
-the upstream's ``/chat/completions``.
+of its own.
 """
 
 from __future__ import annotations
@@ -17,8 +21,11 @@ from proxy.edge import parse_chat_body
 from proxy.errors import BadRequest, CtxError
 from proxy.fronts.anthropic.decode import to_chat
 from proxy.fronts.anthropic.encode import envelope_message, error_body, error_response, message_of
+from proxy.fronts.anthropic.native import native_chat
 from proxy.fronts.anthropic.stream import AnthropicStream
+from proxy.fronts.anthropic.upstream import AnthropicUpstream
 from proxy.fronts.codec import Decoded, Encoder, serve
+from proxy.state import AppState
 
 __all__ = ["SESSION_HEADER", "AnthropicFront", "messages", "parse_messages_body"]
 
@@ -43,9 +50,15 @@ class AnthropicFront:
 
     async def decode(self, raw: bytes, request: Request) -> Decoded:
         body = parse_messages_body(raw)
-        chat = to_chat(body)
+        state: AppState = request.app.state.ctx
+        model = body.get("model") if isinstance(body.get("model"), str) else None
+        native = state.settings.for_model(model).anthropic_upstream == "native"
+        if native and not isinstance(body.get("messages"), list):
+            raise BadRequest("`messages` must be a non-empty array of messages.", param="messages")
+        chat = native_chat(body) if native else to_chat(body)
         parse_chat_body(orjson.dumps(chat))  # the chat edge's checks, with Anthropic's error shape
-        return Decoded(chat, request.headers.get(SESSION_HEADER), {"model": body.get("model")})
+        upstream = AnthropicUpstream(body, request.url.query) if native else None
+        return Decoded(chat, request.headers.get(SESSION_HEADER), {"model": body.get("model")}, upstream)
 
     def encoder(self, decoded: Decoded) -> Encoder:
         return _Encoder(decoded.context.get("model"))

@@ -16,7 +16,8 @@ from typing import Any
 
 import orjson
 
-from proxy.fronts.anthropic.encode import envelope_message, error_body, stop_reason, usage_of
+from proxy.fronts.anthropic.chatstream import SIGNATURE
+from proxy.fronts.anthropic.encode import CARRIER, envelope_message, error_body, stop_of, usage_of
 from proxy.sse import sse_lines
 
 __all__ = ["AnthropicStream"]
@@ -36,6 +37,7 @@ class AnthropicStream:
         self._block: tuple[str, int] | None = None  # the open block's kind and chat tool index
         self._index = -1
         self._finish: str | None = None
+        self._stopped_by: Any = None
         self._usage: dict[str, Any] | None = None
 
     def feed(self, chunk: bytes) -> bytes:
@@ -72,12 +74,16 @@ class AnthropicStream:
         for choice in data.get("choices") or []:
             out += self._delta(choice.get("delta") or {})
             self._finish = choice.get("finish_reason") or self._finish
+            self._stopped_by = choice.get(CARRIER) or self._stopped_by
         return out
 
     def _start(self, data: dict[str, Any]) -> bytes:
         if self._started:
             return b""
         self._started = True
+        carried = data.get(CARRIER)
+        if isinstance(carried, dict):  # a native upstream's own message_start
+            return event("message_start", {"message": carried})
         message: dict[str, Any] = {"id": f"msg_{data.get('id') or 'ctxproxy'}", "type": "message", "role": "assistant",
                    "model": self.model or data.get("model"), "content": [], "stop_reason": None,
                    "stop_sequence": None, "usage": usage_of(None)}
@@ -91,8 +97,13 @@ class AnthropicStream:
         if delta.get("content"):
             out += self._open("text", -1, {"type": "text", "text": ""})
             out += self._block_delta({"type": "text_delta", "text": delta["content"]})
+        if delta.get(SIGNATURE) is not None:
+            out += self._open("thinking", -1, {"type": "thinking", "thinking": "", "signature": ""})
+            out += self._block_delta({"type": "signature_delta", "signature": delta[SIGNATURE]})
         for call in delta.get("tool_calls") or []:
             out += self._tool(call)
+        if isinstance(delta.get(CARRIER), dict):  # a native block chat has no word for: whole, as it came
+            out += self._open("carried", self._index + 1, delta[CARRIER]) + self._close_block()
         return out
 
     def _tool(self, call: dict[str, Any]) -> bytes:
@@ -127,6 +138,7 @@ class AnthropicStream:
         if self._stopped or not self._started:
             return b""
         self._stopped = True
-        delta = {"stop_reason": stop_reason(self._finish or "stop"), "stop_sequence": None}
-        out = self._close_block() + event("message_delta", {"delta": delta, "usage": usage_of(self._usage)})
+        delta = stop_of(self._finish or "stop", self._stopped_by)
+        usage = (self._usage or {}).get(CARRIER) or usage_of(self._usage)
+        out = self._close_block() + event("message_delta", {"delta": delta, "usage": usage})
         return out + event("message_stop", {})
