@@ -5,12 +5,16 @@ official ``anthropic`` SDK against it."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import anthropic
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from config import load_settings
+from tests.conftest import app_client
 from tests.fakes import FakeUpstream, Reply, completion, stream_chunks, stream_tool_answer, tool_answer
 
 BIG = "SECRET_TOKEN=needle-4471\n" + "".join(f"line {i}: some output of the tool\n" for i in range(1500))
@@ -190,3 +194,33 @@ def test_the_anthropic_sdk_works_streamed_with_tool_calls(client: TestClient, fa
     assert [b.type for b in message.content] == ["text", "tool_use"]
     assert message.content[1].input == {"command": "ls"}  # type: ignore[union-attr]
     assert message.usage.input_tokens == 30 and message.usage.output_tokens == 4
+
+
+def count(client: TestClient, payload: dict[str, Any], **headers: str) -> int:
+    answer = client.post("/v1/messages/count_tokens?beta=true", json=payload, headers=headers)
+    assert answer.status_code == 200, answer.text
+    tokens: int = answer.json()["input_tokens"]
+    return tokens
+
+
+def test_count_tokens_answers_with_the_session_projection(client: TestClient, fake: FakeUpstream) -> None:
+    history = [user("Please free up your context, then go on."), *tool_round(0, "small"), *tool_round(1, BIG)]
+    payload = {"model": "claude-test", "messages": history, "tools": [BASH]}
+    before = count(client, payload, **{"X-Claude-Code-Session-Id": "cc-9"})
+    assert before > 10_000 and not fake.received  # nothing forwarded, nothing journaled
+    fake.enqueue(Reply(body=tool_answer(("context_drop", {"handles": ["toolu_1"]}))))
+    fake.enqueue(Reply(body=completion("tidied")))
+    client.post("/v1/messages", json=body(*history, tools=[BASH]), headers={"X-Claude-Code-Session-Id": "cc-9"})
+    after = count(client, payload, **{"X-Claude-Code-Session-Id": "cc-9"})
+    assert after < 1_000 < before  # the model dropped the big result: the agent is told what the model now sees
+    assert count(client, payload) == before  # another session has not dropped it
+
+
+def test_count_tokens_counts_what_fits_the_window(tmp_path: Path, fake: FakeUpstream) -> None:
+    settings = load_settings(env={"CTXPROXY_DATA_DIR": str(tmp_path), "CTXPROXY_UPSTREAM": "http://u.test/v1",
+                                  "CTXPROXY_CTX_WINDOW": "32768"})
+    history = [user("go on"), *[m for i in range(8) for m in tool_round(i, BIG + str(i))]]
+    with app_client(settings, httpx.ASGITransport(app=fake)) as small:
+        projected = count(small, {"model": "claude-test", "messages": history})
+        sent = sum(len(BIG) for _ in range(8)) // 4
+    assert projected <= 32768 < sent
