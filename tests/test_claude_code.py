@@ -21,10 +21,12 @@ from typing import Any
 
 import httpx
 import pytest
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from config import load_settings
 from proxy.app import create_app
 from tests.fakes import FakeUpstream, Reply, serve_in_thread, stream_chunks, stream_tool_answer
+from tests.test_anthropic_native import answer, sse
 
 pytestmark = pytest.mark.e2e
 CACHE = Path(os.environ.get("CTXPROXY_TEST_CACHE") or Path.home() / ".cache" / "ctxproxy-test")
@@ -32,16 +34,50 @@ CLAUDE = CACHE / "claude-code" / "node_modules" / ".bin" / "claude"
 USAGE = {"prompt_tokens": 100, "completion_tokens": 5}
 
 
-@pytest.fixture
-def stack(tmp_path: Path) -> Iterator[tuple[FakeUpstream, str]]:
+class Recorder:
+    """The proxy's app, keeping the body of each ``/v1/messages`` request as Claude Code sent it."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app, self.bodies = app, list[bytes]()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] != "/v1/messages":
+            return await self.app(scope, receive, send)
+        parts: list[bytes] = []
+
+        async def recording() -> Message:
+            message = await receive()
+            if message["type"] != "http.request":
+                return message
+            parts.append(message.get("body", b""))
+            if not message.get("more_body"):
+                self.bodies.append(b"".join(parts))
+            return message
+
+        return await self.app(scope, recording, send)
+
+
+def serve(tmp_path: Path, **env: str) -> Iterator[tuple[FakeUpstream, str, Recorder]]:
     if not CLAUDE.exists():
         pytest.skip(f"Claude Code is not installed at {CLAUDE}: run scripts/test-deps (needs npm)")
     fake = FakeUpstream()
     with serve_in_thread(fake) as upstream:
         settings = load_settings(env={"CTXPROXY_DATA_DIR": str(tmp_path / "data"),
-                                      "CTXPROXY_UPSTREAM": upstream + "/v1", "CTXPROXY_CTX_WINDOW": "131072"})
-        with serve_in_thread(create_app(settings)) as proxy:
-            yield fake, proxy
+                                      "CTXPROXY_UPSTREAM": upstream + "/v1", "CTXPROXY_CTX_WINDOW": "131072", **env})
+        recorder = Recorder(create_app(settings))
+        with serve_in_thread(recorder) as proxy:
+            yield fake, proxy, recorder
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[tuple[FakeUpstream, str]]:
+    for fake, proxy, _ in serve(tmp_path):
+        yield fake, proxy
+
+
+@pytest.fixture
+def native(tmp_path: Path) -> Iterator[tuple[FakeUpstream, str, Recorder]]:
+    yield from serve(tmp_path, CTXPROXY_ANTHROPIC_UPSTREAM="native")
 
 
 def claude(proxy: str, prompt: str, home: Path) -> dict[str, Any]:
@@ -88,3 +124,23 @@ def test_claude_codes_context_is_freed_inside_the_proxy(stack: tuple[FakeUpstrea
     assert restored.split() == [str(i) for i in range(1, 4001)]
     session = httpx.get(f"{proxy}/ctx/sessions/{result['session_id']}").json()
     assert session["requests"] == 2
+
+
+def test_claude_code_against_a_native_upstream_gets_its_body_through_byte_for_byte(
+        native: tuple[FakeUpstream, str, Recorder], tmp_path: Path) -> None:
+    fake, proxy, recorder = native
+    call = {"type": "tool_use", "id": "toolu_01", "name": "Bash", "input": {"command": "echo hello-from-bash"}}
+    fake.enqueue(Reply(sse=sse(answer({"type": "text", "text": "Running it."}, call, stop="tool_use"))),
+                 path="/messages")
+    fake.enqueue(Reply(sse=sse(answer({"type": "text", "text": "It printed hello-from-bash."}))), path="/messages")
+    result = claude(proxy, "Run echo hello-from-bash and tell me what it printed.", tmp_path / "home")
+    assert result["result"].strip() == "It printed hello-from-bash."
+    upstream = [r for r in fake.received if r.path == "/v1/messages"]
+    assert len(upstream) == len(recorder.bodies) == 2 and not fake.chats
+    assert [r.body for r in upstream] == recorder.bodies  # nothing cut: every byte as Claude Code sent it
+    assert all(r.query == "beta=true" and "anthropic-beta" in r.headers for r in upstream)
+    second = upstream[1].json()
+    assert second["messages"][-2]["content"][-1] == call
+    output = second["messages"][-1]["content"][0]
+    assert output["tool_use_id"] == "toolu_01" and "hello-from-bash" in json.dumps(output["content"])
+    assert httpx.get(f"{proxy}/ctx/sessions/{result['session_id']}").json()["requests"] == 2
