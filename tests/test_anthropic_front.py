@@ -224,3 +224,14 @@ def test_count_tokens_counts_what_fits_the_window(tmp_path: Path, fake: FakeUpst
         projected = count(small, {"model": "claude-test", "messages": history})
         sent = sum(len(BIG) for _ in range(8)) // 4
     assert projected <= 32768 < sent
+
+
+def test_a_stream_without_usage_reports_the_projected_prompt(client: TestClient, fake: FakeUpstream) -> None:
+    """llama-cpp-python sends no usage in a stream; Claude Code reads its context size from it."""
+    fake.enqueue(Reply(sse=stream_chunks("fine")))
+    history = [user("go on"), *tool_round(0, BIG)]
+    answer = client.post("/v1/messages", json=body(*history, stream=True),
+                         headers={"X-Claude-Code-Session-Id": "cc-5"})
+    delta = next(e for e in events(answer.text) if e["type"] == "message_delta")
+    projected = count(client, {"model": "claude-test", "messages": history}, **{"X-Claude-Code-Session-Id": "cc-5"})
+    assert delta["usage"]["input_tokens"] == projected > 5000 and events(answer.text)[-1]["type"] == "message_stop"

@@ -9,25 +9,17 @@ compact a history the proxy already keeps inside the window. Nothing is journale
 
 from __future__ import annotations
 
-from typing import Any
-
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from proxy.budgets import budget_for
 from proxy.callers import requested_session
 from proxy.edge import read_body
 from proxy.errors import CtxError
 from proxy.fronts.anthropic.front import SESSION_HEADER, AnthropicFront
-from proxy.hashing import MessageHasher
-from proxy.rewrite import project
-from proxy.rewrite.decisions import Decision
-from proxy.rewrite.state import Rules
-from proxy.rewrite.tokens import Calibration
+from proxy.fronts.projected import projected_tokens
 from proxy.state import AppState
-from store import Journal
 
-__all__ = ["count_tokens", "projected_tokens"]
+__all__ = ["count_tokens"]
 
 
 async def count_tokens(request: Request) -> Response:
@@ -40,17 +32,3 @@ async def count_tokens(request: Request) -> Response:
         return JSONResponse({"input_tokens": await projected_tokens(state, decoded.body, session)})
     except CtxError as exc:
         return front.error(exc)
-
-
-async def projected_tokens(state: AppState, body: dict[str, Any], session: str | None) -> int:
-    """The request's projected size in the upstream's tokens (its estimate × the model's calibrated ratio)."""
-    model = body.get("model")
-    settings = state.settings.for_model(model)
-    window = settings.ctx_window or (await state.windows.window_for(model)).tokens
-    window = min(window, state.contexts.window_limits.get(model, window))
-    messages = body["messages"]
-    hashes = MessageHasher().hash("count", messages).hashes  # its own hasher: the sessions' caches stay as they are
-    rows = await state.journal.call(Journal.decisions, session) if session else []
-    k = state.contexts.models.get(model, Calibration()).k
-    rules = Rules(budget_for(settings, window), k, "count", state.counter.count_tools(body.get("tools")))
-    return project(messages, hashes, [Decision(**row) for row in rows], rules, state.counter).report.scaled

@@ -11,12 +11,15 @@ of its own.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
+from proxy.callers import requested_session
 from proxy.edge import parse_chat_body
 from proxy.errors import BadRequest, CtxError
 from proxy.fronts.anthropic.decode import to_chat
@@ -25,6 +28,7 @@ from proxy.fronts.anthropic.native import native_chat
 from proxy.fronts.anthropic.stream import AnthropicStream
 from proxy.fronts.anthropic.upstream import AnthropicUpstream
 from proxy.fronts.codec import Decoded, Encoder, serve
+from proxy.fronts.projected import projected_tokens
 from proxy.state import AppState
 
 __all__ = ["SESSION_HEADER", "AnthropicFront", "messages", "parse_messages_body"]
@@ -58,18 +62,21 @@ class AnthropicFront:
         chat = native_chat(body) if native else to_chat(body)
         parse_chat_body(orjson.dumps(chat))  # the chat edge's checks, with Anthropic's error shape
         upstream = AnthropicUpstream(body, request.url.query) if native else None
-        return Decoded(chat, request.headers.get(SESSION_HEADER), {"model": body.get("model")}, upstream)
+        session = requested_session(request, state.settings) or request.headers.get(SESSION_HEADER)
+        size = functools.partial(projected_tokens, state, chat, session)
+        return Decoded(chat, request.headers.get(SESSION_HEADER), {"model": body.get("model"), "size": size}, upstream)
 
     def encoder(self, decoded: Decoded) -> Encoder:
-        return _Encoder(decoded.context.get("model"))
+        return _Encoder(decoded.context.get("model"), decoded.context.get("size"))
 
     def error(self, exc: CtxError) -> Response:
         return error_response(exc)
 
 
 class _Encoder:
-    def __init__(self, model: str | None) -> None:
-        self.model = model
+    def __init__(self, model: str | None, size: Callable[[], Awaitable[int]] | None) -> None:
+        self.model, self.size = model, size
+        """``size``: the prompt's projected tokens, for a stream whose upstream reported no usage."""
         self.stream = AnthropicStream(model)
 
     async def whole(self, status: int, content: bytes) -> tuple[int, bytes]:
@@ -86,7 +93,12 @@ class _Encoder:
         return self.stream.feed(chunk)
 
     async def close(self) -> bytes:
-        return self.stream.close()
+        if not (self.stream.needs_usage and self.size):
+            return self.stream.close()
+        try:
+            return self.stream.close(await self.size())
+        except CtxError:  # the window could not be learnt: say nothing rather than fail a finished answer
+            return self.stream.close()
 
 
 async def messages(request: Request) -> Response:

@@ -45,10 +45,17 @@ class AnthropicStream:
         self._pending = lines.pop()
         return b"".join(self._line(line) for line in lines)
 
-    def close(self) -> bytes:
+    @property
+    def needs_usage(self) -> bool:
+        """The chat stream carried no usage (llama-cpp-python sends none): ``close`` should be told the input size."""
+        return self._started and self._usage is None
+
+    def close(self, input_tokens: int | None = None) -> bytes:
+        """The closing ``message_delta`` and ``message_stop`` (held from ``[DONE]`` until here, so that a stream
+        without usage can be given the prompt's size, ``input_tokens``)."""
         tail = self._line(self._pending) if self._pending else b""
         self._pending = ""
-        return tail + self._stop()
+        return tail + self._stop(input_tokens)
 
     def _line(self, line: str) -> bytes:
         if line.startswith(":"):
@@ -57,7 +64,7 @@ class AnthropicStream:
             return b""
         payload = line[5:].strip()
         if payload == "[DONE]":
-            return self._stop()
+            return b""
         try:
             data = orjson.loads(payload)
         except orjson.JSONDecodeError:
@@ -134,11 +141,13 @@ class AnthropicStream:
         self._block = None
         return event("content_block_stop", {"index": self._index})
 
-    def _stop(self) -> bytes:
+    def _stop(self, input_tokens: int | None) -> bytes:
         if self._stopped or not self._started:
             return b""
         self._stopped = True
         delta = stop_of(self._finish or "stop", self._stopped_by)
         usage = (self._usage or {}).get(CARRIER) or usage_of(self._usage)
+        if self._usage is None and input_tokens is not None:
+            usage["input_tokens"] = input_tokens
         out = self._close_block() + event("message_delta", {"delta": delta, "usage": usage})
         return out + event("message_stop", {})
