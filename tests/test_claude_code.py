@@ -25,7 +25,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from config import load_settings
 from proxy.app import create_app
-from tests.fakes import FakeUpstream, Reply, serve_in_thread, stream_chunks, stream_tool_answer
+from proxy.rewrite.tokens import MessageCounter
+from tests.fakes import FakeUpstream, Received, Reply, serve_in_thread, stream_chunks, stream_tool_answer
 from tests.test_anthropic_native import answer, sse
 
 pytestmark = pytest.mark.e2e
@@ -57,13 +58,37 @@ class Recorder:
         return await self.app(scope, recording, send)
 
 
-def serve(tmp_path: Path, **env: str) -> Iterator[tuple[FakeUpstream, str, Recorder]]:
+class SmallModel(FakeUpstream):
+    """A scripted model with a real window: it counts each prompt and refuses one over ``window`` as llama.cpp
+    does (a 400, or a stream that ends at once); it answers from the script, with its count as the usage."""
+
+    def __init__(self, window: int) -> None:
+        super().__init__()
+        self.window, self.counter, self.counts = window, MessageCounter(), list[int]()
+
+    def _next(self, got: Received) -> Reply:
+        if not got.path.endswith("/chat/completions"):
+            return super()._next(got)
+        request = got.json()
+        counted = sum(self.counter.count(m) for m in request["messages"]) + self.counter.count_tools(
+            request.get("tools"))
+        self.counts.append(counted)
+        if counted > self.window:
+            return Reply(raw=b"", headers={"content-type": "text/event-stream"}) if request.get("stream") else Reply(
+                status=400, body={"error": {"type": "exceed_context_size_error", "n_prompt_tokens": counted,
+                                            "n_ctx": self.window, "message": "exceeds the available context size"}})
+        reply = super()._next(got)
+        usage = {"prompt_tokens": counted, "completion_tokens": 5, "total_tokens": counted + 5}
+        return Reply(sse=[*[c for c in reply.sse or [] if c.get("choices")], {"choices": [], "usage": usage}])
+
+
+def serve(tmp_path: Path, fake: FakeUpstream | None = None, **env: str) -> Iterator[tuple[FakeUpstream, str, Recorder]]:
     if not CLAUDE.exists():
         pytest.skip(f"Claude Code is not installed at {CLAUDE}: run scripts/test-deps (needs npm)")
-    fake = FakeUpstream()
+    fake = fake or FakeUpstream()
     with serve_in_thread(fake) as upstream:
         settings = load_settings(env={"CTXPROXY_DATA_DIR": str(tmp_path / "data"),
-                                      "CTXPROXY_UPSTREAM": upstream + "/v1", "CTXPROXY_CTX_WINDOW": "131072", **env})
+                                      "CTXPROXY_UPSTREAM": upstream + "/v1", "CTXPROXY_CTX_WINDOW": "131072"} | env)
         recorder = Recorder(create_app(settings))
         with serve_in_thread(recorder) as proxy:
             yield fake, proxy, recorder
@@ -144,3 +169,38 @@ def test_claude_code_against_a_native_upstream_gets_its_body_through_byte_for_by
     output = second["messages"][-1]["content"][0]
     assert output["tool_use_id"] == "toolu_01" and "hello-from-bash" in json.dumps(output["content"])
     assert httpx.get(f"{proxy}/ctx/sessions/{result['session_id']}").json()["requests"] == 2
+
+
+def test_a_long_claude_code_run_stays_inside_a_small_window_and_every_cut_is_restorable(tmp_path: Path) -> None:
+    """Eight commands whose outputs together are several times the window: every prompt the model gets fits
+    (none refused), and every output the proxy cut comes back byte for byte from the stub's overflow id."""
+    window, rounds = 49152, 8
+    model = SmallModel(window)
+    outputs = {f"ctx_0_Bash_{i}": f"seq {i * 100000 + 1} {i * 100000 + 3000}" for i in range(rounds)}
+    for call_id, command in outputs.items():
+        script = stream_tool_answer(("Bash", {"command": command}))
+        model.enqueue(Reply(sse=[_renamed(chunk, call_id) for chunk in script]))
+    model.enqueue(Reply(sse=stream_chunks("All eight ran.")))
+    for fake, proxy, _ in serve(tmp_path, model, CTXPROXY_CTX_WINDOW=str(window)):
+        result = claude(proxy, "Run the commands I will need, one at a time.", tmp_path / "home")
+        assert result["result"].strip() == "All eight ran."
+        assert len(model.counts) == rounds + 1 and max(model.counts) <= window, model.counts
+        last = fake.chats[-1].json()["messages"]
+        stubs = {m["tool_call_id"]: m["content"] for m in last if m.get("role") == "tool"}
+        assert stubs.keys() == outputs.keys()
+        cut = {k: re.search(r"id=([0-9a-f]{64})", v) for k, v in stubs.items()}
+        assert all(cut.values())  # 160 KB of output in all: each cut to a preview as it arrived
+        for call_id, match in cut.items():
+            if match:
+                start, end = map(int, outputs[call_id].split()[1:])
+                restored = httpx.get(f"{proxy}/ctx/sessions/{result['session_id']}/overflow/{match[1]}").text
+                assert restored.split() == [str(n) for n in range(start, end + 1)]
+
+
+def _renamed(chunk: Any, call_id: str) -> Any:
+    """A scripted chunk whose tool call gets its own id (Claude Code keys its results by it)."""
+    for choice in chunk.get("choices", []):
+        for call in choice.get("delta", {}).get("tool_calls") or []:
+            if "id" in call:
+                call["id"] = call_id
+    return chunk
