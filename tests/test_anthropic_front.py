@@ -134,8 +134,7 @@ def test_claude_codes_session_header_names_the_session(client: TestClient, fake:
     (body(user("hi"), tools=[{"type": "web_search_20250305", "name": "web_search"}]), "tools[0].type"),
     (body(user("hi"), mcp_servers=[]), "mcp_servers"),
     (body({"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
-        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}]}),
-     "messages[0].content[0].content[0]"),
+        {"type": "document", "source": {}}]}]}), "messages[0].content[0].content[0]"),
 ])
 def test_what_cannot_be_translated_is_refused_in_anthropics_shape(
         client: TestClient, fake: FakeUpstream, payload: dict[str, Any], param: str) -> None:
@@ -153,6 +152,18 @@ def test_errors_take_anthropics_shape(client: TestClient, fake: FakeUpstream) ->
     answer = client.post("/v1/messages", json=body(user("hi")))
     assert answer.status_code == 503
     assert answer.json() == {"type": "error", "error": {"type": "api_error", "message": "model loading"}}
+
+
+def test_images_a_tool_returned_follow_its_result(client: TestClient, fake: FakeUpstream) -> None:
+    shot = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBOR"}}
+    result = {"type": "tool_result", "tool_use_id": "toolu_0", "content": [{"type": "text", "text": "saved"}, shot]}
+    client.post("/v1/messages", json=body(user("shoot"), tool_round(0, "")[0],
+                                          {"role": "user", "content": [result, {"type": "text", "text": "what?"}]}))
+    assert fake.last_chat.json()["messages"][2:] == [
+        {"role": "tool", "tool_call_id": "toolu_0",
+         "content": "saved\n[1 image(s) returned by this tool follow in the next user message]"},
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBOR"}},
+                                     {"type": "text", "text": "what?"}]}]
 
 
 def test_images_map_to_image_urls(client: TestClient, fake: FakeUpstream) -> None:

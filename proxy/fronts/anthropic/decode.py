@@ -12,8 +12,12 @@ What is left out on purpose (hints for Anthropic's own servers that change no co
 ``redacted_thinking`` blocks (their signatures prove them to Anthropic only; a chat model does not read its
 past reasoning). ``TRANSLATED_HINTS`` lists the top-level ones.
 
-What is refused (400, nothing forwarded): any other block type (``document``, server tools' blocks …), images in
-a tool result, server tools (a tool with a ``type``), MCP servers and containers, unknown top-level fields.
+Images in a tool result (a screenshot, an image file read) follow the tool messages in a user message, the
+result's text saying so (a chat tool message carries text only). A tool result's ``is_error`` becomes an
+``Error:`` prefix.
+
+What is refused (400, nothing forwarded): any other block type (``document``, server tools' blocks …), server
+tools (a tool with a ``type``), MCP servers and containers, unknown top-level fields.
 """
 
 from __future__ import annotations
@@ -123,40 +127,50 @@ def _assistant(blocks: list[Any], where: str) -> list[dict[str, Any]]:
 
 
 def _user(blocks: list[Any], where: str) -> list[dict[str, Any]]:
-    """Tool results become tool messages, in order, ahead of the user's own parts (chat wants them there)."""
+    """Tool results become tool messages, in order, ahead of the user's own parts (chat wants them there); the
+    images a result returned (a screenshot, an image file read) open the user message after them."""
     results: list[dict[str, Any]] = []
+    returned: list[dict[str, Any]] = []
     parts: list[dict[str, Any]] = []
     for j, block in enumerate(blocks):
         kind = block.get("type") if isinstance(block, dict) else None
         at = f"{where}.content[{j}]"
         if kind == "tool_result":
-            results.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
-                            "content": _result_text(block, at)})
+            text, images = _result(block, at)
+            results.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": text})
+            returned += images
         elif kind == "text":
             parts.append({"type": "text", "text": str(block.get("text", ""))})
         elif kind == "image":
             parts.append(image_part(block, at))
         else:
             raise _refuse(f"a {kind!r} block", at)
+    parts = returned + parts
     if parts:
         one_text = len(parts) == 1 and parts[0]["type"] == "text"
         results.append({"role": "user", "content": parts[0]["text"] if one_text else parts})
     return results
 
 
-def _result_text(block: dict[str, Any], where: str) -> str:
+def _result(block: dict[str, Any], where: str) -> tuple[str, list[dict[str, Any]]]:
+    """A tool result's text, and its images as chat parts (a tool message carries text only)."""
     content = block.get("content")
-    if content is None or isinstance(content, str):
-        text = content or ""
-    else:
-        pieces = []
-        for j, part in enumerate(content if isinstance(content, list) else [content]):
-            if not isinstance(part, dict) or part.get("type") != "text":
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise _refuse(f"a {kind!r} block inside a tool_result", f"{where}.content[{j}]")
+    pieces: list[str] = []
+    images: list[dict[str, Any]] = []
+    for j, part in enumerate([content] if content is None or isinstance(content, str | dict) else content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if part is None or isinstance(part, str):
+            pieces.append(part or "")
+        elif kind == "text":
             pieces.append(str(part.get("text", "")))
-        text = "\n".join(pieces)
-    return f"Error: {text}" if block.get("is_error") and not text.startswith("Error") else text
+        elif kind == "image":
+            images.append(image_part(part, f"{where}.content[{j}]"))
+        else:
+            raise _refuse(f"a {kind!r} block inside a tool_result", f"{where}.content[{j}]")
+    if images:
+        pieces.append(f"[{len(images)} image(s) returned by this tool follow in the next user message]")
+    text = "\n".join(pieces)
+    return (f"Error: {text}" if block.get("is_error") and not text.startswith("Error") else text), images
 
 
 def image_part(block: dict[str, Any], where: str = "image") -> dict[str, Any]:
