@@ -176,7 +176,7 @@ def _tools(chat_tools: list[Any], original: list[Any]) -> list[Any]:
 def _messages(messages: list[Message], originals: list[Any]) -> tuple[list[Any], bool]:
     """The Anthropic messages, and whether a fresh assistant turn calls tools (a spliced context round)."""
     out: list[Any] = []
-    fresh_calls = False
+    fresh_calls, mine = False, -1  # mine: where the latest of the proxy's own messages is in ``out``
     n = 0
     while n < len(messages):
         i = messages[n].get(CARRIER)
@@ -186,16 +186,19 @@ def _messages(messages: list[Message], originals: list[Any]) -> tuple[list[Any],
         n += len(group)
         if i is None or not 0 <= i < len(originals):
             fresh_calls = fresh_calls or bool(group[0].get("tool_calls"))
-            _merge(out, fresh(group[0]))
+            _merge(out, fresh(group[0]), mine == len(out) - 1)
+            mine = len(out) - 1
         else:
             expected = decode_message(originals[i], i)
             out.append(originals[i] if group == expected else rebuilt(group, originals[i], expected))
     return out, fresh_calls
 
 
-def _merge(out: list[Any], message: Message) -> None:
-    """A message of the proxy's own: joined to the one before when it has the same role (Anthropic alternates)."""
-    if out and isinstance(out[-1], dict) and out[-1].get("role") == message["role"]:
+def _merge(out: list[Any], message: Message, after_mine: bool) -> None:
+    """A message of the proxy's own: joined to the one before when that is the proxy's too and has the same role
+    (the context tools' results of one round in one user turn). Never to the client's: its message would change
+    for this request only, and a prompt cache would lose it on the next; Anthropic joins consecutive user turns."""
+    if after_mine and out[-1].get("role") == message["role"]:
         before = out[-1]
         blocks = before.get("content")
         blocks = [{"type": "text", "text": blocks}] if isinstance(blocks, str) else list(blocks or [])
