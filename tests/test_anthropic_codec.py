@@ -121,3 +121,15 @@ def test_a_native_stream_round_trips_its_blocks_signatures_and_usage() -> None:
     assert {"type": "signature_delta", "signature": "S="} in [e.get("delta") for e in events]
     assert events[-2]["usage"] == {"input_tokens": 3, "output_tokens": 2}
     assert events[-2]["delta"] == {"stop_reason": "end_turn", "stop_sequence": None}
+
+
+@given(conversation())
+def test_the_proxys_notice_stands_alone_and_the_clients_messages_stay_whole(body: dict[str, Any]) -> None:
+    """A notice joined to the client's last message would change that message for this request only: the next
+    request's prompt cache would lose it."""
+    chat = native_chat(body)
+    chat["messages"].append({"role": "system", "content": "[ctxproxy] Applied since your last request: x"})
+    out = native_body(chat, body)
+    assert out["messages"][:-1] == body["messages"]
+    assert out["messages"][-1] == {"role": "user", "content": [
+        {"type": "text", "text": "[ctxproxy] Applied since your last request: x"}]}
