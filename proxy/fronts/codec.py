@@ -19,8 +19,9 @@ How a front plugs in:
    buffered answer (the chat completion JSON, or an error in the OpenAI envelope with its status) and returns the
    protocol's body; ``feed`` gets the chat SSE stream in arbitrary pieces (``data:`` chunks, ``: comment`` lines
    the engine sends while context tools run, a final ``[DONE]``) and returns the protocol's SSE bytes; ``close``
-   ends the stream. A stream is only ever encoded for a 200 ``text/event-stream`` answer; everything else
-   (errors included) goes through ``whole``.
+   (async: it may look something up, such as the prompt's projected size when the upstream sent no usage) ends
+   the stream with the protocol's closing events. A stream is only ever encoded for a 200 ``text/event-stream``
+   answer; everything else (errors included) goes through ``whole``.
 3. ``error(exc)`` renders a ``CtxError`` raised before the engine answered (bad body, loop, too large …) in the
    protocol's own error shape.
 4. Native upstreams: when the upstream speaks the client's protocol itself (api.anthropic.com, an OpenAI
@@ -37,7 +38,8 @@ How a front plugs in:
 (the decoded body, the session header set from ``Decoded.session`` unless the client set it itself; the path stays
 the client's, so the journal says which protocol was spoken) and wraps the engine's response in ``EncodedResponse``.
 Translated, the forwards go to ``/v1/chat/completions`` without the client's query. The context tools' calls are
-taken out of the chat stream by the engine before the encoder sees it, so the agent reads one coherent answer. """
+taken out of the chat stream by the engine before the encoder sees it, so the agent reads one coherent answer.
+"""
 
 from __future__ import annotations
 
@@ -59,7 +61,7 @@ from proxy.state import AppState
 __all__ = ["CHAT_PATH", "ChatUpstream", "Decoded", "EncodedResponse", "Encoder", "Front", "serve"]
 
 CHAT_PATH = "/v1/chat/completions"
-"""Where a decoded request enters the engine (and, for a chat upstream, where it goes upstream)."""
+"""Where a translated forward goes: the upstream's chat route."""
 
 
 @dataclass(frozen=True)
