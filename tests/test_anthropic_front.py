@@ -246,3 +246,26 @@ def test_a_stream_without_usage_reports_the_projected_prompt(client: TestClient,
     delta = next(e for e in events(answer.text) if e["type"] == "message_delta")
     projected = count(client, {"model": "claude-test", "messages": history}, **{"X-Claude-Code-Session-Id": "cc-5"})
     assert delta["usage"]["input_tokens"] == projected > 5000 and events(answer.text)[-1]["type"] == "message_stop"
+
+
+def test_refusals_before_the_engine_take_anthropics_shape_too(tmp_path: Path, fake: FakeUpstream) -> None:
+    settings = load_settings(env={"CTXPROXY_DATA_DIR": str(tmp_path), "CTXPROXY_UPSTREAM": "http://u.test/v1",
+                                  "CTXPROXY_MAX_BODY_BYTES": "2048"})
+    with app_client(settings, httpx.ASGITransport(app=fake)) as small:
+        answer = small.post("/v1/messages", json=body(user("x" * 4000)))
+        assert answer.status_code == 413 and not fake.received
+        assert answer.json()["type"] == "error" and answer.json()["error"]["type"] == "request_too_large"
+        assert small.post("/v1/messages", json=body(user("hi")), headers={"X-Ctx-Incognito": "maybe"}).json()[
+            "error"]["type"] == "invalid_request_error"
+
+
+def test_a_follow_up_that_fails_ends_the_stream_with_an_error_event(client: TestClient, fake: FakeUpstream) -> None:
+    fake.enqueue(Reply(sse=stream_tool_answer(("context_drop", {"handles": ["toolu_1"]}), content="Tidying.")))
+    fake.enqueue(Reply(status=500, body={"error": {"message": "model crashed", "type": "server_error"}}))
+    history = [user("Please free up your context, then go on."), *tool_round(0, "small"), *tool_round(1, BIG)]
+    answer = client.post("/v1/messages", json=body(*history, tools=[BASH], stream=True))
+    got = events(answer.text)
+    kinds = [e["type"] for e in got]
+    assert kinds[0] == "message_start" and "error" in kinds and kinds[-1] == "message_stop"
+    error = got[kinds.index("error")]
+    assert error["error"]["type"] == "api_error" and "model crashed" in error["error"]["message"]
