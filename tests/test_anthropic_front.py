@@ -269,3 +269,18 @@ def test_a_follow_up_that_fails_ends_the_stream_with_an_error_event(client: Test
     assert kinds[0] == "message_start" and "error" in kinds and kinds[-1] == "message_stop"
     error = got[kinds.index("error")]
     assert error["error"]["type"] == "api_error" and "model crashed" in error["error"]["message"]
+
+
+def test_count_tokens_finds_a_credential_scoped_session(tmp_path: Path, fake: FakeUpstream) -> None:
+    """Under session_scope = "credential" Claude Code's session is namespaced by its key: so is the lookup."""
+    settings = load_settings(env={"CTXPROXY_DATA_DIR": str(tmp_path), "CTXPROXY_UPSTREAM": "http://u.test/v1",
+                                  "CTXPROXY_CTX_WINDOW": "131072", "CTXPROXY_SPILL_CHARS": "100000",
+                                  "CTXPROXY_SESSION_SCOPE": "credential"})
+    history = [user("Please free up your context, then go on."), *tool_round(0, "small"), *tool_round(1, BIG)]
+    headers = {"X-Claude-Code-Session-Id": "cc-7", "x-api-key": "sk-a"}
+    with app_client(settings, httpx.ASGITransport(app=fake)) as scoped:
+        fake.enqueue(Reply(body=tool_answer(("context_drop", {"handles": ["toolu_1"]}))))
+        fake.enqueue(Reply(body=completion("tidied")))
+        scoped.post("/v1/messages", json=body(*history, tools=[BASH]), headers=headers)
+        payload = {"model": "claude-test", "messages": history, "tools": [BASH]}
+        assert count(scoped, payload, **headers) < 1_000 < count(scoped, payload, **(headers | {"x-api-key": "b"}))

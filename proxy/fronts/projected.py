@@ -10,7 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from starlette.requests import Request
+
+from config import Settings
 from proxy.budgets import budget_for
+from proxy.callers import credential_tag, requested_session
 from proxy.hashing import MessageHasher
 from proxy.rewrite import project
 from proxy.rewrite.decisions import Decision
@@ -19,7 +23,16 @@ from proxy.rewrite.tokens import Calibration
 from proxy.state import AppState
 from store import Journal
 
-__all__ = ["projected_tokens"]
+__all__ = ["projected_tokens", "session_of"]
+
+
+def session_of(request: Request, settings: Settings, named: str | None) -> str | None:
+    """The session a front's request belongs to: the one its ``session_header`` names, else the protocol's own
+    key (``named``), namespaced as the chat edge does under ``session_scope = "credential"``."""
+    chosen = requested_session(request, settings)
+    if chosen is not None or named is None:
+        return chosen
+    return f"{named}@{credential_tag(request.headers.raw)}" if settings.session_scope == "credential" else named
 
 
 async def projected_tokens(state: AppState, body: dict[str, Any], session: str | None) -> int:

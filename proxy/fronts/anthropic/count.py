@@ -12,11 +12,10 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from proxy.callers import requested_session
 from proxy.edge import read_body
 from proxy.errors import CtxError
 from proxy.fronts.anthropic.front import SESSION_HEADER, AnthropicFront
-from proxy.fronts.projected import projected_tokens
+from proxy.fronts.projected import projected_tokens, session_of
 from proxy.state import AppState
 
 __all__ = ["count_tokens"]
@@ -28,7 +27,7 @@ async def count_tokens(request: Request) -> Response:
     try:
         raw = await read_body(request, state.settings.max_body_bytes, state.settings.client_body_timeout)
         decoded = await front.decode(raw, request)
-        session = requested_session(request, state.settings) or request.headers.get(SESSION_HEADER)
+        session = session_of(request, state.settings, request.headers.get(SESSION_HEADER))
         return JSONResponse({"input_tokens": await projected_tokens(state, decoded.body, session)})
     except CtxError as exc:
         return front.error(exc)

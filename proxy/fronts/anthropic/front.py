@@ -19,7 +19,6 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from proxy.callers import requested_session
 from proxy.edge import parse_chat_body
 from proxy.errors import BadRequest, CtxError
 from proxy.fronts.anthropic.decode import to_chat
@@ -28,7 +27,7 @@ from proxy.fronts.anthropic.native import native_chat
 from proxy.fronts.anthropic.stream import AnthropicStream
 from proxy.fronts.anthropic.upstream import AnthropicUpstream
 from proxy.fronts.codec import Decoded, Encoder, serve
-from proxy.fronts.projected import projected_tokens
+from proxy.fronts.projected import projected_tokens, session_of
 from proxy.state import AppState
 
 __all__ = ["SESSION_HEADER", "AnthropicFront", "messages", "parse_messages_body"]
@@ -62,7 +61,7 @@ class AnthropicFront:
         chat = native_chat(body) if native else to_chat(body)
         parse_chat_body(orjson.dumps(chat))  # the chat edge's checks, with Anthropic's error shape
         upstream = AnthropicUpstream(body, request.url.query) if native else None
-        session = requested_session(request, state.settings) or request.headers.get(SESSION_HEADER)
+        session = session_of(request, state.settings, request.headers.get(SESSION_HEADER))
         size = functools.partial(projected_tokens, state, chat, session)
         return Decoded(chat, request.headers.get(SESSION_HEADER), {"model": body.get("model"), "size": size}, upstream)
 
