@@ -132,6 +132,9 @@ class Settings:
     null_content: str = _opt("keep", parse_choice("keep", "empty"), 'assistant "content": null upstream; '
                              '"empty" sends "" (llama-cpp-python answers null with a 500)')
     route: str = _opt("auto", parse_choice("auto", "native", "fenced"), "tool-call protocol of the agent")
+    anthropic_upstream: str = _opt("translated", parse_choice("translated", "native"), "how /v1/messages reaches "
+                                   'the upstream: "translated" to its chat completions, "native" to its own '
+                                   "/v1/messages (api.anthropic.com, llama.cpp, vLLM)")
     fenced_presets: tuple[tuple[str, str], ...] = _opt((), parse_presets, "your own text-protocol formats: "
                                                        "[{name, pattern with (?P<body>…)}], tried first")
     mirror_dir: str = _opt("", parse_str, 'where LIVE_CONTEXT.json is written; "" = <data_dir>/mirror')

@@ -37,6 +37,8 @@ from proxy.errors import (
     render_unexpected,
     storage_error,
 )
+from proxy.fronts.anthropic.count import count_tokens
+from proxy.fronts.anthropic.front import messages
 from proxy.loop import VIA_HEADER, refuse_loop
 from proxy.responses import FinallyResponse
 from proxy.state import AppState
@@ -61,6 +63,8 @@ def create_app(settings: Settings, upstream_transport: httpx.AsyncBaseTransport 
     admin.add_exception_handler(RequestValidationError, _render_validation)
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/messages", messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
         Route("/v1/{path:path}", passthrough, methods=["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),

@@ -89,11 +89,11 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
 def _replayable(request: httpx.Request) -> bool:
     """Whether ``request`` may be sent a second time, on a new connection, when the upstream closed the connection
     before answering. aiohttp does this by itself for idempotent methods only (RFC 9112 §9.3.1); a POST to
-    ``/chat/completions`` qualifies too, as its only effect is its answer. Why it matters: a pooled keep-alive
-    connection the upstream closes for idleness (uvicorn, vLLM, llama.cpp: after 5 s) at the moment the proxy
-    reuses it fails without a byte of answer; under load (bench/load.py) one request in about 1,500 met this as a
-    502."""
-    return request.method == "POST" and request.url.path.endswith("/chat/completions")
+    ``/chat/completions`` (or Anthropic's ``/messages``) qualifies too, as its only effect is its answer. Why it
+    matters: a pooled keep-alive connection the upstream closes for idleness (uvicorn, vLLM, llama.cpp: after 5 s)
+    at the moment the proxy reuses it fails without a byte of answer; under load (bench/load.py) one request in
+    about 1,500 met this as a 502."""
+    return request.method == "POST" and request.url.path.endswith(("/chat/completions", "/messages"))
 
 
 def _dropped_unanswered(exc: BaseException) -> bool:

@@ -205,3 +205,44 @@ def test_a_window_learned_late_strands_no_round(real: Real, stream: bool) -> Non
         assert status == 200, f"round {i + 1}: {text[:600]}"
         if stream:
             assert text.rstrip().endswith("data: [DONE]"), f"round {i + 1}: {text[-600:]}"
+
+
+def _anthropic_run(rounds: int) -> list[dict[str, Any]]:
+    """``_long_agent_run`` as Claude Code would send it: tool_use and tool_result blocks, the system apart."""
+    messages: list[dict[str, Any]] = []
+    for m in _long_agent_run(rounds)[1:]:
+        if m["role"] == "assistant":
+            messages.append({"role": "assistant", "content": [
+                {"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
+                 "input": json.loads(c["function"]["arguments"])} for c in m["tool_calls"]]})
+        elif m["role"] == "tool":
+            result = {"type": "tool_result", "tool_use_id": m["tool_call_id"], "content": m["content"],
+                      "cache_control": {"type": "ephemeral"}}
+            messages.append({"role": "user", "content": [result]})
+        elif messages and messages[-1]["role"] == "user":
+            messages[-1]["content"].append({"type": "text", "text": m["content"]})
+        else:
+            messages.append({"role": "user", "content": [{"type": "text", "text": m["content"]}]})
+    return messages
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_anthropic_sdk_through_the_proxy_to_the_real_server(real: Real, stream: bool) -> None:
+    """Translated mode against llama.cpp: an agent history far over the window, in Anthropic's shape, is cut to
+    fit and answered by the server itself, buffered and streamed."""
+    import anthropic
+
+    sdk = anthropic.Anthropic(base_url=real.proxy, api_key="sk-test", max_retries=0, timeout=300)
+    tools = [{"name": "sh", "description": "Run a shell command", "input_schema": {
+        "type": "object", "properties": {"cmd": {"type": "string"}}}}]
+    ask: dict[str, Any] = {"model": MODEL, "max_tokens": 8, "extra_body": {"temperature": 0}, "tools": tools,
+                           "system": [{"type": "text", "text": "You are a coding agent. Be brief.",
+                                       "cache_control": {"type": "ephemeral"}}],
+                           "messages": _anthropic_run(rounds=12)}
+    if stream:
+        with sdk.messages.stream(**ask) as answer:
+            message = answer.get_final_message()
+    else:
+        message = sdk.messages.create(**ask)
+    assert message.role == "assistant" and message.stop_reason in ("end_turn", "max_tokens", "tool_use")
+    assert 0 < message.usage.input_tokens < N_CTX  # the server's own count of what the proxy sent

@@ -110,6 +110,16 @@ def test_offer_phrases_and_tool_names_match_whole_words(text: str, asked: bool) 
     assert "ctx" in TOOL_NAMES
 
 
+def test_a_person_asking_in_text_parts_is_heard() -> None:
+    """Claude Code (and chat clients sending parts) put the person's words in text parts, after a reminder."""
+    parts = [{"type": "text", "text": "<system-reminder>notes</system-reminder>"},
+             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}},
+             {"type": "text", "text": "Run the tests, then free up your context."}]
+    messages = [{"role": "user", "content": parts}]
+    assert person_asked(messages, turn_of(messages), ["free up your context"]) is True
+    assert person_asked([{"role": "user", "content": parts[:2]}], turn_of(messages), ["free up your context"]) is False
+
+
 # --- ctx clear: the seed's own example ----------------------------------------------------------------------------
 
 def results_of(fake: FakeUpstream) -> list[str]:

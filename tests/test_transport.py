@@ -175,3 +175,18 @@ def test_a_chat_on_a_kept_alive_connection_the_upstream_closed_is_sent_again(tmp
                 assert other.status_code == 502  # any other POST may have effects: never sent twice
         finally:
             server.shutdown()
+
+
+def test_a_native_anthropic_message_is_sent_again_on_a_connection_the_upstream_closed(tmp_path: Path) -> None:
+    """``/v1/messages`` has no effect beyond its answer either: the same retry as a chat completion."""
+    message = {"model": "m", "max_tokens": 10, "messages": [{"role": "user", "content": "hi"}]}
+    with _Server(("127.0.0.1", 0), _DropsKeptAliveConnections) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        try:
+            for proxy in proxy_for(tmp_path, f"http://127.0.0.1:{server.server_address[1]}/v1",
+                                   CTXPROXY_ANTHROPIC_UPSTREAM="native"):
+                for _ in range(3):
+                    response = httpx.post(proxy + "/v1/messages", json=message, timeout=10)
+                    assert response.status_code == 200, response.text
+        finally:
+            server.shutdown()

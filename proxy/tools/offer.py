@@ -60,8 +60,16 @@ def turn_in(messages: Sequence[dict[str, Any]], state: State) -> Turn:
 def person_asked(messages: Sequence[dict[str, Any]], turn: Turn, phrases: Sequence[str]) -> bool:
     message = messages[turn.start] if messages else {}
     content = message.get("content") if message.get("role") == "user" else None
-    text = content if isinstance(content, str) else ""
-    return bool(_asking(tuple(phrases)).search(text))
+    return bool(_asking(tuple(phrases)).search(_text_of(content)))
+
+
+def _text_of(content: Any) -> str:
+    """A message's text: the string, or its text parts one per line (an Anthropic client's blocks, a chat client
+    sending parts); images and other parts say nothing a phrase could match."""
+    if isinstance(content, str):
+        return content
+    parts = content if isinstance(content, list) else []
+    return "\n".join(str(p.get("text", "")) for p in parts if isinstance(p, dict) and p.get("type") == "text")
 
 
 _ACTIONS = r"\s+(?:status|clear|commit)\b"

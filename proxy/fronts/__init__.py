@@ -1,0 +1,1 @@
+"""Fronts: the protocols other than OpenAI chat completions that agents speak to ctxproxy (``proxy.fronts.codec``)."""
