@@ -37,6 +37,7 @@ from proxy.errors import (
     render_unexpected,
     storage_error,
 )
+from proxy.fronts.responses.route import responses
 from proxy.loop import VIA_HEADER, refuse_loop
 from proxy.responses import FinallyResponse
 from proxy.state import AppState
@@ -61,6 +62,7 @@ def create_app(settings: Settings, upstream_transport: httpx.AsyncBaseTransport 
     admin.add_exception_handler(RequestValidationError, _render_validation)
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/responses", responses, methods=["POST"]),
         Route("/v1/{path:path}", passthrough, methods=["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
