@@ -37,7 +37,7 @@ from proxy.errors import (
     render_unexpected,
     storage_error,
 )
-from proxy.fronts.responses.route import responses
+from proxy.fronts.responses.front import responses
 from proxy.loop import VIA_HEADER, refuse_loop
 from proxy.responses import FinallyResponse
 from proxy.state import AppState

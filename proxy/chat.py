@@ -13,7 +13,6 @@ it to ``proxy.engine.drive`` and renders what fails before an answer has begun.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any, cast
 
 import anyio
@@ -35,25 +34,15 @@ from proxy.upstream import redact
 from proxy.wire import ChatBody
 from store import IncomingRequest, Journal
 
-__all__ = ["chat_completions", "incoming_request", "serve_chat"]
+__all__ = ["chat_completions", "incoming_request"]
 
 
 async def chat_completions(request: Request) -> Response:
     state: AppState = request.app.state.ctx
     refuse_loop(request.headers, state.upstream.instance)
-    raw = await read_body(request, state.settings.max_body_bytes, state.settings.client_body_timeout)
-    return await serve_chat(request, raw)
-
-
-async def serve_chat(request: Request, raw: bytes, front_path: str | None = None) -> Response:
-    """Serve a chat body: the chat route's, or one a front of another protocol decoded (``proxy.fronts``), which
-    passes a request whose path is the upstream's chat route and ``front_path``, the path its client called (the
-    journal's)."""
-    state: AppState = request.app.state.ctx
     incognito = incognito_requested(request) or state.settings.incognito
+    raw = await read_body(request, state.settings.max_body_bytes, state.settings.client_body_timeout)
     body, incoming = await state.offload.run(is_heavy(raw), _admit, request, raw, state)
-    if front_path is not None:
-        incoming = replace(incoming, path=front_path)
     writer = state.journal_for(incognito)
     with anyio.CancelScope(shield=True):  # once begun, the request's row is written, so its answer row can follow
         recorded = await writer.call(Journal.record_request, incoming)

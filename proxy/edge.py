@@ -20,7 +20,7 @@ from starlette.requests import Request
 from proxy.errors import BadRequest, PayloadTooLarge, RequestTimeout
 from proxy.wire import ChatBody
 
-__all__ = ["MAX_DEPTH", "parse_chat_body", "parse_json", "read_body"]
+__all__ = ["MAX_DEPTH", "parse_chat_body", "read_body"]
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 MAX_DEPTH = 254
@@ -70,11 +70,6 @@ def parse_chat_body(raw: bytes) -> ChatBody:
     for i, message in enumerate(messages):
         _check_message(i, message)
     return cast(ChatBody, body)
-
-
-def parse_json(raw: bytes) -> Any:
-    """A body of another protocol's front (``proxy.fronts``), parsed as the chat route's is (``_loads``)."""
-    return _loads(raw)
 
 
 def _loads(raw: bytes) -> Any:

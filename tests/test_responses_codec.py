@@ -169,7 +169,7 @@ def test_a_text_stream_becomes_the_responses_events_in_order() -> None:
 def test_a_streamed_tool_call_becomes_function_call_events() -> None:
     encoder = StreamEncoder(Frame.of({"model": "m"}))
     chunks = stream_tool_answer(("exec_command", {"cmd": "ls -la /tmp"}), content="Looking now")
-    events = events_of(encoder.feed(sse(chunks)))
+    events = events_of(encoder.feed(sse(chunks)) + encoder.close())
     kinds = [e["type"] for e in events]
     assert kinds.count("response.function_call_arguments.delta") > 1
     done = next(e for e in events if e["type"] == "response.function_call_arguments.done")

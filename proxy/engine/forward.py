@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import httpx
 import orjson
@@ -23,7 +23,7 @@ from proxy.loop import VIA_HEADER
 from proxy.overflow import Overflow, detect_overflow
 from proxy.upstream import client_headers
 
-__all__ = ["ATTEMPTS", "FollowUpTooLong", "Forwarder", "Opened", "read_whole"]
+__all__ = ["ATTEMPTS", "UPSTREAM_CODEC", "FollowUpTooLong", "Forwarder", "Opened", "UpstreamCodec", "read_whole"]
 
 ATTEMPTS = 2
 """The first forward, and one retry after the upstream said the prompt is too long."""
@@ -33,6 +33,25 @@ _BROKE_OFF = httpx.Response(502)
 """Stands for a streamed forward the upstream closed before its first byte: llama-cpp-python's way of refusing
 a streamed prompt over its ``n_ctx`` (its log: "Requested tokens (N) exceed context window"). When the probe
 (``Forwarder._probe``) confirms an overflow, it is retried once, cut smaller, like any overflow."""
+
+
+UPSTREAM_CODEC = "ctxproxy.upstream_codec"
+"""The request scope's key for an ``UpstreamCodec``: set by a front (``proxy.fronts.codec``) whose upstream speaks
+its client's protocol; absent, the chat body goes to the upstream's chat route as it is."""
+
+
+class UpstreamCodec(Protocol):
+    """An upstream that speaks another protocol than chat: each forward's chat body is encoded into it, and its
+    answer decoded back into chat (a buffered completion, a chat SSE stream, an error envelope), so the engine
+    reads what it always reads. The codec carries whatever the encoding back needs (the client's original body)."""
+
+    path: str
+    """Where the upstream takes the protocol (``/v1/messages``)."""
+    query: str
+    """The client's query string, forwarded as it came."""
+
+    def request(self, body: bytes) -> bytes: ...
+    def response(self, answer: httpx.Response) -> httpx.Response: ...
 
 
 class FollowUpTooLong(CtxError):
@@ -152,10 +171,12 @@ class Forwarder:
         x = self.exchange
         request = x.request
         headers = client_headers(request.headers.raw, x.state.own_headers, _CHAT_DROP) + _IDENTITY
-        upstream = await x.state.upstream.send("POST", request.url.path, request.url.query, headers, body,
+        codec: UpstreamCodec | None = request.scope.get(UPSTREAM_CODEC)
+        path, query = (codec.path, codec.query) if codec else (request.url.path, request.url.query)
+        upstream = await x.state.upstream.send("POST", path, query, headers, codec.request(body) if codec else body,
                                                via=request.headers.get(VIA_HEADER, ""))
         x.ttfb_ms = x.elapsed()
-        return upstream
+        return codec.response(upstream) if codec else upstream
 
     async def _inspect(self, upstream: httpx.Response, plan: Plan) -> tuple[Opened, Overflow | None]:
         """An error answer is read whole (to recognise an overflow); a stream's first chunk is read ahead (a

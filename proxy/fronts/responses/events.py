@@ -30,6 +30,7 @@ __all__ = ["StreamEncoder"]
 
 Item = dict[str, Any]
 _EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
+_DONE = object()
 
 
 class StreamEncoder:
@@ -46,6 +47,8 @@ class StreamEncoder:
         self.started = self.done = False
         self.response: dict[str, Any] | None = None
         """The closing response object, once the stream has ended (completed, incomplete or failed)."""
+        self.tail = b""
+        """The closing event, which ``close`` sends."""
 
     def feed(self, chunk: bytes) -> bytes:
         out = self._start()
@@ -56,11 +59,13 @@ class StreamEncoder:
         return out
 
     def close(self) -> bytes:
-        """The stream ended: if it never finished, the client learns it broke off."""
+        """The stream ended: the closing event (held back until now, so the response can be kept first, and the
+        engine's closing comments come before it); if it never finished, the client learns it broke off."""
         out = self._start() + self.feed(b"\n\n" if self.pending.strip() else b"")
         if not self.done:
             out += self._failed("upstream_stream_ended", "The upstream's stream ended before the answer was complete.")
-        return out
+        tail, self.tail = self.tail, b""
+        return out + tail
 
     def _start(self) -> bytes:
         if self.started:
@@ -71,18 +76,11 @@ class StreamEncoder:
                                                                                 response=response)
 
     def _block(self, block: bytes) -> bytes:
-        lines = block.splitlines()
-        comments = b"".join(line + b"\n" for line in lines if line.startswith(b":"))
-        data = b"\n".join(line[5:].lstrip() for line in lines if line.startswith(b"data:"))
-        out = comments + (b"\n" if comments else b"")
-        if not data or self.done:
+        out, chunk = _parsed(block)
+        if chunk is None or self.done:
             return out
-        if data == b"[DONE]":
+        if chunk is _DONE:
             return out + self._completed()
-        try:
-            chunk = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            return out
         if isinstance(chunk, dict) and isinstance(chunk.get("error"), dict):
             error = chunk["error"]
             return out + self._failed(str(error.get("code") or error.get("type") or "upstream_error"),
@@ -165,7 +163,8 @@ class StreamEncoder:
         self.done = True
         status, incomplete = status_of(self.finish_reason)
         response = self.response = self.frame.response(status, self.output, responses_usage(self.usage), incomplete)
-        return out + self._emit(f"response.{status}", response=response)
+        self.tail = self._emit(f"response.{status}", response=response)
+        return out
 
     def _failed(self, code: str, message: str, param: Any = None) -> bytes:
         out = self._close()
@@ -173,12 +172,27 @@ class StreamEncoder:
         out += self._emit("error", code=code, message=message, param=param)
         response = self.response = self.frame.response("failed", self.output, responses_usage(self.usage),
                                                        error={"code": code, "message": message})
-        return out + self._emit("response.failed", response=response)
+        self.tail = self._emit("response.failed", response=response)
+        return out
 
     def _emit(self, kind: str, **fields: Any) -> bytes:
         event = {"type": kind, "sequence_number": self.sequence, **fields}
         self.sequence += 1
         return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
+
+
+def _parsed(block: bytes) -> tuple[bytes, Any]:
+    """An SSE event's comment lines (passed on as they are) and its data: a JSON value, ``_DONE``, or None."""
+    lines = block.splitlines()
+    comments = b"".join(line + b"\n" for line in lines if line.startswith(b":"))
+    data = b"\n".join(line[5:].lstrip() for line in lines if line.startswith(b"data:"))
+    comments += b"\n" if comments else b""
+    if data == b"[DONE]":
+        return comments, _DONE
+    try:
+        return comments, orjson.loads(data) if data else None
+    except orjson.JSONDecodeError:
+        return comments, None
 
 
 def _item(frame: Frame, item: _Open, status: str) -> Item:
