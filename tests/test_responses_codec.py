@@ -98,6 +98,8 @@ def test_function_and_namespace_tools_are_mapped_and_flattened() -> None:
     ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input[0].content[0]"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
     ({"input": "x", "prompt": {"id": "p"}}, "prompt"),
+    ({"input": "x", "conversation": "conv_1"}, "conversation"),
+    ({"input": "x", "background": True}, "background"),
     ({"input": 3}, "input"),
     ({"input": "x", "text": {"format": {"type": "grammar"}}}, "text.format.type"),
 ])

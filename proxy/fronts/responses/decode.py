@@ -4,9 +4,11 @@ The Responses input is a list of items; chat completions wants messages. Items m
 assistant's function calls join the assistant message before them (chat carries calls inside a message), and
 ``instructions`` become the first system message. What a chat upstream cannot be given is refused with a 400 that
 names the field and the fix, never dropped: built-in tools (``web_search``, ``file_search``…), file inputs,
-``item_reference`` items the proxy does not hold. Reasoning items are the client's opaque state: their text (if
-any) rides on the next assistant message as ``reasoning_content`` (what llama.cpp and vLLM read back), the items
-themselves are kept by the route and handed back untouched (``ReasoningItems``).
+``item_reference`` items. Reasoning items are the client's state: their text (if any: the reasoning items this
+front produces carry it) rides on the next assistant message as ``reasoning_content``, what llama.cpp and vLLM
+read back; an ``encrypted_content`` is another provider's sealed state, which no chat server can read, so it goes
+no further than the proxy, and the items themselves stay as the client sent them in the conversation the proxy
+keeps for ``previous_response_id`` (``proxy.fronts.responses.front``).
 
 Namespace tools (Codex's ``{"type": "namespace", "tools": [...]}``) are flattened: each nested function is offered
 as ``<namespace>__<name>``, and ``encode`` splits a call to such a name back into ``namespace`` and ``name``.
@@ -30,9 +32,11 @@ _PASSED = ("model", "temperature", "top_p", "parallel_tool_calls", "user", "stre
 _FRONT_ONLY = frozenset({
     "input", "instructions", "tools", "tool_choice", "max_output_tokens", "text", "reasoning", "store", "include",
     "previous_response_id", "prompt_cache_key", "metadata", "client_metadata", "truncation", "service_tier",
-    "background", "safety_identifier", "prompt_cache_retention", "stream_options", "conversation",
+    "safety_identifier", "prompt_cache_retention", "stream_options",
 })
-"""Fields the front reads or that concern the Responses service itself (storage, caching, metadata)."""
+"""Fields the front reads or that concern the Responses service itself (storage, caching, metadata). Any other
+field is refused: ``conversation`` and ``background`` (state and jobs the proxy does not keep), ``prompt``
+templates, ``max_tool_calls``… would change the answer if honoured, so they must not be ignored."""
 
 
 def input_items(body: dict[str, Any]) -> list[Item]:
