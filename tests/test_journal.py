@@ -191,3 +191,11 @@ def test_a_kept_response_is_read_back_and_kept_once(tmp_path: Path) -> None:
     keep_response(journal, "resp_1", [], "2026-01-01T00:00:01")
     assert kept_response(journal, "resp_1") == items
     assert kept_response(journal, "resp_2") is None
+
+
+def test_a_prune_removes_the_kept_responses_made_before_its_cutoff(tmp_path: Path) -> None:
+    journal = Journal(tmp_path / "j.db")
+    keep_response(journal, "resp_old", [], "2026-01-01T00:00:00")
+    keep_response(journal, "resp_new", [], "2026-03-01T00:00:00")
+    journal.prune("2026-02-01T00:00:00")
+    assert kept_response(journal, "resp_old") is None and kept_response(journal, "resp_new") == []
