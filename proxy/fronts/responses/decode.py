@@ -20,12 +20,13 @@ from typing import Any
 
 from proxy.errors import BadRequest
 
-__all__ = ["NAMESPACE_SEPARATOR", "decode_request", "input_items"]
+__all__ = ["NAMESPACE_SEPARATOR", "chat_tools", "decode_messages", "decode_request", "input_items"]
 
 NAMESPACE_SEPARATOR = "__"
 Item = dict[str, Any]
 Message = dict[str, Any]
 
+_KINDS = frozenset({"message", "function_call", "function_call_output", "reasoning"})
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 _PASSED = ("model", "temperature", "top_p", "parallel_tool_calls", "user", "stream", "seed", "stop")
 """Fields whose meaning and name are the same in both protocols."""
@@ -49,21 +50,24 @@ def input_items(body: dict[str, Any]) -> list[Item]:
     return given
 
 
-def decode_request(body: dict[str, Any], items: list[Item]) -> dict[str, Any]:
-    """The chat body for ``body`` whose (expanded) input is ``items``."""
-    _refuse_unknown(body)
+def decode_request(body: dict[str, Any], items: list[Item], native: bool = False) -> dict[str, Any]:
+    """The chat body for ``body`` whose (expanded) input is ``items``. ``native``: the upstream speaks Responses
+    itself, so what chat cannot say is carried by the front (``proxy.fronts.responses.native``), not refused."""
+    if not native:
+        _refuse_unknown(body)
     chat: dict[str, Any] = {k: body[k] for k in _PASSED if k in body}
-    messages = _messages(items)
+    messages = decode_messages(items, native)[0]
     if isinstance(body.get("instructions"), str) and body["instructions"]:
         messages.insert(0, {"role": "system", "content": body["instructions"]})
     chat["messages"] = messages
     if body.get("tools"):
-        chat["tools"] = chat_tools(body["tools"])
+        chat["tools"] = chat_tools(body["tools"], native)
     if "tool_choice" in body:
-        chat["tool_choice"] = _tool_choice(body["tool_choice"])
+        chat["tool_choice"] = _tool_choice(body["tool_choice"], native)
     if isinstance(body.get("max_output_tokens"), int):
         chat["max_tokens"] = body["max_output_tokens"]
-    chat |= _text_format(body.get("text")) | _reasoning(body.get("reasoning"))
+    if not native:
+        chat |= _text_format(body.get("text")) | _reasoning(body.get("reasoning"))
     if body.get("stream"):
         chat["stream_options"] = {"include_usage": True}
     return chat
@@ -76,39 +80,65 @@ def _refuse_unknown(body: dict[str, Any]) -> None:
                              "upstream; nothing was forwarded. Leave it out.", param=key)
 
 
-def _messages(items: list[Item]) -> list[Message]:
-    messages: list[Message] = []
-    reasoning: list[str] = []
+def decode_messages(items: list[Item], native: bool = False) -> tuple[list[Message], list[list[Item]]]:
+    """The chat messages of ``items``, and for each the input items it was made of (native mode sends those
+    back as they came while the message is unchanged)."""
+    built = _Built(native)
     for i, item in enumerate(items):
         if not isinstance(item, dict):
             raise BadRequest(f"`input[{i}]` must be an input item object.", param=f"input[{i}]")
+        built.add(i, item)
+    return built.messages, built.groups
+
+
+class _Built:
+    """Messages under construction: an assistant's calls join it, reasoning waits for the next assistant."""
+
+    def __init__(self, native: bool) -> None:
+        self.native = native
+        self.messages: list[Message] = []
+        self.groups: list[list[Item]] = []
+        self.reasoning: list[str] = []
+        self.pending: list[Item] = []
+
+    def add(self, i: int, item: Item) -> None:
         kind = item.get("type", "message")
-        if kind == "reasoning":
-            reasoning += _reasoning_text(item)
+        if kind == "reasoning" or (self.native and kind not in _KINDS):
+            self.reasoning += _reasoning_text(item) if kind == "reasoning" else []
+            self.pending.append(item)
         elif kind == "function_call":
-            _assistant(messages, reasoning).setdefault("tool_calls", []).append(_tool_call(i, item))
+            self._assistant().setdefault("tool_calls", []).append(_tool_call(i, item))
+            self.groups[-1].append(item)
         elif kind == "function_call_output":
-            messages.append(_tool_result(i, item))
+            self._append(_tool_result(i, item, self.native), item)
         elif kind == "message":
-            message = _message(i, item)
+            message = _message(i, item, self.native)
             if message["role"] == "assistant":
-                _attach(message, reasoning)
-            messages.append(message)
+                _attach(message, self.reasoning)
+            self._append(message, item)
         else:
             raise BadRequest(f"`input[{i}].type` is {kind!r}, which a chat-completions upstream cannot take "
                              "(ctxproxy translates message, function_call, function_call_output and reasoning "
                              "items). Send the history as those items.", param=f"input[{i}].type")
-    return messages
 
+    def _append(self, message: Message, item: Item) -> None:
+        self.messages.append(message)
+        self.groups.append([*self.pending, item])
+        self.pending = []
 
-def _assistant(messages: list[Message], reasoning: list[str]) -> Message:
-    """The assistant message a function call joins: the previous one if it has no tool results after it yet."""
-    if messages and messages[-1]["role"] == "assistant":
-        return messages[-1]
-    message: Message = {"role": "assistant", "content": None}
-    _attach(message, reasoning)
-    messages.append(message)
-    return message
+    def _assistant(self) -> Message:
+        """The assistant message a function call joins: the previous one if it has no tool results after it."""
+        if self.messages and self.messages[-1]["role"] == "assistant":
+            if self.pending:
+                self.groups[-1] += self.pending
+                self.pending = []
+            return self.messages[-1]
+        message: Message = {"role": "assistant", "content": None}
+        _attach(message, self.reasoning)
+        self.messages.append(message)
+        self.groups.append(self.pending)
+        self.pending = []
+        return message
 
 
 def _attach(message: Message, reasoning: list[str]) -> None:
@@ -126,7 +156,7 @@ def _reasoning_text(item: Item) -> list[str]:
     return []
 
 
-def _message(i: int, item: Item) -> Message:
+def _message(i: int, item: Item, native: bool = False) -> Message:
     role = _ROLES.get(item.get("role", ""))
     if role is None:
         raise BadRequest(f"`input[{i}].role` must be user, assistant, system or developer.", param=f"input[{i}].role")
@@ -136,13 +166,13 @@ def _message(i: int, item: Item) -> Message:
     if not isinstance(content, list):
         raise BadRequest(f"`input[{i}].content` must be a string or an array of content parts.",
                          param=f"input[{i}].content")
-    parts = [_part(f"input[{i}].content[{j}]", part) for j, part in enumerate(content)]
+    parts = [_part(f"input[{i}].content[{j}]", part, native) for j, part in enumerate(content)]
     if all(p["type"] == "text" for p in parts) and (role != "user" or len(parts) == 1):
         return {"role": role, "content": "".join(p["text"] for p in parts)}
     return {"role": role, "content": parts}
 
 
-def _part(where: str, part: Any) -> dict[str, Any]:
+def _part(where: str, part: Any, native: bool = False) -> dict[str, Any]:
     kind = part.get("type") if isinstance(part, dict) else None
     if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
         return {"type": "text", "text": part["text"]}
@@ -151,6 +181,8 @@ def _part(where: str, part: Any) -> dict[str, Any]:
     if kind == "input_image" and isinstance(part.get("image_url"), str):
         image = {"url": part["image_url"]} | ({"detail": part["detail"]} if part.get("detail") else {})
         return {"type": "image_url", "image_url": image}
+    if native:  # the item goes upstream as it came; the engine sees a placeholder of the right kind
+        return {"type": "text", "text": f"[{kind}]"}
     raise BadRequest(f"`{where}` ({kind!r}) cannot be sent to a chat-completions upstream: ctxproxy translates "
                      "input_text, output_text, refusal and input_image parts (an image by URL or data URL).",
                      param=where)
@@ -167,13 +199,13 @@ def _tool_call(i: int, item: Item) -> dict[str, Any]:
             "function": {"name": name, "arguments": arguments if isinstance(arguments, str) else "{}"}}
 
 
-def _tool_result(i: int, item: Item) -> Message:
+def _tool_result(i: int, item: Item, native: bool = False) -> Message:
     if not isinstance(item.get("call_id"), str):
         raise BadRequest(f"`input[{i}].call_id` must name the function call this output answers.",
                          param=f"input[{i}].call_id")
     output = item.get("output")
     if isinstance(output, list):
-        parts = [_part(f"input[{i}].output[{j}]", p) for j, p in enumerate(output)]
+        parts = [_part(f"input[{i}].output[{j}]", p, native) for j, p in enumerate(output)]
         output = "".join(p["text"] for p in parts) if all(p["type"] == "text" for p in parts) else parts
     elif not isinstance(output, str):
         raise BadRequest(f"`input[{i}].output` must be a string or an array of content parts.",
@@ -181,8 +213,9 @@ def _tool_result(i: int, item: Item) -> Message:
     return {"role": "tool", "tool_call_id": item["call_id"], "content": output}
 
 
-def chat_tools(tools: Any) -> list[dict[str, Any]]:
-    """Responses tool definitions as chat tools; namespaces flattened, built-in tools refused."""
+def chat_tools(tools: Any, native: bool = False) -> list[dict[str, Any]]:
+    """Responses tool definitions as chat tools; namespaces flattened, built-in tools refused (native mode: left
+    to the upstream, which runs them)."""
     if not isinstance(tools, list):
         raise BadRequest("`tools` must be an array of tool definitions.", param="tools")
     out: list[dict[str, Any]] = []
@@ -193,7 +226,7 @@ def chat_tools(tools: Any) -> list[dict[str, Any]]:
         elif kind == "namespace" and isinstance(tool.get("name"), str) and isinstance(tool.get("tools"), list):
             prefix = tool["name"] + NAMESPACE_SEPARATOR
             out += [_function(f"tools[{i}].tools[{j}]", t, prefix) for j, t in enumerate(tool["tools"])]
-        else:
+        elif not native:
             raise BadRequest(f"`tools[{i}]` is a {kind!r} tool, which a chat-completions upstream cannot run; "
                              "nothing was forwarded. Offer function tools only (Codex CLI: "
                              "`-c web_search=disabled`).", param=f"tools[{i}].type")
@@ -208,10 +241,10 @@ def _function(where: str, tool: Any, prefix: str) -> dict[str, Any]:
     return {"type": "function", "function": function}
 
 
-def _tool_choice(choice: Any) -> Any:
+def _tool_choice(choice: Any, native: bool = False) -> Any:
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
-    if choice in ("auto", "none", "required"):
+    if choice in ("auto", "none", "required") or native:
         return choice
     raise BadRequest("`tool_choice` must be auto, none, required or {\"type\": \"function\", \"name\": …} for a "
                      "chat-completions upstream.", param="tool_choice")

@@ -16,11 +16,14 @@ from typing import Any
 from proxy.fronts.responses.decode import NAMESPACE_SEPARATOR
 
 __all__ = [
-    "Frame", "encode_completion", "function_call_item", "message_item", "reasoning_item", "responses_usage",
+    "CARRIER", "Frame", "encode_completion", "function_call_item", "message_item", "reasoning_item", "responses_usage",
     "status_of",
 ]
 
 Item = dict[str, Any]
+CARRIER = "ctxproxy_output_items"
+"""Native mode: the upstream's own output items chat has no word for (reasoning with its ``encrypted_content``),
+carried on the chat message to be given back whole (``proxy.fronts.responses.native``)."""
 _ECHOED = ("instructions", "tools", "tool_choice", "parallel_tool_calls", "temperature", "top_p",
            "max_output_tokens", "previous_response_id", "store", "metadata", "text", "reasoning", "truncation",
            "prompt_cache_key", "user")
@@ -64,8 +67,8 @@ def encode_completion(frame: Frame, completion: dict[str, Any]) -> dict[str, Any
     """The Response object for a (whole) chat completion."""
     choice = (completion.get("choices") or [{}])[0]
     message = choice.get("message") or {}
-    output: list[Item] = []
-    if isinstance(message.get("reasoning_content"), str) and message["reasoning_content"]:
+    output: list[Item] = list(message.get(CARRIER) or [])
+    if not output and isinstance(message.get("reasoning_content"), str) and message["reasoning_content"]:
         output.append(reasoning_item(frame, len(output), message["reasoning_content"]))
     text = message.get("content")
     if isinstance(text, str) and text:

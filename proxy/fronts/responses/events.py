@@ -26,19 +26,32 @@ from proxy.fronts.responses.encode import (
     status_of,
 )
 
-__all__ = ["StreamEncoder"]
+__all__ = ["CARRIER_EVENT", "StreamEncoder", "parsed_event"]
 
 Item = dict[str, Any]
 _EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 _DONE = object()
+CARRIER_EVENT = b"ctxproxy-output-item"
+"""Native mode: a named SSE event carrying one of the upstream's output items whole (the engine's stream filter
+passes named events untouched); it goes to the agent as that item, byte for byte."""
 
 
-class StreamEncoder:
+class _Numbered:
+    """Responses events as SSE bytes, numbered in the order they are made."""
+
+    sequence = 0
+
+    def _emit(self, kind: str, **fields: Any) -> bytes:
+        event = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
+
+
+class StreamEncoder(_Numbered):
     """Feed it the chat stream's bytes as they come; it returns the Responses stream's bytes."""
 
     def __init__(self, frame: Frame) -> None:
         self.frame = frame
-        self.sequence = 0
         self.pending = b""
         self.output: list[Item] = []
         self.current: _Open | None = None
@@ -76,9 +89,11 @@ class StreamEncoder:
                                                                                 response=response)
 
     def _block(self, block: bytes) -> bytes:
-        out, chunk = _parsed(block)
+        out, chunk, name = parsed_event(block)
         if chunk is None or self.done:
             return out
+        if name == CARRIER_EVENT and isinstance(chunk, dict):
+            return self._carried(chunk)
         if chunk is _DONE:
             return out + self._completed()
         if isinstance(chunk, dict) and isinstance(chunk.get("error"), dict):
@@ -158,6 +173,13 @@ class StreamEncoder:
         self.output.append(done)
         return out + self._emit("response.output_item.done", output_index=item.output_index, item=done)
 
+    def _carried(self, item: Item) -> bytes:
+        out = self._close()
+        index = len(self.output)
+        self.output.append(item)
+        return out + self._emit("response.output_item.added", output_index=index, item=item) + self._emit(
+            "response.output_item.done", output_index=index, item=item)
+
     def _completed(self) -> bytes:
         out = self._close()
         self.done = True
@@ -175,24 +197,22 @@ class StreamEncoder:
         self.tail = self._emit("response.failed", response=response)
         return out
 
-    def _emit(self, kind: str, **fields: Any) -> bytes:
-        event = {"type": kind, "sequence_number": self.sequence, **fields}
-        self.sequence += 1
-        return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
 
 
-def _parsed(block: bytes) -> tuple[bytes, Any]:
-    """An SSE event's comment lines (passed on as they are) and its data: a JSON value, ``_DONE``, or None."""
+def parsed_event(block: bytes) -> tuple[bytes, Any, bytes]:
+    """An SSE event's comment lines (passed on as they are), its data (a JSON value, ``_DONE``, or None) and its
+    name (``b""`` when unnamed)."""
     lines = block.splitlines()
     comments = b"".join(line + b"\n" for line in lines if line.startswith(b":"))
     data = b"\n".join(line[5:].lstrip() for line in lines if line.startswith(b"data:"))
+    name = next((line[6:].strip() for line in lines if line.startswith(b"event:")), b"")
     comments += b"\n" if comments else b""
     if data == b"[DONE]":
-        return comments, _DONE
+        return comments, _DONE, name
     try:
-        return comments, orjson.loads(data) if data else None
+        return comments, orjson.loads(data) if data else None, name
     except orjson.JSONDecodeError:
-        return comments, None
+        return comments, None, name
 
 
 def _item(frame: Frame, item: _Open, status: str) -> Item:

@@ -1,12 +1,16 @@
 """``POST /v1/responses``: the OpenAI Responses front, a codec around the chat engine (``proxy.fronts.codec``).
 
-Translated mode: the request is decoded into a chat body (``decode``), the engine serves it as it serves a chat
+The request is decoded into a chat body (``decode``), the engine serves it as it serves a chat
 client (journal, session, budget, projection, context tools, streamed interception), and the answer is encoded
 back whole (``encode``) or event by event (``events``). Errors keep the OpenAI envelope, which is also the
 Responses API's error body.
 
 The session key is the client's: Codex CLI's ``session-id`` (or ``thread-id``) header, else the body's
 ``prompt_cache_key``; the session header, when the client sends it, wins (``proxy.fronts.codec``).
+The model's ``responses_upstream`` setting (a ``[models."…"]`` profile may set it) picks the mode: ``translated``
+(the default: the upstream speaks chat completions) or ``native`` (the upstream speaks the Responses API itself:
+``proxy.fronts.responses.native`` rebuilds each forward on the client's own body).
+
 ``previous_response_id``: every response produced for a request that did not say ``store: false`` is kept in the
 journal (``store.kept_responses``) as the whole conversation up to it, and a request naming one is expanded to
 that conversation before anything else, so the projection and the journal see the whole history.
@@ -28,6 +32,7 @@ from proxy.fronts.codec import Decoded, Encoder, serve
 from proxy.fronts.responses.decode import decode_request, input_items
 from proxy.fronts.responses.encode import Frame, encode_completion
 from proxy.fronts.responses.events import StreamEncoder
+from proxy.fronts.responses.native import ResponsesUpstream
 from proxy.state import AppState
 from store import JournalWriter, keep_response, kept_response
 
@@ -51,14 +56,20 @@ class ResponsesFront:
         writer = state.journal_for(incognito_requested(request))
         items = await _expanded(writer, body)
         keep = None if body.get("store") is False else _keeper(writer, items)
-        return Decoded(decode_request(body, items), _session_key(request, body),
-                       {"frame": Frame.of(body), "keep": keep})
+        native = state.settings.for_model(_model(body)).responses_upstream == "native"
+        upstream = ResponsesUpstream(body, items, request.url.query) if native else None
+        return Decoded(decode_request(body, items, native), _session_key(request, body),
+                       {"frame": Frame.of(body), "keep": keep}, upstream)
 
     def encoder(self, decoded: Decoded) -> Encoder:
         return _Encoder(decoded.context["frame"], decoded.context["keep"])
 
     def error(self, exc: CtxError) -> Response:
         return error_response(exc)
+
+
+def _model(body: dict[str, Any]) -> str | None:
+    return body["model"] if isinstance(body.get("model"), str) else None
 
 
 def _parse(raw: bytes) -> dict[str, Any]:
