@@ -109,3 +109,18 @@ def test_codexs_context_is_freed_inside_the_proxy(stack: tuple[FakeUpstream, str
     assert restored.startswith("Chunk ID:") and "Process exited with code 0" in restored  # Codex's own output
     assert restored.rstrip().endswith("3999\n4000") and "[overflow id=" not in restored
     assert httpx.get(f"{proxy}/ctx/sessions/{thread}").json()["requests"] == 2
+
+
+def test_codex_with_web_search_on_is_told_how_to_turn_it_off(stack: tuple[FakeUpstream, str], tmp_path: Path) -> None:
+    """Codex offers its built-in web search unless told not to: a chat model cannot run it, so the proxy refuses
+    the request before anything is forwarded, and the message reaches the person with the fix."""
+    fake, proxy = stack
+    home = tmp_path / "home"
+    (home / ".codex").mkdir(parents=True)
+    (home / ".codex" / "config.toml").write_text(CONFIG.format(proxy=proxy).replace('web_search = "disabled"\n', ""))
+    env = {"PATH": os.environ["PATH"], "HOME": str(home), "CODEX_HOME": str(home / ".codex"),
+           "CTXPROXY_TEST_KEY": "sk-test"}
+    done = subprocess.run([str(CODEX), "exec", "--skip-git-repo-check", "--json", "-c", "analytics.enabled=false",
+                           "say hi"], env=env, cwd=home, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                          timeout=180, check=False)
+    assert "web_search=disabled" in done.stdout + done.stderr and not fake.chats
