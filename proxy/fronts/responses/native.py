@@ -25,7 +25,7 @@ from proxy.fronts.responses.decode import NAMESPACE_SEPARATOR, decode_messages
 from proxy.fronts.responses.encode import CARRIER
 from proxy.fronts.responses.events import CARRIER_EVENT, parsed_event
 
-__all__ = ["ChatFromResponses", "ResponsesUpstream", "chat_completion"]
+__all__ = ["ChatFromResponses", "ResponsesUpstream", "chat_completion", "fresh_items", "responses_tool"]
 
 Item = dict[str, Any]
 _FINISH = {"max_output_tokens": "length", "content_filter": "content_filter"}
@@ -62,7 +62,7 @@ class ResponsesUpstream:
                 "role": "system", "content": self.original["instructions"]}:
             messages = messages[1:]  # the instructions, which stay a field of their own
         out["input"] = [item for message in messages for item in self._items(message)]
-        added = [_tool(t) for t in chat.get("tools") or [] if t.get("function", {}).get("name") not in
+        added = [responses_tool(t) for t in chat.get("tools") or [] if t.get("function", {}).get("name") not in
                  self.tool_names]
         if added:
             out["tools"] = [*(self.original.get("tools") or []), *added]
@@ -110,7 +110,8 @@ def _text(content: Any) -> str:
     return "" if content is None else str(content)
 
 
-def _tool(tool: dict[str, Any]) -> Item:
+def responses_tool(tool: dict[str, Any]) -> Item:
+    """A chat tool definition as a Responses function tool."""
     function = tool.get("function") or {}
     return {"type": "function", **{k: function[k] for k in ("name", "description", "parameters", "strict")
                                    if k in function}}
