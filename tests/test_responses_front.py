@@ -70,7 +70,9 @@ def test_codex_session_headers_name_the_session(client: TestClient, fake: FakeUp
     assert got.headers["x-ctx-session"] == "codex-thread-1"
     keyed = client.post("/v1/responses", json={"model": "fake-model", "input": "hi", "prompt_cache_key": "pck-7"})
     assert keyed.headers["x-ctx-session"] == "pck-7"
-    assert len(journal_of(client).session_journal("codex-thread-1")) == 1
+    journal = journal_of(client)
+    [row] = journal.session_journal("codex-thread-1")
+    assert (journal.request(row["request_id"]) or {})["path"] == "/v1/responses"  # the protocol spoken
 
 
 def test_a_built_in_tool_is_refused_before_anything_is_forwarded(client: TestClient, fake: FakeUpstream) -> None:

@@ -19,8 +19,9 @@ How a front plugs in:
    buffered answer (the chat completion JSON, or an error in the OpenAI envelope with its status) and returns the
    protocol's body; ``feed`` gets the chat SSE stream in arbitrary pieces (``data:`` chunks, ``: comment`` lines
    the engine sends while context tools run, a final ``[DONE]``) and returns the protocol's SSE bytes; ``close``
-   ends the stream. A stream is only ever encoded for a 200 ``text/event-stream`` answer; everything else
-   (errors included) goes through ``whole``.
+   (async: it may look something up, such as the prompt's projected size when the upstream sent no usage) ends
+   the stream with the protocol's closing events. A stream is only ever encoded for a 200 ``text/event-stream``
+   answer; everything else (errors included) goes through ``whole``.
 3. ``error(exc)`` renders a ``CtxError`` raised before the engine answered (bad body, loop, too large …) in the
    protocol's own error shape.
 4. Native upstreams: when the upstream speaks the client's protocol itself (api.anthropic.com, an OpenAI
@@ -34,9 +35,10 @@ How a front plugs in:
    ``proxy.app``.
 
 ``serve`` reads the body (within ``max_body_bytes``), decodes it, builds the inner request the chat edge expects
-(path ``/v1/chat/completions``, the decoded body, the session header set from ``Decoded.session`` unless the
-client set it itself) and wraps the engine's response in ``EncodedResponse``. The context tools' calls are taken
-out of the chat stream by the engine before the encoder sees it, so the agent reads one coherent answer.
+(the decoded body, the session header set from ``Decoded.session`` unless the client set it itself; the path stays
+the client's, so the journal says which protocol was spoken) and wraps the engine's response in ``EncodedResponse``.
+Translated, the forwards go to ``/v1/chat/completions`` without the client's query. The context tools' calls are
+taken out of the chat stream by the engine before the encoder sees it, so the agent reads one coherent answer.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import httpx
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
@@ -55,10 +58,10 @@ from proxy.engine.forward import UPSTREAM_CODEC, UpstreamCodec
 from proxy.errors import CtxError
 from proxy.state import AppState
 
-__all__ = ["CHAT_PATH", "Decoded", "EncodedResponse", "Encoder", "Front", "serve"]
+__all__ = ["CHAT_PATH", "ChatUpstream", "Decoded", "EncodedResponse", "Encoder", "Front", "serve"]
 
 CHAT_PATH = "/v1/chat/completions"
-"""Where a decoded request enters the engine (and, for a chat upstream, where it goes upstream)."""
+"""Where a translated forward goes: the upstream's chat route."""
 
 
 @dataclass(frozen=True)
@@ -106,8 +109,7 @@ async def serve(request: Request, front: Front) -> Response:
         raw = await read_body(request, state.settings.max_body_bytes, state.settings.client_body_timeout)
         decoded = await front.decode(raw, request)
         inner = _inner_request(request, orjson.dumps(decoded.body), decoded.session, state.settings.session_header)
-        if decoded.upstream is not None:
-            inner.scope[UPSTREAM_CODEC] = decoded.upstream
+        inner.scope[UPSTREAM_CODEC] = decoded.upstream or ChatUpstream()
         return EncodedResponse(await chat_completions(inner), front.encoder(decoded))
     except CtxError as exc:
         return front.error(exc)
@@ -120,8 +122,7 @@ def _inner_request(request: Request, body: bytes, session: str | None, session_h
     if session and not any(k.lower() == own for k, _ in headers):
         headers.append((own, session.encode("utf-8")))
     headers.append((b"content-length", str(len(body)).encode()))
-    scope: Scope = {**request.scope, "path": CHAT_PATH, "raw_path": CHAT_PATH.encode(), "query_string": b"",
-                    "headers": headers}
+    scope: Scope = {**request.scope, "headers": headers}
     return Request(scope, _body_then(body, request.receive))
 
 
@@ -137,6 +138,18 @@ def _body_then(body: bytes, receive: Receive) -> Receive:
         return {"type": "http.request", "body": body, "more_body": False}
 
     return inner
+
+
+class ChatUpstream:
+    """Translated mode's ``UpstreamCodec``: the chat body to the upstream's chat route, the answer as it comes."""
+
+    path, query = CHAT_PATH, ""
+
+    def request(self, body: bytes) -> bytes:
+        return body
+
+    def response(self, answer: httpx.Response) -> httpx.Response:
+        return answer
 
 
 class EncodedResponse(Response):
