@@ -24,6 +24,7 @@ import pytest
 
 from config import load_settings
 from proxy.app import create_app
+from store import Journal
 from tests.fakes import FakeUpstream, Reply, serve_in_thread, stream_chunks, stream_tool_answer
 
 pytestmark = pytest.mark.e2e
@@ -124,3 +125,47 @@ def test_codex_with_web_search_on_is_told_how_to_turn_it_off(stack: tuple[FakeUp
                            "say hi"], env=env, cwd=home, stdin=subprocess.DEVNULL, capture_output=True, text=True,
                           timeout=180, check=False)
     assert "web_search=disabled" in done.stdout + done.stderr and not fake.chats
+
+
+def shell_call(call_id: str, cmd: str) -> list[Any]:
+    """A streamed call of Codex's shell tool under its own call id (no usage: a made-up count would teach the
+    proxy's calibration that the prompt is tiny)."""
+    chunks = stream_tool_answer(("exec_command", {"cmd": cmd}))
+    for chunk in chunks:
+        for call in chunk["choices"][0]["delta"].get("tool_calls", []) if chunk["choices"] else []:
+            if "id" in call:
+                call["id"] = call_id
+    return chunks
+
+
+def test_a_long_codex_run_stays_inside_a_small_window_every_cut_restorable(tmp_path: Path) -> None:
+    """Six rounds of large shell output (about 5k tokens each, kept whole on arrival), a 24k window: Codex's last
+    request holds more than the window, every request the model gets fits (about 15k), and the cuts the last one
+    carries are restorable from the journal."""
+    if not CODEX.exists():
+        pytest.skip(f"Codex CLI is not installed at {CODEX}: run scripts/test-deps (needs npm)")
+    from proxy.rewrite.tokens import MessageCounter
+
+    window, fake = 24576, FakeUpstream()
+    for n in range(6):
+        fake.enqueue(Reply(sse=shell_call(f"call_{n}", f"seq {n * 10000} {n * 10000 + 2500}")))
+    fake.enqueue(Reply(sse=stream_chunks("All six counted.")))
+    with serve_in_thread(fake) as upstream:
+        settings = load_settings(env={"CTXPROXY_DATA_DIR": str(tmp_path / "data"),
+                                      "CTXPROXY_UPSTREAM": upstream + "/v1", "CTXPROXY_CTX_WINDOW": str(window),
+                                      "CTXPROXY_SPILL_CHARS": "100000"})  # the outputs arrive whole: cut later
+        with serve_in_thread(create_app(settings)) as proxy:
+            events = codex(proxy, "Run the six counts, then tell me you are done.", tmp_path / "home")
+            thread = next(e["thread_id"] for e in events if e["type"] == "thread.started")
+            stubs = [m["content"] for m in fake.chats[-1].json()["messages"] if m.get("role") == "tool"]
+            ids = [re.search(r"id=([0-9a-f]{64})", s).group(1) for s in stubs if "[overflow id=" in s]  # type: ignore[union-attr]
+            restored = [httpx.get(f"{proxy}/ctx/sessions/{thread}/overflow/{oid}") for oid in ids]
+    counter = MessageCounter()
+    sizes = [sum(counter.count(m) for m in c.json()["messages"]) + counter.count_tools(c.json().get("tools"))
+             for c in fake.chats]
+    journal = Journal(settings.data_path / "journal.db")
+    last = journal.request(journal.session_journal(thread)[-1]["request_id"]) or {}
+    sent_by_codex = sum(counter.count(m) for m in last["messages"])
+    assert sent_by_codex > window  # what Codex sent at the end would not fit, what the model got does
+    assert len(fake.chats) == 7 and max(sizes) < window, sizes
+    assert ids and all(r.status_code == 200 and r.text.startswith("Chunk ID:") for r in restored)
