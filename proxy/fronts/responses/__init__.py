@@ -1,6 +1,7 @@
-"""``POST /v1/responses``: the OpenAI Responses API in front of a chat-completions upstream (translated mode).
+"""``POST /v1/responses``: the OpenAI Responses API, a front on the codec seam (``proxy.fronts.codec``).
 
 ``decode`` turns a Responses request into the internal chat body, ``encode`` a chat completion into a Response
-object, ``events`` a chat SSE stream into Responses events; ``route`` is the HTTP edge that wires them to the
-engine. The codec modules are pure (no I/O); the route owns the journal's stored responses (``previous_response_id``).
+object, ``events`` a chat SSE stream into Responses events (all pure); ``native`` speaks the Responses API to an
+upstream that has it; ``front`` wires them to the engine and keeps the responses ``previous_response_id`` names;
+``spoken`` turns a chat conversation into Responses requests, for replays.
 """
