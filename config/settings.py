@@ -129,6 +129,9 @@ class Settings:
     paste_chars: int = _opt(20000, parse_int(0), "a pasted attachment above this goes to overflow")
     approval_pattern: str = _opt(r"approval[_ ]id[=: ]+\S+", parse_regex, "what marks a pending approval")
     native_tools: bool = _opt(True, parse_bool, "upstream handles function calling (else fenced note only)")
+    responses_upstream: str = _opt("translated", parse_choice("translated", "native"), "how /v1/responses reaches "
+                                   'the upstream: "translated" to its chat completions, "native" to its own '
+                                   "/v1/responses (an OpenAI Responses endpoint)")
     null_content: str = _opt("keep", parse_choice("keep", "empty"), 'assistant "content": null upstream; '
                              '"empty" sends "" (llama-cpp-python answers null with a 500)')
     route: str = _opt("auto", parse_choice("auto", "native", "fenced"), "tool-call protocol of the agent")

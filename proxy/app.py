@@ -39,6 +39,7 @@ from proxy.errors import (
 )
 from proxy.fronts.anthropic.count import count_tokens
 from proxy.fronts.anthropic.front import messages
+from proxy.fronts.responses.front import responses
 from proxy.loop import VIA_HEADER, refuse_loop
 from proxy.responses import FinallyResponse
 from proxy.state import AppState
@@ -65,6 +66,7 @@ def create_app(settings: Settings, upstream_transport: httpx.AsyncBaseTransport 
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/messages", messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
+        Route("/v1/responses", responses, methods=["POST"]),
         Route("/v1/{path:path}", passthrough, methods=["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),

@@ -90,6 +90,8 @@ def _parser() -> argparse.ArgumentParser:
                       "(the recording answers as the model)", _replay)
     replay.add_argument("file", help="a conversation: {messages, tools?} (the shared trajectory format)")
     replay.add_argument("--window", type=int, help="the model's window in tokens (default: ctx_window, else 131072)")
+    replay.add_argument("--protocol", choices=("chat", "responses"), default="chat",
+                        help="what the agent speaks: chat completions, or the Responses API (through /v1/responses)")
     return parser
 
 
@@ -129,7 +131,7 @@ def _replay(settings: Settings, args: argparse.Namespace) -> int:
         return 2
     window = args.window or settings.ctx_window or 131072
     try:
-        steps = list(replay(conversation, settings, window))
+        steps = list(replay(conversation, settings, window, protocol=args.protocol))
     except ReplayFailed as exc:
         print(f"ctxproxy replay: {exc}", file=sys.stderr)
         return 1

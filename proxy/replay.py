@@ -41,6 +41,7 @@ import orjson
 
 from config import Settings
 from proxy.app import create_app
+from proxy.fronts.responses.spoken import as_spoken, responses_body
 from proxy.recording import LAST_ANSWER, RecordedUpstream
 from proxy.rewrite import broken_pairs, message_hash, message_ids
 from proxy.rewrite.decisions import CUTS
@@ -136,16 +137,27 @@ def replay_settings(settings: Settings, window: int, root: Path) -> Settings:
 
 
 def replay(conversation: dict[str, Any], settings: Settings, window: int, counter: MessageCounter | None = None,
-           workdir: Path | None = None, upstream: RecordedUpstream | None = None) -> Iterator[ReplayStep]:
+           workdir: Path | None = None, upstream: RecordedUpstream | None = None,
+           protocol: str = "chat") -> Iterator[ReplayStep]:
     """Replay ``conversation`` through the app. ``workdir``: its data dir (default: a temporary one, removed);
-    ``upstream``: the recording's model, to read every body sent afterwards (default: a new one)."""
+    ``upstream``: the recording's model, to read every body sent afterwards (default: a new one); ``protocol``:
+    what the agent speaks, ``chat`` or ``responses`` (``proxy.fronts.responses.spoken``)."""
     counter = counter or MessageCounter()
+    if protocol == "responses":
+        conversation = as_spoken(conversation)
     return iter(asyncio.run(_replay(conversation, settings, window, counter, workdir,
-                                    upstream or RecordedUpstream(counter))))
+                                    upstream or RecordedUpstream(counter), protocol)))
+
+
+def _request(protocol: str, body: dict[str, Any]) -> tuple[str, bytes]:
+    """Where the agent sends ``body`` (a chat request), and how, in its ``protocol``."""
+    if protocol == "responses":
+        return "/v1/responses", orjson.dumps(responses_body(body))
+    return "/v1/chat/completions", orjson.dumps(body)
 
 
 async def _replay(conversation: dict[str, Any], settings: Settings, window: int, counter: MessageCounter,
-                  workdir: Path | None, upstream: RecordedUpstream) -> list[ReplayStep]:
+                  workdir: Path | None, upstream: RecordedUpstream, protocol: str) -> list[ReplayStep]:
     messages = conversation["messages"]
     with _directory(workdir) as root, _ProblemLog() as problems:
         app = create_app(replay_settings(settings, window, root), httpx.ASGITransport(app=upstream))
@@ -157,8 +169,8 @@ async def _replay(conversation: dict[str, Any], settings: Settings, window: int,
                 for n, end in enumerate(agent_requests(messages)):
                     upstream.answer = messages[end] if end < len(messages) else LAST_ANSWER
                     before = len(upstream.sent)
-                    response = await client.post("/v1/chat/completions", content=orjson.dumps(
-                        request_body(conversation, end)), timeout=None)
+                    path, content = _request(protocol, request_body(conversation, end))
+                    response = await client.post(path, content=content, timeout=None)
                     sent = upstream.sent[before].body if len(upstream.sent) > before else None
                     steps.append(run.step(n, end, response, sent, problems.take()))
                 return steps

@@ -3,6 +3,7 @@
 from store.cuts import ForwardRecord, OverflowBody
 from store.failures import JournalUnavailable, open_journal
 from store.journal import IncomingRequest, Journal, RecordedRequest, ResponseRecord, prefix_digest
+from store.kept_responses import keep_response, kept_response
 from store.memory import MemoryJournal
 from store.retention import PruneReport
 from store.session_state import (
@@ -25,6 +26,8 @@ __all__ = [
     "ResponseRecord",
     "SessionState",
     "calibration_in_force",
+    "keep_response",
+    "kept_response",
     "open_journal",
     "prefix_digest",
     "record_session_state",

@@ -248,3 +248,20 @@ def m007_overflow_spans_and_mirror_lists(db: Database) -> None:
         ALTER TABLE session_state ADD COLUMN mirror_list INTEGER REFERENCES message_lists(id);
         """
     )
+
+
+@migrations()
+def m008_kept_responses(db: Database) -> None:
+    db.executescript(
+        """
+        -- The Responses API's stored responses (``store: true``, its default): a later request naming one in
+        -- `previous_response_id` continues from it, so the proxy expands the chain to the whole conversation
+        -- before the projection. Insert-only, one row per response ctxproxy produced.
+        CREATE TABLE kept_responses (
+            id TEXT PRIMARY KEY,          -- the response's id as the client got it (`resp_…`)
+            items TEXT NOT NULL,          -- JSON array: the conversation's input items then the response's output
+                                          -- items, as the next request in the chain continues from them
+            created_at TEXT NOT NULL
+        );
+        """
+    )

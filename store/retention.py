@@ -7,6 +7,7 @@ The journal is append-only while the proxy runs; pruning is the one deliberate e
   inherits its parent's decisions and may restore the bodies its parent cut (``CutsMixin._ancestry``), so a
   parent stays, whole, as long as any descendant does;
 - their requests, forwards, answers, decisions, context ops, overflow rows, overflow spans and journaled working state;
+- the Responses API's kept responses (``store.kept_responses``) made before the cutoff (they name no session);
 - message lists no remaining request, forward or session head reaches (through the delta encoding's bases);
 - content-addressed blobs (messages, parameters, cut bodies, mirror texts) nothing remaining refers to: a body
   two sessions cut, or a message two sessions share, stays while either does.
@@ -78,6 +79,7 @@ class RetentionMixin:
             "SELECT s.id FROM sessions s JOIN temp.pruned p ON p.id = s.id ORDER BY s.updated_at, s.id")]
         idle = self.conn.execute("SELECT COUNT(*) FROM sessions WHERE updated_at < ?", [before]).fetchone()[0]
         counts = [self.conn.execute(sql).rowcount for sql in _DELETE_ROWS]
+        self.conn.execute("DELETE FROM kept_responses WHERE created_at < ?", [before])  # no session: by age
         self.conn.execute(_DELETE_LISTS)
         lists = self.conn.execute("SELECT changes()").fetchone()[0]  # rowcount is -1 for a statement led by WITH
         chars = [r[0] for r in self.conn.execute(_DELETE_BLOBS).fetchall()]

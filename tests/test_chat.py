@@ -103,7 +103,7 @@ def test_other_v1_routes_pass_through(client: TestClient, fake: FakeUpstream) ->
     assert fake.last.path == "/v1/embeddings" and fake.last.query == "x=1"
     assert fake.last.headers["authorization"] == "Bearer k"
     assert orjson.loads(fake.last.body) == {"input": "hi", "model": "e"}
-    assert client.post("/v1/responses", json={"input": "x"}).json()["path"] == "/v1/responses"
+    assert client.post("/v1/moderations", json={"input": "x"}).json()["path"] == "/v1/moderations"
 
 
 def test_healthz(client: TestClient) -> None:

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from proxy.rewrite import canonical_json, content_hash, fingerprint
 from proxy.upstream import redact
-from store import IncomingRequest, Journal, RecordedRequest, ResponseRecord
+from store import IncomingRequest, Journal, RecordedRequest, ResponseRecord, keep_response, kept_response
 from store.migrations import migrations
 
 
@@ -149,7 +149,7 @@ def test_migrating_twice_is_a_noop(tmp_path: Path) -> None:
     assert migrations.pending(journal.db) == []
     assert [m.name for m in migrations.applied(journal.db)] == [
         "m001_journal", "m002_decisions_and_overflow", "m003_context_ops", "m004_request_turns",
-        "m005_session_state", "m007_overflow_spans_and_mirror_lists"]
+        "m005_session_state", "m007_overflow_spans_and_mirror_lists", "m008_kept_responses"]
 
 
 def test_in_memory_journal_writes_no_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -182,3 +182,20 @@ def test_any_sequence_of_extensions_and_edits_rebuilds_exactly(plan: list[tuple[
         row = journal.request(rec.request_id)
         assert row is not None and row["messages"] == history
         assert json.loads(json.dumps(row["messages"])) == history
+
+
+def test_a_kept_response_is_read_back_and_kept_once(tmp_path: Path) -> None:
+    journal = Journal(tmp_path / "j.db")
+    items = [{"type": "message", "role": "user", "content": "héllo"}]
+    keep_response(journal, "resp_1", items, "2026-01-01T00:00:00")
+    keep_response(journal, "resp_1", [], "2026-01-01T00:00:01")
+    assert kept_response(journal, "resp_1") == items
+    assert kept_response(journal, "resp_2") is None
+
+
+def test_a_prune_removes_the_kept_responses_made_before_its_cutoff(tmp_path: Path) -> None:
+    journal = Journal(tmp_path / "j.db")
+    keep_response(journal, "resp_old", [], "2026-01-01T00:00:00")
+    keep_response(journal, "resp_new", [], "2026-03-01T00:00:00")
+    journal.prune("2026-02-01T00:00:00")
+    assert kept_response(journal, "resp_old") is None and kept_response(journal, "resp_new") == []
