@@ -20,7 +20,7 @@ from proxy.rewrite.state import sha256_text
 from store import Journal, OverflowBody
 from store.journal import IncomingRequest
 from tests.conftest import app_client
-from tests.fakes import FakeUpstream
+from tests.fakes import FakeUpstream, Reply, completion, tool_answer
 from tests.test_project import CharCounter, budget, history
 
 _FOLD = re.compile(r"^\[folded id=([0-9a-f]{64}) messages=(\d+) bytes=(\d+) ")
@@ -32,7 +32,9 @@ def _requests(rounds: int) -> list[dict[str, Any]]:
     return [{"model": "fake-model", "messages": messages[:end]} for end in range(4, len(messages) + 1, 2)]
 
 
-def _replay(tmp_path: Path, rounds: int, **extra: str) -> tuple[FakeUpstream, list[dict[str, Any]], Path]:
+def _replay(tmp_path: Path, rounds: int, read_fold: bool = False,
+            **extra: str) -> tuple[FakeUpstream, list[dict[str, Any]], Path]:
+    """Each request of the run, then (``read_fold``) the model reads the newest fold back with ``read_overflow``."""
     fake = FakeUpstream()
     settings = load_settings(env={"CTXPROXY_DATA_DIR": str(tmp_path), "CTXPROXY_UPSTREAM": "http://u.test/v1",
                                   "CTXPROXY_CTX_WINDOW": "4096", **extra})
@@ -40,6 +42,11 @@ def _replay(tmp_path: Path, rounds: int, **extra: str) -> tuple[FakeUpstream, li
     with app_client(settings, httpx.ASGITransport(app=fake)) as client:
         for body in requests:
             assert client.post("/v1/chat/completions", json=body).status_code == 200
+        if read_fold:
+            fold_id = _folds(fake)[-1][0]
+            fake.enqueue(Reply(body=tool_answer(("read_overflow", {"id": fold_id, "limit": 20_000}))))
+            fake.enqueue(Reply(body=completion("read it")))
+            assert client.post("/v1/chat/completions", json=requests[-1]).status_code == 200
     return fake, requests, tmp_path / "journal.db"
 
 
@@ -144,3 +151,15 @@ def test_a_folds_out_file_holds_the_body_its_stub_names(tmp_path: Path) -> None:
     for overflow_id, count, nbytes in folds:
         text = (tmp_path / "out" / f"{overflow_id}.out").read_text()
         assert text == canonical_json(requests[-1]["messages"][2:2 + count]).decode() and len(text.encode()) == nbytes
+
+
+def test_the_model_reads_a_fold_back_as_it_was(tmp_path: Path) -> None:
+    """``read_overflow`` on a fold's id answers with the folded messages' JSON, as when the fold was a blob."""
+    fake, requests, _ = _replay(tmp_path, 60, read_fold=True)
+    _, count, nbytes = _folds(fake)[-1]
+    page = next(m["content"] for m in reversed(fake.chats[-1].json()["messages"])
+                if str(m.get("tool_call_id", "")).startswith("ctx_"))
+    body = canonical_json(requests[-1]["messages"][2:2 + count]).decode()
+    assert len(body.encode()) == nbytes and len(body) > 20_000
+    assert page.startswith(body[:20_000]) and page.endswith(f"[… {len(body) - 20_000} more characters: "
+                                                            "read_overflow with offset=20000]")
