@@ -53,11 +53,11 @@ class InspectMixin:
                                     [session_id, tail - 1]).fetchone()
             since = row[0] if row else 0
         rows = self._rows(_ROUNDS, [session_id, since])
-        lists: dict[int, list[str]] = {}
+        lists = self._lists({r["list_id"] for r in rows} | {r["sent_list_id"] for r in rows} - {None})
         for row in rows:
-            row["hashes"] = self._list(row.pop("list_id"), lists)
+            row["hashes"] = lists[row.pop("list_id")]
             sent = row.pop("sent_list_id")
-            row["sent_hashes"] = None if sent is None else self._list(sent, lists)
+            row["sent_hashes"] = None if sent is None else lists[sent]
         return rows
 
     def session_cuts(self, session_id: str) -> list[dict[str, Any]]:
@@ -81,20 +81,23 @@ class InspectMixin:
             children.setdefault(parent, []).append(child)
         return children
 
-    def _list(self, list_id: int, known: dict[int, list[str]]) -> list[str]:
-        """A list's hashes, built on its base when the base is already known (the usual case, oldest first)."""
-        if list_id in known:
-            return known[list_id]
-        base_id, base_len, added = self.conn.execute(
-            "SELECT base_id, base_len, added FROM message_lists WHERE id = ?", [list_id]).fetchone()
-        if base_id is None:
-            hashes: list[str] = json.loads(added)
-        elif base_id in known:
-            hashes = known[base_id][:base_len] + json.loads(added)
-        else:
-            hashes = self.message_hashes(list_id)
-        known[list_id] = hashes
-        return hashes
+    def _lists(self, ids: set[int]) -> dict[int, list[str]]:
+        """The hashes of lists ``ids``, read in one query and built oldest first, each on its base when the base is
+        among them (the usual case: a session's lists extend one another); else from the base's whole chain."""
+        known: dict[int, list[str]] = {}
+        wanted = sorted(ids)
+        rows: list[tuple[int, int | None, int, str]] = []
+        for start in range(0, len(wanted), 500):
+            chunk = wanted[start:start + 500]
+            rows += self.conn.execute("SELECT id, base_id, base_len, added FROM message_lists"
+                                      f" WHERE id IN ({','.join('?' * len(chunk))})", chunk).fetchall()
+        for list_id, base_id, base_len, added in sorted(rows):
+            if base_id is None:
+                known[list_id] = json.loads(added)
+            else:
+                base = known[base_id] if base_id in known else self.message_hashes(base_id)
+                known[list_id] = base[:base_len] + json.loads(added)
+        return known
 
 
 _ROUNDS = """
