@@ -24,6 +24,7 @@ from starlette.routing import Mount, Route
 
 from config import Settings
 from proxy import __version__
+from proxy.actions import router as actions_router
 from proxy.admin import router as admin_router
 from proxy.callers import bearer_matches, require_admin, require_metrics
 from proxy.chat import chat_completions
@@ -58,7 +59,7 @@ def create_app(settings: Settings, upstream_transport: httpx.AsyncBaseTransport 
     """
     admin = FastAPI(title="ctxproxy operator API", version=__version__, docs_url=None, redoc_url=None,
                     openapi_url=None)  # served by `_openapi`, behind the admin token like the rest of /ctx
-    for router in (admin_router, inspect_router, ui_router):
+    for router in (admin_router, actions_router, inspect_router, ui_router):
         admin.include_router(router)
     admin.add_route("/openapi.json", _openapi(admin), include_in_schema=False)
     admin.add_exception_handler(RequestValidationError, _render_validation)

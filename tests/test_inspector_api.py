@@ -158,3 +158,55 @@ def test_with_an_admin_token_the_page_signs_in_and_its_cookie_opens_the_api(tmp_
         client.cookies.clear()
         assert client.get("/ctx/overview", headers={"Authorization": "Bearer s3cret"}).status_code == 200
         assert client.get("/ctx/docs").status_code == 401
+
+
+def test_an_operator_drop_and_restore_are_journaled_and_honoured_by_the_next_request(tmp_path: Path,
+                                                                                     fake: FakeUpstream) -> None:
+    with app_client(small_window(tmp_path), httpx.ASGITransport(app=fake)) as client:
+        run(client.post, 6)
+        whole = {"role": "tool", "tool_call_id": "call_1", "content": result(1)}
+        assert whole in fake.last_chat.json()["messages"]
+        dropped = client.post("/ctx/sessions/inspected/drop", json={"handle": "call_1"})
+        assert dropped.status_code == 201, dropped.text
+        oid = dropped.json()["overflow_id"]
+        run(client.post, 7, start=7)
+        sent = next(m for m in fake.last_chat.json()["messages"] if m.get("tool_call_id") == "call_1")
+        assert sent["content"].startswith(f"[overflow id={oid} tool=bash")
+        assert "Dropped by the operator" in sent["content"]
+        assert client.get(f"/ctx/sessions/inspected/overflow/{oid}").text == result(1)
+        again = client.post("/ctx/sessions/inspected/drop", json={"handle": "tool:call_1"})
+        assert again.status_code == 400 and "already cut" in again.json()["error"]["message"]
+        restored = client.post("/ctx/sessions/inspected/restore", json={"handle": "tool:call_1"})
+        assert restored.json() == {"session_id": "inspected", "restored": "tool:call_1", "was": "drop"}
+        run(client.post, 8, start=8)
+        assert whole in fake.last_chat.json()["messages"]
+        cuts = client.get("/ctx/sessions/inspected/cuts").json()["cuts"]
+    operator = [(c["kind"], c["target"]) for c in cuts if c["source"] == "operator"]
+    assert operator == [("drop", "tool:call_1"), ("restore", "tool:call_1")]
+
+
+def test_a_restored_spill_goes_whole_while_it_fits(tmp_path: Path, fake: FakeUpstream) -> None:
+    """A spill is decided when a result arrives: restored, it is not spilled again (over budget, the elision
+    would take it, as any result: a pin keeps it)."""
+    with app_client(small_window(tmp_path, ctx_window="32768"), httpx.ASGITransport(app=fake)) as client:
+        run(client.post, 5)
+        whole = {"role": "tool", "tool_call_id": "call_3", "content": result(3)}
+        assert whole not in fake.last_chat.json()["messages"]
+        assert client.post("/ctx/sessions/inspected/restore", json={"handle": "call_3"}).json()["was"] == "spill"
+        run(client.post, 6, start=6)
+        assert whole in fake.last_chat.json()["messages"]
+
+
+def test_operator_cuts_refuse_what_they_cannot_do(tmp_path: Path, fake: FakeUpstream) -> None:
+    with app_client(small_window(tmp_path), httpx.ASGITransport(app=fake)) as client:
+        run(client.post, 3)
+        client.post("/ctx/sessions/inspected/pins", json={"handle": "call_0"})
+        refusals = {("drop", "call_0"): "pinned", ("drop", "call_9"): "No message", ("restore", "call_1"): "not cut",
+                    ("drop", "user:nothing"): "No message"}
+        for (verb, handle), words in refusals.items():
+            answer = client.post(f"/ctx/sessions/inspected/{verb}", json={"handle": handle})
+            assert answer.status_code in (400, 404) and words in answer.json()["error"]["message"], answer.text
+        system = client.get("/ctx/requests/3/projection").json()["raw"][0]["id"]
+        assert "not a tool result" in client.post("/ctx/sessions/inspected/drop",
+                                                  json={"handle": system}).json()["error"]["message"]
+        assert client.post("/ctx/sessions/nobody/drop", json={"handle": "call_0"}).status_code == 404

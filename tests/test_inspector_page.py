@@ -96,9 +96,13 @@ def test_the_list_and_the_session_view_show_what_the_model_saw(
 
     page.click('#raw [data-id="tool:call_10"] button[data-action="pin"]')
     page.locator('#raw [data-id="tool:call_10"] button[data-action="unpin"]').wait_for()
+    page.click('#raw [data-id="tool:call_18"] button[data-action="drop"]')
+    page.locator('#raw [data-id="tool:call_18"] button[data-action="restore"]').wait_for()
     run(agent.post, 21, start=21)
     sent = fake.last_chat.json()["messages"]
     assert {"role": "tool", "tool_call_id": "call_10", "content": result(10)} in sent  # restored whole, pinned
+    dropped = next(m for m in sent if m.get("tool_call_id") == "call_18")
+    assert "Dropped by the operator" in dropped["content"]
     page.close()
 
 

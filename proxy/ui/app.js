@@ -13,6 +13,8 @@ const SERIES = [
 ];
 const STUB_ID = /\b(?:overflow|folded) id=([0-9a-f]{64})/g;
 const RAW_PAGE = 60;
+const CUT_KINDS = new Set(["spill", "elide", "drop", "note"]);  // what a restore undoes (a fold is not one)
+const MIN_CUT_CHARS = 600;  // shorter results are never cut: their stub would not be smaller
 
 const state = { sessions: [], sort: ["updated_at", -1], session: null, rounds: null, request: null,
   projection: null, rawShown: RAW_PAGE, overflow: null, timer: null, requests: 0, incognito: false };
@@ -292,7 +294,11 @@ function drawRequest() {
       `upstream (usage ${fmt(round.prompt_tokens)}); ${fmt(round.reused_messages)} messages reused from the request ` +
       `before; ${round.outcome || "no answer"} ${round.status || ""}`, " · ",
       el("a", { href: API + "/requests/" + p.request_id + "/upstream" + scope("?"), target: "_blank" }, "upstream body (JSON)")));
-  const cutBy = new Map(p.cuts.map((c) => [c.target, c]));
+  const cutBy = new Map();
+  for (const c of p.cuts) {
+    if (CUT_KINDS.has(c.kind)) cutBy.set(c.target, c);
+    else if (c.kind === "restore") cutBy.delete(c.target);
+  }
   const kindOf = new Map(p.cuts.filter((c) => c.overflow_id).map((c) => [c.overflow_id, c.kind]));
   const pins = new Set(p.pins);
   const hidden = Math.max(0, p.raw.length - state.rawShown);
@@ -330,9 +336,13 @@ function rawMessage(item, cut, pinned) {
   if (pinned) head.append(" ", el("span", { class: "badge pin", "data-mark": "pin" }, "pinned"));
   if (cut && cut.overflow_id) head.append(" ", overflowLink(cut.overflow_id, cut.kind));
   else if (cut) head.append(" ", el("span", { class: "badge " + cut.kind, "data-mark": cut.kind }, cut.kind));
-  if (m.role !== "system" && m.role !== "developer" && !state.incognito) {  // pins: sessions on disk
+  if (m.role !== "system" && m.role !== "developer" && !state.incognito) {  // actions: sessions on disk
     head.append(" ", el("button", { type: "button", class: "action", "data-action": pinned ? "unpin" : "pin",
       onclick: () => changePin(item.id, !pinned) }, pinned ? "unpin" : "pin"));
+    if (cut && !pinned) head.append(" ", actionButton("restore", item.id));
+    else if (!cut && !pinned && m.role === "tool" && typeof m.content === "string" && m.content.length >= MIN_CUT_CHARS) {
+      head.append(" ", actionButton("drop", item.id));
+    }
   }
   return el("div", { class: "message " + m.role + (pinned ? " pinned" : ""), "data-id": item.id }, head, body(preview(m)));
 }
@@ -348,6 +358,23 @@ function sentMessage(m, index, kindOf) {
 function overflowLink(id, kind) {
   return el("button", { type: "button", class: "badge stub " + kind, "data-mark": kind, "data-overflow": id,
     title: "open the cut body " + id, onclick: () => openOverflow(id, 0) }, `${kind} ${id.slice(0, 8)}…`);
+}
+
+function actionButton(verb, id) {
+  return el("button", { type: "button", class: "action", "data-action": verb, onclick: () => cutAction(verb, id) }, verb);
+}
+
+async function cutAction(verb, id) {
+  const what = verb === "drop" ? "Drop it from the session's next requests (its body is kept in the overflow store)"
+    : "Restore it whole for the next request (the rules may cut it again if the request is over budget)";
+  if (!confirm(`${verb}: ${id} in session ${state.session.id}. ${what}? Journaled as an operator decision.`)) return;
+  try {
+    await api("/sessions/" + encodeURIComponent(state.session.id) + "/" + verb, { method: "POST",
+      headers: { "content-type": "application/json" }, body: JSON.stringify({ handle: id }) });
+    toast(`${verb}: ${id}, from the next request on`);
+    await loadRounds(state.session.id);
+    await loadRequest(state.projection.request_id);
+  } catch (e) { toast(`${verb}: ${e.message}`, true); }
 }
 
 async function changePin(id, pin) {
