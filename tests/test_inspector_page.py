@@ -2,7 +2,7 @@
 proxy served by uvicorn on loopback, for a session produced by a scripted run that spills, elides and folds.
 
 ``scripts/test-deps`` installs Chromium (apt) and the test extras bring Playwright; without them the tests skip,
-saying which is missing. ``CTXPROXY_SCREENSHOTS=1`` also writes the screenshots README links (docs/img/)."""
+saying which is missing. ``INSPECTOR_SCREENSHOTS=1`` also writes the screenshots README links (docs/img/)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 
 from proxy.app import create_app
 from tests.fakes import FakeUpstream, serve_in_thread
-from tests.inspected import result, run, small_window
+from tests.inspected import history, result, run, small_window
 
 pytestmark = pytest.mark.e2e
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -61,14 +61,20 @@ def test_the_list_and_the_session_view_show_what_the_model_saw(
         browser: Browser, proxy: tuple[str, FakeUpstream, httpx.Client]) -> None:
     base, fake, agent = proxy
     run(agent.post, 20)
+    run(agent.post, 4, session="review")
+    parent = run(agent.post, 5, session=None)
+    fork = agent.post("/v1/chat/completions", json={"model": "fake-model", "messages": [
+        *history(2), {"role": "user", "content": "Try another way."}]}).headers["x-ctx-session"]
     page = open_page(browser, base + "/ctx/ui")
+    page.locator(f'tr[data-session="{fork}"] a[href="#/s/{parent}"]').wait_for()  # the fork names its parent
     row = page.locator('tr[data-session="inspected"]')
     row.wait_for()
     assert row.locator("td").nth(2).inner_text() == "20"
     page.fill("#filter", "no such session")
     assert page.locator("#sessions tbody tr").count() == 0
-    page.fill("#filter", "inspect")
-    shot(page, "inspector-list.png")
+    page.fill("#filter", "")
+    page.locator("#sessions tbody tr").nth(3).wait_for()
+    shot(page, "inspector-list.png", height=300)
     row.locator("a").first.click()
     page.locator('polyline[data-series="agent"][data-points="20"]').wait_for()
     for series in ("upstream", "prompt", "reused"):
@@ -81,6 +87,7 @@ def test_the_list_and_the_session_view_show_what_the_model_saw(
     assert page.locator('#sent button[data-mark="spill"]').count() >= 1  # the newest spill's stub
     assert page.locator('#sent button[data-mark="fold"]').count() == 1
     assert page.locator('#raw [data-id="tool:call_10"] button[data-mark="elide"]').count() == 1
+    assert page.locator('#raw [data-id="tool:call_0"] button[data-mark="fold"]').count() == 1  # in the fold
     assert page.locator('#timeline li[data-kind="elide"]').count() >= 4
     shot(page, "inspector-session.png")
 
@@ -138,6 +145,6 @@ def render_ms(page: Page, session: str) -> float:
     return float(page.evaluate("document.body.dataset.render"))
 
 
-def shot(page: Page, name: str) -> None:
-    if os.environ.get("CTXPROXY_SCREENSHOTS"):
-        page.screenshot(path=str(IMAGES / name), full_page=False)
+def shot(page: Page, name: str, height: int = 1000) -> None:
+    if os.environ.get("INSPECTOR_SCREENSHOTS"):
+        page.screenshot(path=str(IMAGES / name), clip={"x": 0, "y": 0, "width": 1400, "height": height})

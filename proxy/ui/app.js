@@ -301,8 +301,10 @@ function drawRequest() {
   }
   const kindOf = new Map(p.cuts.filter((c) => c.overflow_id).map((c) => [c.overflow_id, c.kind]));
   const pins = new Set(p.pins);
+  const folded = foldOf(p);
   const hidden = Math.max(0, p.raw.length - state.rawShown);
-  const raw = p.raw.slice(hidden).map((item) => rawMessage(item, cutBy.get(item.id), pins.has(item.id)));
+  const raw = p.raw.slice(hidden).map((item, i) =>
+    rawMessage(item, folded.has(hidden + i) ? folded.get(hidden + i) : cutBy.get(item.id), pins.has(item.id)));
   if (hidden) raw.unshift(el("button", { class: "more", type: "button", onclick: () => { state.rawShown += 200; drawRequest(); } },
     `show ${Math.min(200, hidden)} earlier of ${hidden} not shown`));
   $("raw").replaceChildren(...raw);
@@ -311,6 +313,19 @@ function drawRequest() {
   const shown = sent.slice(sentHidden).map((m, i) => sentMessage(m, sentHidden + i, kindOf));
   if (sentHidden) shown.unshift(el("p", { class: "muted" }, `${sentHidden} earlier messages not shown`));
   $("sent").replaceChildren(...(p.sent ? shown : [el("p", { class: "muted" }, "Nothing went upstream for this request.")]));
+}
+
+function foldOf(p) {
+  // The fold in force (the newest): the raw messages from its target to its `until`, but the pinned ones.
+  const folds = p.cuts.filter((c) => c.kind === "fold");
+  const out = new Map();
+  if (!folds.length) return out;
+  const fold = folds[folds.length - 1];
+  const ids = p.raw.map((item) => item.id);
+  const first = ids.indexOf(fold.target), last = ids.indexOf(fold.until);
+  if (first < 0 || last < first) return out;
+  for (let i = first; i <= last; i++) if (!p.pins.includes(ids[i])) out.set(i, fold);
+  return out;
 }
 
 function preview(message) {
@@ -339,7 +354,7 @@ function rawMessage(item, cut, pinned) {
   if (m.role !== "system" && m.role !== "developer" && !state.incognito) {  // actions: sessions on disk
     head.append(" ", el("button", { type: "button", class: "action", "data-action": pinned ? "unpin" : "pin",
       onclick: () => changePin(item.id, !pinned) }, pinned ? "unpin" : "pin"));
-    if (cut && !pinned) head.append(" ", actionButton("restore", item.id));
+    if (cut && !pinned && cut.kind !== "fold") head.append(" ", actionButton("restore", item.id));
     else if (!cut && !pinned && m.role === "tool" && typeof m.content === "string" && m.content.length >= MIN_CUT_CHARS) {
       head.append(" ", actionButton("drop", item.id));
     }
