@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from proxy.app import create_app
-from tests.fakes import FakeUpstream, serve_in_thread
+from tests.fakes import FakeUpstream, Reply, serve_in_thread, tool_answer
 from tests.inspected import history, result, run, small_window
 
 pytestmark = pytest.mark.e2e
@@ -110,6 +110,13 @@ def test_the_list_and_the_session_view_show_what_the_model_saw(
     assert {"role": "tool", "tool_call_id": "call_10", "content": result(10)} in sent  # restored whole, pinned
     dropped = next(m for m in sent if m.get("tool_call_id") == "call_18")
     assert "Dropped by the operator" in dropped["content"]
+
+    page.locator("#live.on").wait_for()  # subscribed to GET /ctx/events
+    fake.enqueue(Reply(body=tool_answer(("context_status", {}))))  # the model looks at its context
+    run(agent.post, 22, start=22)
+    page.locator('#events li[data-op="status"]').wait_for()  # live, as it ran
+    page.locator('#chart circle[data-mark="op"]').wait_for()  # and on the chart once the rounds refresh
+    assert page.locator('#timeline li[data-op="status"]').count() == 1
     page.close()
 
 
