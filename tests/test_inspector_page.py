@@ -134,7 +134,7 @@ def test_a_600_round_session_renders_about_as_fast_as_a_10_round_one(
     ratio = statistics.median(long) / statistics.median(short)
     print(f"render: 10 rounds {statistics.median(short):.0f} ms, 600 rounds {statistics.median(long):.0f} ms, "
           f"ratio {ratio:.1f}")
-    assert ratio < 12, (short, long)
+    assert ratio < 10, (short, long)  # a 10-round one takes ~0.1 s: 10× is the second the page may take
     page.close()
 
 
