@@ -19,11 +19,12 @@ from fastapi.exceptions import RequestValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, RedirectResponse, Response, StreamingResponse
 from starlette.routing import Mount, Route
 
 from config import Settings
 from proxy import __version__
+from proxy.actions import router as actions_router
 from proxy.admin import router as admin_router
 from proxy.callers import bearer_matches, require_admin, require_metrics
 from proxy.chat import chat_completions
@@ -40,10 +41,12 @@ from proxy.errors import (
 from proxy.fronts.anthropic.count import count_tokens
 from proxy.fronts.anthropic.front import messages
 from proxy.fronts.responses.front import responses
+from proxy.inspect import router as inspect_router
 from proxy.loop import VIA_HEADER, refuse_loop
 from proxy.responses import FinallyResponse
 from proxy.state import AppState
 from proxy.transport import AiohttpTransport
+from proxy.ui import router as ui_router
 from proxy.upstream import Upstream, client_headers, response_headers, with_headers
 from proxy.window import WindowDetector
 from store import Journal, JournalWriter, MemoryJournal, open_journal
@@ -59,7 +62,8 @@ def create_app(settings: Settings, upstream_transport: httpx.AsyncBaseTransport 
     """
     admin = FastAPI(title="ctxproxy operator API", version=__version__, docs_url=None, redoc_url=None,
                     openapi_url=None)  # served by `_openapi`, behind the admin token like the rest of /ctx
-    admin.include_router(admin_router)
+    for router in (admin_router, actions_router, inspect_router, ui_router):
+        admin.include_router(router)
     admin.add_route("/openapi.json", _openapi(admin), include_in_schema=False)
     admin.add_exception_handler(RequestValidationError, _render_validation)
     routes = [
@@ -68,6 +72,7 @@ def create_app(settings: Settings, upstream_transport: httpx.AsyncBaseTransport 
         Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
         Route("/v1/responses", responses, methods=["POST"]),
         Route("/v1/{path:path}", passthrough, methods=["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]),
+        Route("/", home, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Mount("/ctx", app=admin),
@@ -132,6 +137,11 @@ async def metrics(request: Request) -> Response:
     state: AppState = request.app.state.ctx
     require_metrics(request, state.settings)
     return Response(state.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+async def home(request: Request) -> Response:
+    """``GET /``: to the inspector page (``/ctx/ui``), which asks for the admin token when one is set."""
+    return RedirectResponse("/ctx/ui", status_code=307)
 
 
 async def healthz(request: Request) -> JSONResponse:

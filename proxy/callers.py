@@ -25,14 +25,16 @@ from config import Secret, Settings
 from proxy.errors import BadRequest, Unauthorized
 
 __all__ = [
-    "MAX_SESSION_ID_CHARS", "bearer_matches", "incognito_requested", "requested_session",
-    "require_admin", "require_metrics", "scoped_fingerprint",
+    "ADMIN_COOKIE", "MAX_SESSION_ID_CHARS", "admin_admitted", "bearer_matches", "incognito_requested",
+    "requested_session", "require_admin", "require_metrics", "scoped_fingerprint",
 ]
 
 MAX_SESSION_ID_CHARS = 128
 """A session id longer than this is refused (400): ids are shown in tables and headers, and are an index key."""
 CREDENTIAL_HEADERS = (b"authorization", b"x-api-key", b"api-key")
 """The headers whose values identify a caller: OpenAI's bearer key, Anthropic's and Azure's key headers."""
+ADMIN_COOKIE = "ctxproxy_admin"
+"""The cookie the inspector page signs in with (``proxy.ui``): the admin token itself, scoped to ``/ctx``."""
 _ON = frozenset({"1", "true", "yes", "on"})
 _OFF = frozenset({"0", "false", "no", "off"})
 
@@ -97,10 +99,18 @@ def bearer_matches(request: Request, *tokens: Secret | None) -> bool:
 
 
 def require_admin(request: Request, settings: Settings) -> None:
-    """With an admin token set, the operator surface (``/ctx/*``, its OpenAPI schema) needs it."""
-    if settings.admin_token is not None and not bearer_matches(request, settings.admin_token):
+    """With an admin token set, the operator surface (``/ctx/*``, its OpenAPI schema) needs it: as a bearer token,
+    or as the inspector page's cookie (``ADMIN_COOKIE``, set by its sign-in form; HttpOnly, SameSite=Strict, so
+    another site's page cannot send it)."""
+    if settings.admin_token is not None and not admin_admitted(request, settings.admin_token):
         raise Unauthorized("This operator endpoint needs `Authorization: Bearer <admin_token>` "
-                           "(CTXPROXY_ADMIN_TOKEN).")
+                           "(CTXPROXY_ADMIN_TOKEN), or the inspector's sign-in at /ctx/ui.")
+
+
+def admin_admitted(request: Request, token: Secret) -> bool:
+    """Whether the request carries the admin token, as a bearer token or in the inspector's cookie."""
+    cookie = request.cookies.get(ADMIN_COOKIE, "").encode()
+    return bearer_matches(request, token) or hmac.compare_digest(cookie, str(token).encode())
 
 
 def require_metrics(request: Request, settings: Settings) -> None:

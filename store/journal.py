@@ -5,9 +5,10 @@
 process go through one ``Journal`` driven by one thread (see ``store.writer``), so there is exactly one writer.
 
 The class is assembled from cohesive parts on the same connection: the session placement (``store.placement``:
-which session a request continues or forks), the reads (``store.reads``), the forwards and their cut bodies
-(``store.cuts``), crash recovery (``store.recovery``) and retention (``store.retention``). Callers name the verbs
-on ``Journal`` alone (``writer.call(Journal.record_request, ...)``), wherever they are defined.
+which session a request continues or forks), the reads (``store.reads``; the inspector's: ``store.inspect``), the
+forwards and their cut bodies (``store.cuts``), crash recovery (``store.recovery``) and retention
+(``store.retention``). Callers name the verbs on ``Journal`` alone (``writer.call(Journal.record_request, ...)``),
+wherever they are defined.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from typing import Any
 from sqlite_utils import Database
 
 from store.cuts import CutsMixin, ForwardRecord
+from store.inspect import InspectMixin
 from store.migrations import migrations
 from store.placement import Placement, PlacementMixin
 from store.reads import ReadsMixin
@@ -29,7 +31,7 @@ from store.retention import RetentionMixin
 __all__ = ["IncomingRequest", "Journal", "RecordedRequest", "ResponseRecord", "prefix_digest"]
 
 
-class Journal(PlacementMixin, ReadsMixin, CutsMixin, RecoveryMixin, RetentionMixin):
+class Journal(PlacementMixin, ReadsMixin, CutsMixin, InspectMixin, RecoveryMixin, RetentionMixin):
     """One SQLite database. ``path=None`` keeps everything in memory (incognito: nothing touches the disk)."""
 
     def __init__(self, path: Path | None, sync: str = "normal") -> None:

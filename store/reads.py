@@ -18,17 +18,13 @@ class ReadsMixin:
     conn: sqlite3.Connection
 
     def message_hashes(self, list_id: int) -> list[str]:
-        """Rebuild a delta-encoded list by walking its bases (newest first), then concatenating."""
-        pieces: list[tuple[int, list[str]]] = []
-        current: int | None = list_id
-        while current is not None:
-            base_id, base_len, added = self.conn.execute(
-                "SELECT base_id, base_len, added FROM message_lists WHERE id = ?", [current]).fetchone()
-            pieces.append((base_len, json.loads(added)))
-            current = base_id
+        """Rebuild a delta-encoded list: its chain of bases in one recursive query (newest first), then the pieces
+        concatenated oldest first. One query, not one per base: a list 600 requests deep took 600."""
+        pieces = self.conn.execute(_CHAIN, [list_id]).fetchall()
         hashes: list[str] = []
         for base_len, added in reversed(pieces):
-            hashes = hashes[:base_len] + added
+            del hashes[base_len:]
+            hashes += json.loads(added)
         return hashes
 
     def blobs(self, hashes: Sequence[str]) -> list[Any]:
@@ -70,6 +66,15 @@ class ReadsMixin:
         names = [d[0] for d in cursor.description]
         return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
 
+
+_CHAIN = """
+WITH RECURSIVE chain(id, base_id, base_len, added, depth) AS (
+    SELECT id, base_id, base_len, added, 0 FROM message_lists WHERE id = ?
+    UNION ALL
+    SELECT l.id, l.base_id, l.base_len, l.added, c.depth + 1 FROM message_lists l JOIN chain c ON l.id = c.base_id
+)
+SELECT base_len, added FROM chain ORDER BY depth
+"""
 
 _SESSION_SUMMARY = """
 SELECT s.id, s.parent_id, s.shared_len, s.named, s.created_at, s.updated_at, s.requests, s.head_len AS messages,

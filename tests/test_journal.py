@@ -13,7 +13,16 @@ from hypothesis import strategies as st
 
 from proxy.rewrite import canonical_json, content_hash, fingerprint
 from proxy.upstream import redact
-from store import IncomingRequest, Journal, RecordedRequest, ResponseRecord, keep_response, kept_response
+from store import (
+    ForwardRecord,
+    IncomingRequest,
+    Journal,
+    OverflowBody,
+    RecordedRequest,
+    ResponseRecord,
+    keep_response,
+    kept_response,
+)
 from store.migrations import migrations
 
 
@@ -199,3 +208,41 @@ def test_a_prune_removes_the_kept_responses_made_before_its_cutoff(tmp_path: Pat
     keep_response(journal, "resp_new", [], "2026-03-01T00:00:00")
     journal.prune("2026-02-01T00:00:00")
     assert kept_response(journal, "resp_old") is None and kept_response(journal, "resp_new") == []
+# --- the inspector's reads (store.inspect) -------------------------------------------------------------------------
+
+def test_the_inspector_reads_what_went_upstream_and_what_was_cut(journal: Journal) -> None:
+    requests = run(3, result="x" * 50)
+    recorded = [record(journal, incoming(msgs, n=i)) for i, msgs in enumerate(requests)]
+    for rec, req in zip(recorded[:3], requests[:3], strict=True):
+        journal.record_forward(ForwardRecord(rec.request_id, 0, rec.session_id, "2026-01-01T00:01:00",
+                                             incoming(req).params_hash, verbatim=True, estimate=10, k=1.0))
+    last, stub = recorded[3], {"role": "tool", "tool_call_id": "c0", "content": "[overflow id=abc]"}
+    sent = [*requests[3][:3], stub, *requests[3][4:]]
+    bodies = [canonical_json(m) for m in sent]
+    decision = {"kind": "spill", "target": "tool:c0", "message_hash": "h", "replacement": "[overflow id=abc]",
+                "overflow_id": "abc", "until": "", "count": 0, "source": "auto"}
+    journal.record_forward(ForwardRecord(last.request_id, 0, last.session_id, "2026-01-01T00:01:00",
+                                         incoming(requests[3]).params_hash, verbatim=False, length=len(sent),
+                                         base_list_id=recorded[2].list_id, base_len=3,
+                                         added_hashes=[content_hash(b) for b in bodies[3:]],
+                                         added_bodies=bodies[3:], decisions=[decision],
+                                         overflow=[OverflowBody("abc", "x" * 50 + " 0", "sh", "c0")]))
+    journal.record_context_op({"session_id": last.session_id, "request_id": last.request_id, "round": 1,
+                               "op": "status", "ok": True, "arguments": "{}", "result": "ok", "handles": ["c0"],
+                               "tokens_freed": 0, "overflow_ids": [], "created_at": "2026-01-01T00:01:01"})
+
+    forward = journal.forward(last.request_id)
+    assert forward is not None and forward["body"]["messages"] == sent and forward["body"]["model"] == "m"
+    assert forward["attempts"] == [0] and not forward["verbatim"]
+    assert journal.forward(last.request_id, attempt=1) is None
+    rounds = journal.session_rounds(last.session_id)
+    assert [r["request_id"] for r in rounds] == [r.request_id for r in recorded]
+    assert [len(r["hashes"]) for r in rounds] == [2, 4, 6, 8] and rounds[3]["sent_hashes"][3] != rounds[3]["hashes"][3]
+    assert journal.session_rounds(last.session_id, tail=1)[0]["sent_hashes"] == rounds[3]["sent_hashes"]
+    (cut,) = journal.session_cuts(last.session_id)
+    assert (cut["kind"], cut["overflow_id"], cut["tool"], cut["bytes"], cut["request_id"]) == (
+        "spill", "abc", "sh", 52, last.request_id)
+    (op,) = journal.session_ops(last.session_id)
+    assert op["ok"] is True and op["handles"] == ["c0"]
+    child = record(journal, incoming([*requests[2][:3], {"role": "user", "content": "another way"}], n=9))
+    assert journal.session_children() == {last.session_id: [child.session_id]}

@@ -178,6 +178,20 @@ def test_an_operator_pin_keeps_a_result_whole_and_restores_a_cut_one() -> None:
     assert violations(msgs, pinned.messages, pinned=[3]) == []
 
 
+def test_a_restore_undoes_a_cut_until_the_rules_cut_afresh() -> None:
+    """The operator's restore (the inspector): a spilled result goes whole; a spill is decided on arrival only, so
+    it is not spilled again, and a later cut of the same message is a new decision that applies."""
+    rules = Rules(budget(32768))
+    msgs = history(["z" * 20_000, "short"])
+    cut = run(msgs, rules)
+    assert cut.messages != msgs
+    restored = project(msgs, [message_hash(m) for m in msgs], [*cut.new, Decision("restore", "tool:call_0")], rules,
+                       CharCounter(), seen=len(msgs))
+    assert restored.messages == msgs and not restored.new
+    again = run(msgs, rules, [*cut.new, Decision("restore", "tool:call_0"), *cut.new])
+    assert again.messages == cut.messages
+
+
 def test_folding_is_the_last_resort_and_keeps_pairs_whole() -> None:
     rules = Rules(budget(4096, spill_chars=100_000))
     msgs = history(["short output " * 10] * 120)  # nothing to elide: every result is under 600 characters

@@ -200,6 +200,13 @@ def test_a_keyed_count_is_cached_and_an_unkeyed_one_is_not() -> None:
     assert (counter.hits, counter.misses) == (1, 1)
 
 
+def test_a_cached_count_is_read_without_counting() -> None:
+    counter = MessageCounter(load_encoding())
+    assert counter.cached("k1") is None
+    tokens = counter.count({"role": "user", "content": "hello"}, key="k1")
+    assert counter.cached("k1") == tokens and (counter.hits, counter.misses) == (0, 1)
+
+
 def test_the_cache_trusts_the_key() -> None:
     """The key is the message's identity: the same key is the same message, so its count is not recomputed."""
     counter = MessageCounter(load_encoding())

@@ -14,7 +14,9 @@ from typing import Literal
 
 __all__ = ["CUTS", "Decision", "Kind", "OverflowWrite"]
 
-Kind = Literal["spill", "elide", "drop", "note", "fold", "hide", "pin", "unpin"]
+Kind = Literal["spill", "elide", "drop", "note", "fold", "hide", "pin", "unpin", "restore"]
+"""``restore``: the operator's, from the inspector: the cut of ``target`` no longer applies; the message goes whole
+until the rules cut it afresh (over budget, the elision may take it again: a pin keeps it)."""
 CUTS = frozenset({"spill", "elide", "drop", "note"})
 """Decisions that replace one message's content (re-applied by identity on every request)."""
 

@@ -140,6 +140,8 @@ def _fresh(decisions: Sequence[Decision]) -> State:
             state.fold = d
         elif d.kind == "hide":
             state.hides += (d,)
+        elif d.kind == "restore":
+            state.decided.pop(d.target, None)
     return state
 
 

@@ -221,6 +221,11 @@ class MessageCounter:
                 self._cache.popitem(last=False)
         return tokens
 
+    def cached(self, key: str) -> int | None:
+        """The count cached under ``key``, if any, without counting (the inspector skips reading known bodies)."""
+        with self._lock:
+            return self._cache.get(key)
+
     def count_text(self, text: str) -> int:
         """Tokens of bare text (a stub, a marker, a note), without message overhead."""
         return self.text_counter.count(text)
