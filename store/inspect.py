@@ -115,9 +115,11 @@ SELECT r.id AS request_id, r.received_at, r.model, r.list_id, f.list_id AS sent_
 
 _CUTS = """
 SELECT d.id, d.request_id, d.kind, d.target, d.overflow_id, d.until, d.count, d.source, d.created_at,
-       o.tool, o.call_id, o.bytes
+       COALESCE(o.tool, s.tool) AS tool, COALESCE(o.call_id, s.call_id) AS call_id,
+       COALESCE(o.bytes, s.bytes) AS bytes
   FROM decisions d
   LEFT JOIN overflow o ON o.id = d.overflow_id AND o.session_id = d.session_id
+  LEFT JOIN overflow_spans s ON s.id = d.overflow_id AND s.session_id = d.session_id  -- a body named by its place
  WHERE d.session_id = ?
  ORDER BY d.id
 """
