@@ -142,7 +142,8 @@ class Forwarder:
     def _refusal(self, plan: Plan, overflow: Overflow | None) -> str:
         state = plan.projection.state
         largest = sorted(zip(state.ids, state.counts, strict=True), key=lambda p: -p[1])[:5]
-        room = what_takes_room(largest, cast(list[Any], self.exchange.body["messages"]), state.ids)
+        messages = cast(list[Any], self.exchange.body["messages"])
+        room = what_takes_room(largest, messages, state.ids, plan.rules.scaled)
         said = f" The upstream said: {overflow.message}" if overflow else ""
         return (f"The upstream refused the prompt as too long twice, the second time after ctxproxy cut it to about "
                 f"{plan.rules.scaled(plan.estimate)} tokens as it counts them. What takes the room: {room}.{said} "

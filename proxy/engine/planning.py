@@ -11,7 +11,7 @@ it runs on a worker thread as a whole (``proxy.heavy``) while the event loop ser
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -38,7 +38,6 @@ from proxy.outfiles import outfiles_dir, write_outfiles
 from proxy.rewrite import (
     Decision,
     Projection,
-    Report,
     Rules,
     State,
     canonical_json,
@@ -256,7 +255,7 @@ def _checked_projection(messages: list[dict[str, Any]], hashes: Sequence[str], d
     the request: a large one's runs on the worker (``proxy.heavy``), under the session's lock."""
     p = project(messages, hashes, decisions, rules, counter, previous, seen)
     if p.report.over_budget:
-        raise ContextTooLarge(describe_overflow(p.report, messages, p.state.ids))
+        raise ContextTooLarge(describe_overflow(p, messages, rules))
     if _broken(messages, p):
         p = replace(p, messages=list(messages), hashes=list(hashes), new=(), writes=(), changed=False)
         p.state.absorbed = -1  # never resumed: the next request recomputes from the decisions
@@ -291,25 +290,46 @@ def _forward_record(recorded: RecordedRequest, incoming: IncomingRequest, ctx: S
                    added_bodies=[canonical_json(m) for m in sent[same:]])
 
 
-def describe_overflow(report: Report, messages: list[Any], ids: list[str]) -> str:
-    """Why a request cannot fit: the numbers, and the biggest items still in it."""
+def describe_overflow(p: Projection, messages: list[Any], rules: Rules) -> str:
+    """Why a request cannot fit: the numbers, and the biggest items still in it, all in the model's tokens (the
+    calibrated ratio applied to the total and to every item alike, so that the items add up to the total); and the
+    fixed part (system prompt, tool definitions) when that alone is over the budget, since no cut can help then."""
+    report = p.report
+    unit = "tokens" if rules.k == 1 else f"tokens as the model counts them (ctxproxy's count × {rules.k:.2f})"
     return (f"This conversation does not fit the context budget even after ctxproxy cut everything it may: about "
-            f"{report.scaled} tokens against a budget of {report.budget} (window {report.window}). What takes the "
-            f"room: {what_takes_room(report.largest, messages, ids)}. System messages, the person's messages, pinned "
-            "items and the newest result are never cut. Raise ctx_window or context_budget, lower context_reserve, "
-            "or start a new session.")
+            f"{report.scaled} {unit} against a budget of {report.budget} (window {report.window}). What takes the "
+            f"room: {what_takes_room(report.largest, messages, p.state.ids, rules.scaled)}."
+            f"{fixed_part(p.state.counts, messages, rules)} System messages, the person's messages, pinned items and "
+            "the newest result are never cut. Raise ctx_window or context_budget, lower context_reserve, or start a "
+            "new session.")
 
 
-def what_takes_room(largest: Sequence[tuple[str, int]], messages: list[Any], ids: list[str]) -> str:
+def fixed_part(counts: Sequence[int], messages: list[Any], rules: Rules) -> str:
+    """The sentence naming what no cut can touch, when that alone exceeds the budget ("" otherwise)."""
+    system = sum(n for n, m in zip(counts, messages, strict=False) if m.get("role") in ("system", "developer"))
+    fixed = rules.scaled(system + rules.tools_tokens)
+    if fixed <= rules.budget.budget:
+        return ""
+    parts = [f"the system prompt ({rules.scaled(system)} tokens)" if system else "",
+             f"the tool definitions ({rules.scaled(rules.tools_tokens)} tokens)" if rules.tools_tokens else ""]
+    named = " and ".join(x for x in parts if x)
+    return (f" The fixed part alone, {named}, is {fixed} tokens, over the budget of {rules.budget.budget}: no cut "
+            "can make room; shorten it or give the model a larger window.")
+
+
+def what_takes_room(largest: Sequence[tuple[str, int]], messages: list[Any], ids: list[str],
+                    scaled: Callable[[int], int]) -> str:
+    """The biggest items, each in the same unit as the total the refusal states (``scaled``: ctxproxy's count
+    times the calibrated ratio)."""
     where = {mid: i for i, mid in enumerate(ids)}
     items = []
     for mid, tokens in largest:
         if mid == "tools":
-            items.append(f"the tool definitions ({tokens} tokens)")
+            items.append(f"the tool definitions ({scaled(tokens)} tokens)")
             continue
         i = where.get(mid, -1)
         role = messages[i].get("role", "?") if i >= 0 else "?"
-        items.append(f"message {i} ({role}, {mid}: {tokens} tokens)")
+        items.append(f"message {i} ({role}, {mid}: {scaled(tokens)} tokens)")
     return "; ".join(items)
 
 
