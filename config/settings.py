@@ -92,6 +92,9 @@ class Settings:
                              "crash of the proxy, full also a power loss (one fsync per request)")
     log_level: str = _opt("info", parse_choice("critical", "error", "warning", "info", "debug"), "log level")
     access_log: bool = _opt(False, parse_bool, "uvicorn's per-request log line (the journal records every request)")
+    log_format: str = _opt("text", parse_choice("text", "json"), "ctxproxy's own log lines (one per request at "
+                           'info, the startup line): "text" sentences, or "json" one object a line with each figure '
+                           "as a field")
     # --- clients and exposure (issue #10) ---------------------------------------------------------------------
     metrics_token: Secret | None = _opt(None, parse_optional_secret, "bearer token for /metrics alone (a scraper's); "
                                         "the admin token works there too")
@@ -168,7 +171,7 @@ SETTABLE = {f.name: f for f in dataclasses.fields(Settings) if not f.metadata.ge
 SERVER_KEYS = frozenset({
     "upstream", "host", "port", "data_dir", "admin_token", "session_header", "incognito", "max_body_bytes",
     "upstream_connect_timeout", "upstream_timeout", "journal_sync", "log_level", "access_log",
-    "metrics_token", "session_scope", "incognito_max_bytes", "incognito_max_age", "client_header_timeout",
+    "log_format", "metrics_token", "session_scope", "incognito_max_bytes", "incognito_max_age", "client_header_timeout",
     "client_body_timeout", "max_connections",
     "max_messages",
 })

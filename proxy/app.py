@@ -37,6 +37,7 @@ from proxy.errors import (
     render_unexpected,
     storage_error,
 )
+from proxy.logs import startup_line
 from proxy.loop import VIA_HEADER, refuse_loop
 from proxy.responses import FinallyResponse
 from proxy.state import AppState
@@ -79,6 +80,8 @@ def _lifespan(settings: Settings, transport: httpx.AsyncBaseTransport | None, ad
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         journal = JournalWriter(open_journal(settings.data_path / "journal.db", settings.journal_sync, check=True),
                                 storage_error)
+        text, fields = startup_line(settings)
+        log.info(text, extra={"ctx": fields})
         marked = await journal.call(Journal.mark_interrupted, datetime.now(UTC).isoformat(timespec="milliseconds"))
         if marked:
             log.warning("%d requests were in flight when ctxproxy last stopped: journaled as interrupted", marked)

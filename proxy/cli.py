@@ -111,9 +111,15 @@ def _serve(settings: Settings, args: argparse.Namespace) -> int:
     import uvicorn
 
     from proxy.app import create_app
-    from proxy.serving import uvicorn_options
+    from proxy.logs import configure_logging
+    from proxy.serving import port_taken, uvicorn_options
 
     open_journal(_journal_path(settings), settings.journal_sync, check=True).close()  # refused here: no traceback
+    taken = port_taken(settings.host, settings.port)
+    if taken:
+        print(f"ctxproxy: {taken}", file=sys.stderr)
+        return 1
+    configure_logging(settings)
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level,
                 **uvicorn_options(settings))
     return 0
@@ -176,7 +182,7 @@ def _doctor(settings: Settings, args: argparse.Namespace) -> int:
         print(json.dumps([asdict(c) for c in checks], indent=2))
     else:
         for check in checks:
-            print(f"{'ok  ' if check.ok else 'FAIL'}  {check.name}: {check.detail}")
+            print(f"{check.label}  {check.name}: {check.detail}")
     return 0 if all(c.ok for c in checks) else 1
 
 

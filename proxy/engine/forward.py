@@ -70,6 +70,7 @@ class Forwarder:
                                       x.attempt, x.incognito, splice, command.offer, self.compact)
             x.estimate = 0 if splice else plan.estimate  # usage with a splice does not measure the estimate
             x.deferred = plan.deferred
+            x.planned(plan.tally)
             opened, overflow = await self._attempt(plan)
             if overflow is None:
                 return opened
@@ -82,6 +83,7 @@ class Forwarder:
             raise FollowUpTooLong("The follow-up with the context tools' results did not fit.")
         self._learn(opened.plan, overflow)
         if not last:
+            self.exchange.retries += 1
             await self.exchange.record("context_overflow", opened.upstream.status_code, overflow.message, None)
 
     async def _attempt(self, plan: Plan) -> tuple[Opened, Overflow | None]:
@@ -153,9 +155,12 @@ class Forwarder:
         x = self.exchange
         request = x.request
         headers = client_headers(request.headers.raw, x.state.own_headers, _CHAT_DROP) + _IDENTITY
+        sent = x.elapsed()
+        x.sent_ms = sent if x.sent_ms is None else x.sent_ms
         upstream = await x.state.upstream.send("POST", request.url.path, request.url.query, headers, body,
                                                via=request.headers.get(VIA_HEADER, ""))
         x.ttfb_ms = x.elapsed()
+        x.upstream_ms.append(x.ttfb_ms - sent)
         return upstream
 
     async def _inspect(self, upstream: httpx.Response, plan: Plan) -> tuple[Opened, Overflow | None]:

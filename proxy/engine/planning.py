@@ -32,6 +32,7 @@ from proxy.engine.policy import (
     reminder_notice,
     restorable,
 )
+from proxy.engine.tally import Tally, tally
 from proxy.errors import ContextTooLarge
 from proxy.heavy import is_large
 from proxy.outfiles import outfiles_dir, write_outfiles
@@ -69,6 +70,8 @@ class Plan:
     rules: Rules
     offered: bool
     """The context tools are in this request's tool list."""
+    tally: Tally
+    """Tokens the agent sent, tokens going upstream, what the new cuts freed (``proxy.engine.tally``)."""
     deferred: ForwardRecord | None = None
     """The forward row, when it is to be journaled with its answer."""
 
@@ -98,11 +101,11 @@ async def plan_forward(app: AppState, writer: JournalWriter, ctx: SessionContext
         list_id = await writer.call(Journal.record_forward, record)
         await write_outfiles(shaped.rules.overflow_dir, [(w.overflow_id, w.body) for w in p.writes])
     ctx.decisions += p.new
-    app.metrics.decided([d.kind for d in p.new])
+    app.metrics.decided([d.kind for d in p.new], shaped.tally.freed)
     ctx.state = p.state
     ctx.sent_list = (list_id, shaped.hashes)
     await ctx.journal_state(writer, recorded.session_id, recorded.request_id)
-    return Plan(shaped.body, shaped.estimate, shaped.rules.k, p, shaped.rules, shaped.offered, deferred)
+    return Plan(shaped.body, shaped.estimate, shaped.rules.k, p, shaped.rules, shaped.offered, shaped.tally, deferred)
 
 
 @dataclass(frozen=True)
@@ -131,6 +134,7 @@ class _Shaped:
     hashes: list[str]
     record: ForwardRecord
     body: bytes
+    tally: Tally
 
 
 def _shape(app: AppState, settings: Settings, ctx: SessionContext, ask: _Ask, window: int,
@@ -158,7 +162,8 @@ def _shape(app: AppState, settings: Settings, ctx: SessionContext, ask: _Ask, wi
                                     if may_offer and not offered else 0)
     record = _forward_record(ask.recorded, ask.incoming, ctx, p, ask.attempt, rules.k, sent, hashes, changed,
                              None if ask.splice else estimate)  # a splice's tokens are not in the estimate
-    return _Shaped(p, rules, offered, estimate, hashes, record, orjson.dumps(payload.body) if changed else ask.raw)
+    return _Shaped(p, rules, offered, estimate, hashes, record, orjson.dumps(payload.body) if changed else ask.raw,
+                   tally(p, messages, ask.incoming.hashes, app.counter))
 
 
 def _rules(app: AppState, settings: Settings, ctx: SessionContext, ask: _Ask, window: int) -> Rules:
