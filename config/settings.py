@@ -40,7 +40,8 @@ from config.parsers import (
     parse_window,
 )
 
-__all__ = ["SERVER_KEYS", "ModelProfile", "Settings", "SettingsError", "load_settings", "setting_help"]
+__all__ = ["SERVER_KEYS", "ModelProfile", "Settings", "SettingsError", "load_settings", "setting_help",
+           "unknown_environment"]
 
 ENV_PREFIX = "CTXPROXY_"
 DEFAULT_PHRASES = (
@@ -224,6 +225,25 @@ def _parse_profiles(raw: Any, where: str) -> tuple[ModelProfile, ...]:
         values = {k: _parse(k, v, f'[models."{slug}"] in {where}') for k, v in table.items()}
         profiles.append(ModelProfile(slug, values))
     return tuple(profiles)
+
+
+NOT_SETTINGS = frozenset({"CONFIG", "TRAJECTORIES", "TEST_CACHE"})
+"""``CTXPROXY_*`` variables that are not settings: the file to read, and the test suite's corpus and cache."""
+
+
+def unknown_environment(env: Mapping[str, str]) -> list[str]:
+    """A warning for each ``CTXPROXY_*`` variable that names no setting, with the closest key (a typo in the
+    environment was silently ignored, where the same typo in the TOML file is an error). A warning, not an error:
+    other tools may share the prefix."""
+    out = []
+    for key in sorted(env):
+        name = key.removeprefix(ENV_PREFIX)
+        if not key.startswith(ENV_PREFIX) or name in NOT_SETTINGS or name.lower() in SETTABLE:
+            continue
+        close = difflib.get_close_matches(name.lower(), SETTABLE, n=1)
+        hint = f"did you mean {ENV_PREFIX}{close[0].upper()}?" if close else "see config/default.toml for every key"
+        out.append(f"environment variable {key} is not a setting and is ignored. Hint: {hint}")
+    return out
 
 
 def _from_env(env: Mapping[str, str]) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from proxy.rewrite import canonical_json, content_hash, fingerprint
 from proxy.upstream import redact
-from store import IncomingRequest, Journal, RecordedRequest, ResponseRecord
+from store import ForwardRecord, IncomingRequest, Journal, RecordedRequest, ResponseRecord
 from store.migrations import migrations
 
 
@@ -182,3 +182,15 @@ def test_any_sequence_of_extensions_and_edits_rebuilds_exactly(plan: list[tuple[
         row = journal.request(rec.request_id)
         assert row is not None and row["messages"] == history
         assert json.loads(json.dumps(row["messages"])) == history
+
+
+def test_cuts_are_counted_per_request_by_kind(journal: Journal) -> None:
+    req = incoming(run(1)[0])
+    first = record(journal, req)
+    spill = {"kind": "spill", "target": "tool:a", "message_hash": "h", "replacement": "stub", "overflow_id": "o",
+             "until": "", "count": 0, "source": "auto"}
+    journal.record_forward(ForwardRecord(first.request_id, 0, first.session_id, "2026-01-01T00:00:01", req.params_hash,
+                                         verbatim=True, decisions=[spill, spill | {"target": "tool:b"},
+                                                                   spill | {"kind": "elide", "target": "tool:c"}]))
+    assert journal.cuts_by_request(first.session_id) == {first.request_id: {"elide": 1, "spill": 2}}
+    assert journal.cuts_by_request("s-none") == {}
