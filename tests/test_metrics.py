@@ -11,8 +11,14 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from config import load_settings
+from proxy.engine.tally import Tally, tally
+from proxy.rewrite.identity import message_hash
+from proxy.rewrite.project import Projection, project
+from proxy.rewrite.state import Rules
+from proxy.rewrite.tokens import MessageCounter
 from tests.conftest import app_client
 from tests.fakes import CountingUpstream, FakeUpstream
+from tests.test_project import budget, history
 
 
 def samples(client: TestClient) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -55,3 +61,21 @@ def test_requests_are_counted_by_outcome_and_timed(tmp_path: Path) -> None:
     assert got[("ctxproxy_upstream_seconds_count", ())] == 1  # the refused one never went upstream
     assert got[("ctxproxy_added_seconds_count", ())] == 1
     assert got[("ctxproxy_added_seconds_sum", ())] > 0
+
+
+def tallied(messages: list[dict[str, Any]], rules: Rules) -> tuple[Projection, Tally]:
+    counter = MessageCounter()
+    hashes = [message_hash(m) for m in messages]
+    p = project(messages, hashes, [], rules, counter)
+    return p, tally(p, messages, hashes, counter)
+
+
+def test_an_elision_and_a_fold_count_what_they_took_out() -> None:
+    """What each cut freed is what the agent's messages lost: the tally adds up with the projection's estimate."""
+    for results, kind in ((["r " * 2000] * 20, "elide"), (["short output " * 10] * 120, "fold")):
+        messages = history(results)
+        p, counted = tallied(messages, Rules(budget(8192 if kind == "elide" else 4096, spill_chars=100_000)))
+        assert kind in [d.kind for d in p.new] and counted.freed[kind] > 0
+        assert counted.tokens_in == counted.tokens_out + sum(counted.freed.values())
+        assert counted.tokens_in == MessageCounter().count_tools(None) + sum(
+            MessageCounter().count(m) for m in messages)

@@ -37,7 +37,7 @@ def tally(p: Projection, messages: Sequence[dict[str, Any]], hashes: Sequence[st
     removed = [0] * len(state.counts)
     for i, count in enumerate(state.counts):
         if state.out_hashes[i] != state.hashes[i] or state.out[i] is None:
-            removed[i] = max(0, counter.count(messages[i], hashes[i]) - count)
+            removed[i] = counter.count(messages[i], hashes[i]) - count  # a fold's stub: less than 0
     cuts: dict[str, int] = {}
     for d in p.new:
         cuts[d.kind] = cuts.get(d.kind, 0) + 1
@@ -45,13 +45,17 @@ def tally(p: Projection, messages: Sequence[dict[str, Any]], hashes: Sequence[st
 
 
 def _freed(new: Sequence[Decision], ids: Sequence[str], removed: Sequence[int]) -> dict[str, int]:
-    """What each new cut took out: the tokens its messages lost (a fold: every message of its span)."""
+    """What each new cut took out: the tokens its message lost; a fold, every message of its span (a result elided
+    and folded by the same request counts once, for the fold), so that the kinds add up to what was freed."""
     where = {mid: i for i, mid in enumerate(ids)}
+    spans = {d.target: (where[d.target], where[d.target] + d.count) for d in new
+             if d.kind == "fold" and d.target in where}
+    claimed = {i for start, end in spans.values() for i in range(start, end)}
     freed: dict[str, int] = {}
     for d in new:
-        start = where.get(d.target)
-        if start is None or (d.kind not in CUTS and d.kind != "fold"):
+        i = where.get(d.target)
+        if i is None or d.kind not in CUTS | {"fold"} or (d.kind != "fold" and i in claimed):
             continue
-        end = start + (d.count if d.kind == "fold" else 1)
+        start, end = spans.get(d.target, (i, i + 1)) if d.kind == "fold" else (i, i + 1)
         freed[d.kind] = freed.get(d.kind, 0) + sum(removed[start:end])
-    return freed
+    return {kind: max(0, tokens) for kind, tokens in freed.items()}
