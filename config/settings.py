@@ -40,7 +40,8 @@ from config.parsers import (
     parse_window,
 )
 
-__all__ = ["SERVER_KEYS", "ModelProfile", "Settings", "SettingsError", "load_settings", "setting_help"]
+__all__ = ["SERVER_KEYS", "ModelProfile", "Settings", "SettingsError", "load_settings", "setting_help",
+           "unknown_environment"]
 
 ENV_PREFIX = "CTXPROXY_"
 DEFAULT_PHRASES = (
@@ -92,6 +93,9 @@ class Settings:
                              "crash of the proxy, full also a power loss (one fsync per request)")
     log_level: str = _opt("info", parse_choice("critical", "error", "warning", "info", "debug"), "log level")
     access_log: bool = _opt(False, parse_bool, "uvicorn's per-request log line (the journal records every request)")
+    log_format: str = _opt("text", parse_choice("text", "json"), "ctxproxy's own log lines (one per request at "
+                           'info, the startup line): "text" sentences, or "json" one object a line with each figure '
+                           "as a field")
     # --- clients and exposure (issue #10) ---------------------------------------------------------------------
     metrics_token: Secret | None = _opt(None, parse_optional_secret, "bearer token for /metrics alone (a scraper's); "
                                         "the admin token works there too")
@@ -174,7 +178,7 @@ SETTABLE = {f.name: f for f in dataclasses.fields(Settings) if not f.metadata.ge
 SERVER_KEYS = frozenset({
     "upstream", "host", "port", "data_dir", "admin_token", "session_header", "incognito", "max_body_bytes",
     "upstream_connect_timeout", "upstream_timeout", "journal_sync", "log_level", "access_log",
-    "metrics_token", "session_scope", "incognito_max_bytes", "incognito_max_age", "client_header_timeout",
+    "log_format", "metrics_token", "session_scope", "incognito_max_bytes", "incognito_max_age", "client_header_timeout",
     "client_body_timeout", "max_connections",
     "max_messages",
 })
@@ -227,6 +231,25 @@ def _parse_profiles(raw: Any, where: str) -> tuple[ModelProfile, ...]:
         values = {k: _parse(k, v, f'[models."{slug}"] in {where}') for k, v in table.items()}
         profiles.append(ModelProfile(slug, values))
     return tuple(profiles)
+
+
+NOT_SETTINGS = frozenset({"CONFIG", "TRAJECTORIES", "TEST_CACHE"})
+"""``CTXPROXY_*`` variables that are not settings: the file to read, and the test suite's corpus and cache."""
+
+
+def unknown_environment(env: Mapping[str, str]) -> list[str]:
+    """A warning for each ``CTXPROXY_*`` variable that names no setting, with the closest key (a typo in the
+    environment was silently ignored, where the same typo in the TOML file is an error). A warning, not an error:
+    other tools may share the prefix."""
+    out = []
+    for key in sorted(env):
+        name = key.removeprefix(ENV_PREFIX)
+        if not key.startswith(ENV_PREFIX) or name in NOT_SETTINGS or name.lower() in SETTABLE:
+            continue
+        close = difflib.get_close_matches(name.lower(), SETTABLE, n=1)
+        hint = f"did you mean {ENV_PREFIX}{close[0].upper()}?" if close else "see config/default.toml for every key"
+        out.append(f"environment variable {key} is not a setting and is ignored. Hint: {hint}")
+    return out
 
 
 def _from_env(env: Mapping[str, str]) -> dict[str, Any]:

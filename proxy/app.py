@@ -42,6 +42,7 @@ from proxy.fronts.anthropic.count import count_tokens
 from proxy.fronts.anthropic.front import messages
 from proxy.fronts.responses.front import responses
 from proxy.inspect import router as inspect_router
+from proxy.logs import startup_line
 from proxy.loop import VIA_HEADER, refuse_loop
 from proxy.responses import FinallyResponse
 from proxy.state import AppState
@@ -90,6 +91,8 @@ def _lifespan(settings: Settings, transport: httpx.AsyncBaseTransport | None, ad
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         journal = JournalWriter(open_journal(settings.data_path / "journal.db", settings.journal_sync, check=True),
                                 storage_error)
+        text, fields = startup_line(settings)
+        log.info(text, extra={"ctx": fields})
         marked = await journal.call(Journal.mark_interrupted, datetime.now(UTC).isoformat(timespec="milliseconds"))
         if marked:
             log.warning("%d requests were in flight when ctxproxy last stopped: journaled as interrupted", marked)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from config import Settings, SettingsError, load_settings
+from config.settings import unknown_environment
 from proxy import __version__
 from proxy.tables import render_table
 from store import Journal, JournalUnavailable, open_journal
@@ -28,10 +29,6 @@ __all__ = ["main"]
 
 _SESSION_COLUMNS = [("id", "session"), ("parent_id", "parent"), ("requests", "requests"), ("messages", "messages"),
                     ("last_prompt_tokens", "last prompt tok"), ("model", "model"), ("updated_at", "updated")]
-_JOURNAL_COLUMNS = [("request_id", "req"), ("received_at", "received"), ("model", "model"), ("stream", "stream"),
-                    ("messages", "msgs"), ("new_messages", "new"), ("body_bytes", "bytes"), ("outcome", "outcome"),
-                    ("status", "status"), ("attempts", "tries"), ("prompt_tokens", "prompt tok"),
-                    ("completion_tokens", "compl tok"), ("ttfb_ms", "ttfb ms"), ("total_ms", "total ms")]
 
 
 _SCORE_COLUMNS = [("session_id", "session"), ("rounds", "rounds"), ("tool_calls", "tool calls"),
@@ -42,8 +39,15 @@ _REPLAY_COLUMNS = [("request", "req"), ("messages", "msgs"), ("tokens_in", "toke
                    ("tokens_notices", "notices"), ("chars_sent", "sent chars"), ("refused", "")]
 
 
+_DESCRIPTION = ("ctxproxy: an OpenAI-compatible proxy that manages a long-running agent's context. `serve` runs "
+                "it; the other commands read its journal or check its setup. Every setting is also CTXPROXY_<KEY> "
+                "in the environment or a key of a TOML file (--config): see config/default.toml.")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    for warning in unknown_environment(os.environ):
+        print(f"ctxproxy: warning: {warning}", file=sys.stderr)
     try:
         settings = load_settings(args.config, os.environ, _flags(args))
     except SettingsError as exc:
@@ -51,10 +55,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         with storage_errors(_journal_path(settings)):
-            return int(args.run(settings, args))
+            code = int(args.run(settings, args))
+        sys.stdout.flush()  # here, where a closed pipe can still be caught, not at the interpreter's exit
+        return code
     except JournalUnavailable as exc:  # a full, read-only or corrupt journal: its path and the fix, no traceback
         print(f"ctxproxy: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `ctxproxy sessions | head`: the reader has what it wanted
+        return _quiet_pipe()
+
+
+def _quiet_pipe() -> int:
+    """The reader of our output went away: point stdout at /dev/null so the interpreter's final flush does not
+    raise again (Python's documented recipe, "Note on SIGPIPE" in the signal module's docs), and end quietly."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 0
 
 
 def _journal_path(settings: Settings) -> Path:
@@ -62,7 +79,7 @@ def _journal_path(settings: Settings) -> Path:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ctxproxy", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(prog="ctxproxy", description=_DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"ctxproxy {__version__}")
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
     serve = _command(commands, "serve", "run the proxy", _serve)
@@ -113,21 +130,31 @@ def _serve(settings: Settings, args: argparse.Namespace) -> int:
     import uvicorn
 
     from proxy.app import create_app
-    from proxy.serving import uvicorn_options
+    from proxy.logs import configure_logging
+    from proxy.serving import port_taken, uvicorn_options
 
     open_journal(_journal_path(settings), settings.journal_sync, check=True).close()  # refused here: no traceback
+    taken = port_taken(settings.host, settings.port)
+    if taken:
+        print(f"ctxproxy: {taken}", file=sys.stderr)
+        return 1
+    configure_logging(settings)
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level,
                 **uvicorn_options(settings))
     return 0
 
 
 def _replay(settings: Settings, args: argparse.Namespace) -> int:
-    from proxy.replay import ReplayFailed, replay, summarize
+    from proxy.replay import ReplayFailed, conversation_problem, replay, summarize
 
     try:
         conversation = json.loads(Path(args.file).read_text())
     except (OSError, ValueError) as exc:
         print(f"ctxproxy replay: cannot read {args.file}: {exc}", file=sys.stderr)
+        return 2
+    problem = conversation_problem(conversation)
+    if problem:
+        print(f"ctxproxy replay: {args.file} is not a conversation: {problem}", file=sys.stderr)
         return 2
     window = args.window or settings.ctx_window or 131072
     try:
@@ -166,7 +193,8 @@ def _sessions(settings: Settings, args: argparse.Namespace) -> int:
     if journal is None:
         return 1
     rows = journal.sessions()
-    print(json.dumps(rows, indent=2) if args.json else render_table(rows, _SESSION_COLUMNS))
+    print(json.dumps({"sessions": rows}, indent=2) if args.json  # the shape of GET /ctx/sessions
+          else render_table(rows, _SESSION_COLUMNS))
     return 0
 
 
@@ -178,7 +206,7 @@ def _doctor(settings: Settings, args: argparse.Namespace) -> int:
         print(json.dumps([asdict(c) for c in checks], indent=2))
     else:
         for check in checks:
-            print(f"{'ok  ' if check.ok else 'FAIL'}  {check.name}: {check.detail}")
+            print(f"{check.label}  {check.name}: {check.detail}")
     return 0 if all(c.ok for c in checks) else 1
 
 
@@ -237,11 +265,9 @@ def _show(settings: Settings, args: argparse.Namespace) -> int:
     if session is None:
         print(f"No session {args.session_id!r}; `ctxproxy sessions` lists them.", file=sys.stderr)
         return 1
-    entries = journal.session_journal(args.session_id, 0, args.limit)
-    if args.json:
-        print(json.dumps({"session": session, "journal": entries}, indent=2))
-        return 0
-    print("\n".join(f"{k:>20}: {'-' if v is None else v}" for k, v in session.items()))
-    print()
-    print(render_table(entries, _JOURNAL_COLUMNS))
+    from proxy.showing import rounds, session_text
+
+    numbered = rounds(journal.session_journal(args.session_id, 0, args.limit), journal.cuts_by_request(args.session_id))
+    print(json.dumps({"session": session, "journal": numbered}, indent=2) if args.json
+          else session_text(session, numbered))
     return 0

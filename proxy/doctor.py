@@ -1,11 +1,16 @@
-"""``ctxproxy doctor``: is this proxy ready to run? The upstream, its window, the tokenizer, the data dir.
+"""``ctxproxy doctor``: is this proxy ready to run? The upstream, its chat route, its window, the tokenizer, the
+data dir.
 
-Each check says what it found and, when it fails, what to do. It talks only to the configured upstream.
+Each check says what it found and, when it fails, what to do. It talks only to the configured upstream. The chat
+route is asked for one token: an upstream URL without its ``/v1`` answered ``GET /models`` (a 404 is not a server
+error) and the doctor said ok, while every chat request would have failed. A window it cannot detect is a
+warning, not a failure: the proxy runs with the default and says how to set the real one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from dataclasses import dataclass
 
@@ -23,6 +28,12 @@ class Check:
     name: str
     ok: bool
     detail: str
+    warning: bool = False
+    """Ready to run, but something should be set (the exit status stays 0)."""
+
+    @property
+    def label(self) -> str:
+        return "FAIL" if not self.ok else "warn" if self.warning else "ok  "
 
 
 def run_checks(settings: Settings, model: str | None = None) -> list[Check]:
@@ -52,17 +63,50 @@ async def _upstream(settings: Settings, model: str | None) -> list[Check]:
     upstream = Upstream(settings.upstream, transport, settings.upstream_connect_timeout, 10.0)
     try:
         try:
-            answer = await upstream.send("GET", "/v1/models", "", [(b"accept-encoding", b"identity")], b"")
-            await answer.aread()
-            await answer.aclose()
-            reach = Check("upstream reachable", answer.status_code < 500, f"{settings.upstream}/models answered "
-                          f"{answer.status_code}")
+            status, _ = await _ask(upstream, "GET", "/v1/models", b"")
+            reach = Check("upstream reachable", status < 500, f"{settings.upstream}/models answered {status}")
         except Exception as exc:
             return [Check("upstream reachable", False, f"{settings.upstream}: {getattr(exc, 'message', exc)}")]
-        window = await WindowDetector(upstream, settings.for_model(model).ctx_window).window_for(model)
-        found = window.source != "default"
-        detail = f"{window.tokens} tokens ({window.source})" + ("" if found else ": set ctx_window to the model's "
-                                                                              "real window")
-        return [reach, Check("window detected", found, detail)]
+        return [reach, await _chat_route(upstream, settings, model), await _window(upstream, settings, model)]
     finally:
         await transport.aclose()
+
+
+async def _ask(upstream: Upstream, method: str, path: str, body: bytes) -> tuple[int, bytes]:
+    headers = [(b"accept-encoding", b"identity"), (b"content-type", b"application/json")]
+    answer = await upstream.send(method, path, "", headers, body)
+    try:
+        return answer.status_code, await answer.aread()
+    finally:
+        await answer.aclose()
+
+
+async def _chat_route(upstream: Upstream, settings: Settings, model: str | None) -> Check:
+    """One token from the chat route the agents will use: 404 or 405 means the URL is not an OpenAI base."""
+    url = f"{settings.upstream}/chat/completions"
+    body = json.dumps({"model": model or "ctxproxy-doctor", "max_tokens": 1,
+                       "messages": [{"role": "user", "content": "Say ok."}]}).encode()
+    try:
+        status, content = await _ask(upstream, "POST", "/v1/chat/completions", body)
+    except Exception as exc:
+        return Check("chat route", False, f"{url}: {getattr(exc, 'message', exc)}")
+    said = content[:200].decode("utf-8", "replace").strip()
+    if status in (404, 405):
+        return Check("chat route", False, f"{url} answered {status}: there is no chat route there. The upstream "
+                     "is the OpenAI base URL, usually ending in /v1 (http://127.0.0.1:8080/v1); set --upstream or "
+                     "CTXPROXY_UPSTREAM.")
+    if status >= 500:
+        return Check("chat route", False, f"{url} answered {status}: {said}. See the model server's log.")
+    if status in (401, 403):
+        return Check("chat route", True, f"{url} answered {status}: it wants the agent's API key (the proxy "
+                     "passes the agent's own through)")
+    return Check("chat route", True, f"{url} answered {status}" + ("" if status < 300 else f": {said}"))
+
+
+async def _window(upstream: Upstream, settings: Settings, model: str | None) -> Check:
+    window = await WindowDetector(upstream, settings.for_model(model).ctx_window).window_for(model)
+    if window.source != "default":
+        return Check("window detected", True, f"{window.tokens} tokens ({window.source})")
+    return Check("window detected", True, f"the upstream does not say its window: {window.tokens} tokens assumed. "
+                 "Set ctx_window (CTXPROXY_CTX_WINDOW) to the model's real window, e.g. llama.cpp's -c value",
+                 warning=True)

@@ -6,14 +6,17 @@ tests run many — never share or double-register them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from proxy.answers import usage_figure
 
 __all__ = ["Metrics", "aggregate"]
+
+_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+"""From a millisecond (the proxy's own time on a small request) to minutes (a long answer from a local model)."""
 
 
 class Metrics:
@@ -27,8 +30,15 @@ class Metrics:
                                  registry=self.registry)
         self.context_ops = Counter("ctxproxy_context_ops", "Context tool calls executed, by op and result",
                                    ["op", "ok"], registry=self.registry)
-        self.tokens_freed = Counter("ctxproxy_tokens_freed", "Tokens freed by the model's context tools",
-                                    registry=self.registry)
+        self.tokens_freed = Counter("ctxproxy_tokens_freed", "Tokens taken out of what goes upstream, by who (auto: "
+                                    "the proxy's cuts; model: the context tools) and kind (spill, elide, fold…)",
+                                    ["by", "kind"], registry=self.registry)
+        self.upstream_seconds = Histogram("ctxproxy_upstream_seconds", "Seconds from sending a request upstream to "
+                                          "its answer's headers, per round trip", registry=self.registry,
+                                          buckets=_SECONDS)
+        self.added_seconds = Histogram("ctxproxy_added_seconds", "Seconds the proxy itself added to a request: "
+                                       "its time before the first byte went upstream (reading, journaling, "
+                                       "projecting)", registry=self.registry, buckets=_SECONDS)
 
     def answered(self, outcome: str, usage: dict[str, object] | None) -> None:
         self.requests.labels(outcome).inc()
@@ -37,13 +47,22 @@ class Metrics:
             if value is not None:
                 self.tokens.labels(kind.removesuffix("_tokens")).inc(value)
 
-    def decided(self, kinds: Sequence[str]) -> None:
+    def decided(self, kinds: Sequence[str], freed: Mapping[str, int]) -> None:
         for kind in kinds:
             self.decisions.labels(kind).inc()
+        for kind, tokens in freed.items():
+            self.tokens_freed.labels("auto", kind).inc(tokens)
 
     def context_op(self, op: str, ok: bool, tokens_freed: int) -> None:
         self.context_ops.labels(op, str(ok).lower()).inc()
-        self.tokens_freed.inc(tokens_freed)
+        self.tokens_freed.labels("model", op).inc(max(0, tokens_freed))
+
+    def timed(self, added_ms: float | None, upstream_ms: Sequence[float]) -> None:
+        """One request's times: what the proxy added before it went upstream, and each round trip's wait."""
+        if added_ms is not None:
+            self.added_seconds.observe(added_ms / 1000)
+        for ms in upstream_ms:
+            self.upstream_seconds.observe(ms / 1000)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -49,8 +49,8 @@ from proxy.rewrite.state import sha256_text
 from proxy.rewrite.tokens import MessageCounter
 from store import Journal, open_journal
 
-__all__ = ["ReplayFailed", "ReplayStep", "Summary", "agent_requests", "replay", "replay_settings", "request_body",
-           "summarize"]
+__all__ = ["ReplayFailed", "ReplayStep", "Summary", "agent_requests", "conversation_problem", "replay",
+           "replay_settings", "request_body", "summarize"]
 
 REFUSED = "context_length_exceeded"
 NOTICE = "[ctxproxy] "
@@ -124,6 +124,30 @@ def request_body(conversation: dict[str, Any], end: int) -> dict[str, Any]:
     if conversation.get("tools"):
         body["tools"] = conversation["tools"]
     return body
+
+
+_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+
+
+def conversation_problem(data: Any) -> str | None:
+    """What keeps ``data`` from being a conversation to replay (``{"messages": [...], "tools"?: [...]}``), said
+    so that the file can be fixed; None if it is one. Without it a JSON list, or a message without a role, ended in
+    a traceback from deep in the replay."""
+    shape = 'a conversation is a JSON object {"messages": [{"role": ..., "content": ...}, ...], "tools": [...]}'
+    if not isinstance(data, dict):
+        return f"the file holds a JSON {type(data).__name__}; {shape}"
+    messages, tools = data.get("messages"), data.get("tools")
+    if not isinstance(messages, list) or not messages:
+        what = "missing" if messages is None else "empty" if messages == [] else "not a list"
+        return f'"messages" is {what}; {shape}'
+    if tools is not None and not isinstance(tools, list):
+        return f'"tools" is a JSON {type(tools).__name__}, not a list of tool definitions'
+    for i, message in enumerate(messages):
+        role = message.get("role") if isinstance(message, dict) else None
+        if role not in _ROLES:
+            found = f"role {role!r}" if isinstance(message, dict) else f"a JSON {type(message).__name__}"
+            return f"messages[{i}] has {found}; each message is an object whose role is one of {sorted(_ROLES)}"
+    return None
 
 
 def replay_settings(settings: Settings, window: int, root: Path) -> Settings:

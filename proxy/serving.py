@@ -17,6 +17,8 @@ The body is the app's to bound (``client_body_timeout`` in ``proxy.edge.read_bod
 from __future__ import annotations
 
 import asyncio
+import errno
+import socket
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -24,7 +26,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from config import Settings
 from proxy.errors import envelope
 
-__all__ = ["GuardedProtocol", "guarded_protocol", "uvicorn_options"]
+__all__ = ["GuardedProtocol", "guarded_protocol", "port_taken", "uvicorn_options"]
 
 
 def _raw_response(status: str, message: str, code: str) -> bytes:
@@ -97,3 +99,21 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
     """uvicorn's options for serving the proxy (besides host, port and log level)."""
     return {"http": guarded_protocol(settings), "proxy_headers": False, "server_header": False,
             "access_log": settings.access_log}
+
+
+def port_taken(host: str, port: int) -> str:
+    """Why ``host:port`` cannot be bound, in one line ("" if it can): uvicorn's own way is a log line, a traceback
+    of the lifespan's shutdown and ``Errno 98`` among them. Bound the way uvicorn binds (``SO_REUSEADDR``)."""
+    if port == 0:
+        return ""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return (f"port {port} on {host} is already in use (another ctxproxy?). Stop it, or pick another "
+                        "with --port or CTXPROXY_PORT.")
+            return f"cannot listen on {host}:{port}: {exc.strerror or exc}. Check --host and --port."
+    return ""

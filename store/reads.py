@@ -61,6 +61,16 @@ class ReadsMixin:
         row["responses"] = self._rows("SELECT * FROM responses WHERE request_id = ? ORDER BY attempt", [request_id])
         return row
 
+    def cuts_by_request(self, session_id: str) -> dict[int, dict[str, int]]:
+        """The decisions each request of the session made, counted by kind (the operator's own are not a
+        request's): what ``ctxproxy show`` lists per round."""
+        out: dict[int, dict[str, int]] = {}
+        for request_id, kind, n in self.conn.execute(
+                "SELECT request_id, kind, COUNT(*) FROM decisions WHERE session_id = ? AND request_id IS NOT NULL"
+                " GROUP BY request_id, kind ORDER BY request_id, kind", [session_id]):
+            out.setdefault(request_id, {})[kind] = n
+        return out
+
     def _rows(self, sql: str, params: Sequence[Any]) -> list[dict[str, Any]]:
         cursor = self.conn.execute(sql, list(params))
         names = [d[0] for d in cursor.description]

@@ -208,6 +208,8 @@ def test_a_prune_removes_the_kept_responses_made_before_its_cutoff(tmp_path: Pat
     keep_response(journal, "resp_new", [], "2026-03-01T00:00:00")
     journal.prune("2026-02-01T00:00:00")
     assert kept_response(journal, "resp_old") is None and kept_response(journal, "resp_new") == []
+
+
 # --- the inspector's reads (store.inspect) -------------------------------------------------------------------------
 
 def test_the_inspector_reads_what_went_upstream_and_what_was_cut(journal: Journal) -> None:
@@ -246,3 +248,15 @@ def test_the_inspector_reads_what_went_upstream_and_what_was_cut(journal: Journa
     assert op["ok"] is True and op["handles"] == ["c0"]
     child = record(journal, incoming([*requests[2][:3], {"role": "user", "content": "another way"}], n=9))
     assert journal.session_children() == {last.session_id: [child.session_id]}
+
+
+def test_cuts_are_counted_per_request_by_kind(journal: Journal) -> None:
+    req = incoming(run(1)[0])
+    first = record(journal, req)
+    spill = {"kind": "spill", "target": "tool:a", "message_hash": "h", "replacement": "stub", "overflow_id": "o",
+             "until": "", "count": 0, "source": "auto"}
+    journal.record_forward(ForwardRecord(first.request_id, 0, first.session_id, "2026-01-01T00:00:01", req.params_hash,
+                                         verbatim=True, decisions=[spill, spill | {"target": "tool:b"},
+                                                                   spill | {"kind": "elide", "target": "tool:c"}]))
+    assert journal.cuts_by_request(first.session_id) == {first.request_id: {"elide": 1, "spill": 2}}
+    assert journal.cuts_by_request("s-none") == {}

@@ -10,12 +10,17 @@ import json
 import os
 import re
 import subprocess
+import sys
 import tomllib
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
 from config import load_settings
+from proxy.app import create_app
+from tests.fakes import serve_in_thread
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -63,3 +68,54 @@ def test_the_image_copies_every_package_and_sets_valid_settings() -> None:
     assert settings.host == "0.0.0.0" and settings.port == 4141
     with pytest.raises(Exception, match="ADMIN_TOKEN"):
         load_settings(env=env)
+
+
+def compose(**env: str) -> dict[str, Any]:
+    result = compose_config(CTXPROXY_ADMIN_TOKEN="t", **env)
+    assert result.returncode == 0, result.stderr
+    loaded: dict[str, Any] = yaml.safe_load(result.stdout)
+    return loaded
+
+
+def test_the_proxy_waits_for_a_healthy_model_server_whose_window_it_is_given() -> None:
+    services = compose(CTX_WINDOW="8192")["services"]
+    llama, proxy = services["llama"], services["ctxproxy"]
+    assert llama["healthcheck"]["test"][-1] == "http://127.0.0.1:8080/health"
+    assert proxy["depends_on"] == {"llama": {"condition": "service_healthy"}}
+    command = llama["command"]
+    assert command[command.index("-c") + 1] == "8192" and proxy["environment"]["CTXPROXY_CTX_WINDOW"] == "8192"
+
+
+def test_a_vllm_profile_runs_its_own_proxy_beside_the_llama_cpp_one() -> None:
+    services = compose(CTX_WINDOW="16384")["services"]
+    vllm, proxy = services["vllm"], services["ctxproxy-vllm"]
+    assert vllm["profiles"] == ["vllm"] == proxy["profiles"] and "healthcheck" in vllm
+    assert vllm["command"][vllm["command"].index("--max-model-len") + 1] == "16384"
+    assert proxy["environment"]["CTXPROXY_UPSTREAM"] == "http://vllm:8000/v1"
+    assert proxy["environment"]["CTXPROXY_CTX_WINDOW"] == "16384"
+    assert proxy["depends_on"] == {"vllm": {"condition": "service_healthy"}}
+    assert proxy["ports"] != services["ctxproxy"]["ports"] and proxy["volumes"] != services["ctxproxy"]["volumes"]
+
+
+def test_images_are_pinned_and_the_obsolete_version_key_is_gone() -> None:
+    raw = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    assert "version" not in raw
+    images = [s["image"] for s in raw["services"].values() if "image" in s]
+    images.append(re.search(r"^FROM (\S+)", dockerfile(), flags=re.M).group(1))  # type: ignore[union-attr]
+    for image in images:
+        tag = image.rpartition(":")[2]
+        assert any(c.isdigit() for c in tag) and tag not in ("latest", "server"), image
+
+
+def test_the_image_health_check_asks_the_proxy_healthz(tmp_path: Path) -> None:
+    check = re.search(r"^HEALTHCHECK [^\n]*\\\n\s*CMD (\[.+\])$", dockerfile(), flags=re.M)
+    assert check is not None
+    command = json.loads(check.group(1))
+    assert command[0] == "python"
+    settings = load_settings(env={"CTXPROXY_DATA_DIR": str(tmp_path), "CTXPROXY_UPSTREAM": "http://u.test/v1"})
+    with serve_in_thread(create_app(settings)) as url:
+        port = url.rpartition(":")[2]
+        up = subprocess.run([sys.executable, *command[1:]], env={"CTXPROXY_PORT": port}, timeout=30)
+    down = subprocess.run([sys.executable, *command[1:]], env={"CTXPROXY_PORT": port}, capture_output=True,
+                          timeout=30)
+    assert up.returncode == 0 and down.returncode != 0

@@ -144,7 +144,7 @@ def test_ctxproxy_prune_while_serving_keeps_the_stubs_of_the_remaining_sessions_
         assert client.get(f"/ctx/overflow/{old_oid}").status_code == 404
         assert client.get(f"/ctx/sessions/{old}").status_code == 404
     assert main(["sessions", "--json", "--data-dir", str(data)]) == 0
-    assert [s["id"] for s in json.loads(capsys.readouterr().out)] == [new]
+    assert [s["id"] for s in json.loads(capsys.readouterr().out)["sessions"]] == [new]
 
 
 def test_a_session_pruned_while_serving_starts_anew_when_its_client_comes_back(tmp_path: Path) -> None:

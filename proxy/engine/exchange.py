@@ -15,6 +15,8 @@ from starlette.requests import Request
 
 from proxy.answers import usage_figure
 from proxy.context import SessionContext
+from proxy.engine.tally import Tally
+from proxy.logs import log, request_line
 from proxy.state import AppState
 from proxy.wire import ChatBody
 from store import ForwardRecord, IncomingRequest, Journal, JournalWriter, RecordedRequest, ResponseRecord
@@ -47,6 +49,15 @@ class Exchange:
         self.internal_rounds = 0
         self.totals = {"prompt_tokens": 0, "completion_tokens": 0}
         self.context: SessionContext | None = None
+        self.tally: Tally | None = None
+        """The latest forward's tokens (in, out) and the cuts every forward of this request decided."""
+        self.cuts: dict[str, int] = {}
+        self.retries = 0
+        """Forwards again after the upstream refused the prompt as too long."""
+        self.sent_ms: float | None = None
+        """When the first byte went upstream: the time the proxy added before the model saw the request."""
+        self.upstream_ms: list[float] = []
+        """Each round trip's wait for the upstream's headers."""
         self.deferred: ForwardRecord | None = None
         """The current attempt's forward row, when it is journaled with its answer."""
         self._locked = False
@@ -105,9 +116,27 @@ class Exchange:
                 self._take_deferred())
             self._calibrate(usage)
             self.state.metrics.answered(outcome, usage)
+            self.state.metrics.timed(self.sent_ms, self.upstream_ms)
+            self._log(outcome, status)
         finally:
             if self._locked:
                 self.state.locks.release(self.recorded.session_id)
+
+    def planned(self, tally: Tally) -> None:
+        """A forward was planned: its tokens, and its new cuts added to the request's."""
+        self.tally = tally
+        for kind, n in tally.cuts.items():
+            self.cuts[kind] = self.cuts.get(kind, 0) + n
+
+    def _log(self, outcome: str, status: int) -> None:
+        """The request's one line at info: who, where, what happened, the tokens, the cuts, the time."""
+        fields = {"event": "request", "session": self.recorded.session_id, "request_id": self.recorded.request_id,
+                  "route": f"{self.request.method} {self.request.url.path}", "status": status, "outcome": outcome,
+                  "tokens_in": self.tally.tokens_in if self.tally else None,
+                  "tokens_out": self.tally.tokens_out if self.tally else None, "cuts": self.cuts,
+                  "retries": self.retries, "rounds": self.internal_rounds, "added_ms": self.sent_ms,
+                  "total_ms": self.elapsed()}
+        log.info(request_line(fields), extra={"ctx": fields})
 
     def _calibrate(self, usage: dict[str, object] | None) -> None:
         prompt = usage_figure(usage, "prompt_tokens")

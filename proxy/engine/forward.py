@@ -89,6 +89,7 @@ class Forwarder:
                                       x.attempt, x.incognito, splice, command.offer, self.compact)
             x.estimate = 0 if splice else plan.estimate  # usage with a splice does not measure the estimate
             x.deferred = plan.deferred
+            x.planned(plan.tally)
             opened, overflow = await self._attempt(plan)
             if overflow is None:
                 return opened
@@ -101,6 +102,7 @@ class Forwarder:
             raise FollowUpTooLong("The follow-up with the context tools' results did not fit.")
         self._learn(opened.plan, overflow)
         if not last:
+            self.exchange.retries += 1
             await self.exchange.record("context_overflow", opened.upstream.status_code, overflow.message, None)
 
     async def _attempt(self, plan: Plan) -> tuple[Opened, Overflow | None]:
@@ -161,7 +163,8 @@ class Forwarder:
     def _refusal(self, plan: Plan, overflow: Overflow | None) -> str:
         state = plan.projection.state
         largest = sorted(zip(state.ids, state.counts, strict=True), key=lambda p: -p[1])[:5]
-        room = what_takes_room(largest, cast(list[Any], self.exchange.body["messages"]), state.ids)
+        messages = cast(list[Any], self.exchange.body["messages"])
+        room = what_takes_room(largest, messages, state.ids, plan.rules.scaled)
         said = f" The upstream said: {overflow.message}" if overflow else ""
         return (f"The upstream refused the prompt as too long twice, the second time after ctxproxy cut it to about "
                 f"{plan.rules.scaled(plan.estimate)} tokens as it counts them. What takes the room: {room}.{said} "
@@ -173,9 +176,12 @@ class Forwarder:
         headers = client_headers(request.headers.raw, x.state.own_headers, _CHAT_DROP) + _IDENTITY
         codec: UpstreamCodec | None = request.scope.get(UPSTREAM_CODEC)
         path, query = (codec.path, codec.query) if codec else (request.url.path, request.url.query)
+        sent = x.elapsed()
+        x.sent_ms = sent if x.sent_ms is None else x.sent_ms
         upstream = await x.state.upstream.send("POST", path, query, headers, codec.request(body) if codec else body,
                                                via=request.headers.get(VIA_HEADER, ""))
         x.ttfb_ms = x.elapsed()
+        x.upstream_ms.append(x.ttfb_ms - sent)
         return codec.response(upstream) if codec else upstream
 
     async def _inspect(self, upstream: httpx.Response, plan: Plan) -> tuple[Opened, Overflow | None]:

@@ -11,7 +11,7 @@ it runs on a worker thread as a whole (``proxy.heavy``) while the event loop ser
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -32,13 +32,13 @@ from proxy.engine.policy import (
     reminder_notice,
     restorable,
 )
+from proxy.engine.tally import Tally, tally
 from proxy.errors import ContextTooLarge
 from proxy.heavy import is_large
 from proxy.outfiles import outfiles_dir, write_outfiles
 from proxy.rewrite import (
     Decision,
     Projection,
-    Report,
     Rules,
     State,
     canonical_json,
@@ -70,6 +70,8 @@ class Plan:
     rules: Rules
     offered: bool
     """The context tools are in this request's tool list."""
+    tally: Tally
+    """Tokens the agent sent, tokens going upstream, what the new cuts freed (``proxy.engine.tally``)."""
     deferred: ForwardRecord | None = None
     """The forward row, when it is to be journaled with its answer."""
 
@@ -99,11 +101,11 @@ async def plan_forward(app: AppState, writer: JournalWriter, ctx: SessionContext
         list_id = await writer.call(Journal.record_forward, record)
         await write_outfiles(shaped.rules.overflow_dir, _outfile_bodies(shaped.rules, p, incoming.bodies))
     ctx.decisions += p.new
-    app.metrics.decided([d.kind for d in p.new])
+    app.metrics.decided([d.kind for d in p.new], shaped.tally.freed)
     ctx.state = p.state
     ctx.sent_list = (list_id, shaped.hashes)
     await ctx.journal_state(writer, recorded.session_id, recorded.request_id)
-    return Plan(shaped.body, shaped.estimate, shaped.rules.k, p, shaped.rules, shaped.offered, deferred)
+    return Plan(shaped.body, shaped.estimate, shaped.rules.k, p, shaped.rules, shaped.offered, shaped.tally, deferred)
 
 
 def _outfile_bodies(rules: Rules, p: Projection, bodies: Sequence[bytes]) -> list[tuple[str, str]]:
@@ -141,6 +143,7 @@ class _Shaped:
     hashes: list[str]
     record: ForwardRecord
     body: bytes
+    tally: Tally
 
 
 def _shape(app: AppState, settings: Settings, ctx: SessionContext, ask: _Ask, window: int,
@@ -168,7 +171,8 @@ def _shape(app: AppState, settings: Settings, ctx: SessionContext, ask: _Ask, wi
                                     if may_offer and not offered else 0)
     record = _forward_record(ask.recorded, ask.incoming, ctx, p, ask.attempt, rules.k, sent, hashes, changed,
                              None if ask.splice else estimate)  # a splice's tokens are not in the estimate
-    return _Shaped(p, rules, offered, estimate, hashes, record, orjson.dumps(payload.body) if changed else ask.raw)
+    return _Shaped(p, rules, offered, estimate, hashes, record, orjson.dumps(payload.body) if changed else ask.raw,
+                   tally(p, messages, ask.incoming.hashes, app.counter))
 
 
 def _rules(app: AppState, settings: Settings, ctx: SessionContext, ask: _Ask, window: int) -> Rules:
@@ -299,7 +303,7 @@ def _checked_projection(messages: list[dict[str, Any]], hashes: Sequence[str], d
     the request: a large one's runs on the worker (``proxy.heavy``), under the session's lock."""
     p = project(messages, hashes, decisions, rules, counter, previous, seen)
     if p.report.over_budget:
-        raise ContextTooLarge(describe_overflow(p.report, messages, p.state.ids))
+        raise ContextTooLarge(describe_overflow(p, messages, rules))
     if _broken(messages, p):
         p = replace(p, messages=list(messages), hashes=list(hashes), new=(), writes=(), changed=False)
         p.state.absorbed = -1  # never resumed: the next request recomputes from the decisions
@@ -337,25 +341,46 @@ def _forward_record(recorded: RecordedRequest, incoming: IncomingRequest, ctx: S
                                                                                    strict=True)])
 
 
-def describe_overflow(report: Report, messages: list[Any], ids: list[str]) -> str:
-    """Why a request cannot fit: the numbers, and the biggest items still in it."""
+def describe_overflow(p: Projection, messages: list[Any], rules: Rules) -> str:
+    """Why a request cannot fit: the numbers, and the biggest items still in it, all in the model's tokens (the
+    calibrated ratio applied to the total and to every item alike, so that the items add up to the total); and the
+    fixed part (system prompt, tool definitions) when that alone is over the budget, since no cut can help then."""
+    report = p.report
+    unit = "tokens" if rules.k == 1 else f"tokens as the model counts them (ctxproxy's count × {rules.k:.2f})"
     return (f"This conversation does not fit the context budget even after ctxproxy cut everything it may: about "
-            f"{report.scaled} tokens against a budget of {report.budget} (window {report.window}). What takes the "
-            f"room: {what_takes_room(report.largest, messages, ids)}. System messages, the person's messages, pinned "
-            "items and the newest result are never cut. Raise ctx_window or context_budget, lower context_reserve, "
-            "or start a new session.")
+            f"{report.scaled} {unit} against a budget of {report.budget} (window {report.window}). What takes the "
+            f"room: {what_takes_room(report.largest, messages, p.state.ids, rules.scaled)}."
+            f"{fixed_part(p.state.counts, messages, rules)} System messages, the person's messages, pinned items and "
+            "the newest result are never cut. Raise ctx_window or context_budget, lower context_reserve, or start a "
+            "new session.")
 
 
-def what_takes_room(largest: Sequence[tuple[str, int]], messages: list[Any], ids: list[str]) -> str:
+def fixed_part(counts: Sequence[int], messages: list[Any], rules: Rules) -> str:
+    """The sentence naming what no cut can touch, when that alone exceeds the budget ("" otherwise)."""
+    system = sum(n for n, m in zip(counts, messages, strict=False) if m.get("role") in ("system", "developer"))
+    fixed = rules.scaled(system + rules.tools_tokens)
+    if fixed <= rules.budget.budget:
+        return ""
+    parts = [f"the system prompt ({rules.scaled(system)} tokens)" if system else "",
+             f"the tool definitions ({rules.scaled(rules.tools_tokens)} tokens)" if rules.tools_tokens else ""]
+    named = " and ".join(x for x in parts if x)
+    return (f" The fixed part alone, {named}, is {fixed} tokens, over the budget of {rules.budget.budget}: no cut "
+            "can make room; shorten it or give the model a larger window.")
+
+
+def what_takes_room(largest: Sequence[tuple[str, int]], messages: list[Any], ids: list[str],
+                    scaled: Callable[[int], int]) -> str:
+    """The biggest items, each in the same unit as the total the refusal states (``scaled``: ctxproxy's count
+    times the calibrated ratio)."""
     where = {mid: i for i, mid in enumerate(ids)}
     items = []
     for mid, tokens in largest:
         if mid == "tools":
-            items.append(f"the tool definitions ({tokens} tokens)")
+            items.append(f"the tool definitions ({scaled(tokens)} tokens)")
             continue
         i = where.get(mid, -1)
         role = messages[i].get("role", "?") if i >= 0 else "?"
-        items.append(f"message {i} ({role}, {mid}: {tokens} tokens)")
+        items.append(f"message {i} ({role}, {mid}: {scaled(tokens)} tokens)")
     return "; ".join(items)
 
 

@@ -1,0 +1,81 @@
+"""``GET /metrics`` counts what the proxy did: tokens its own cuts freed (not only the model's tools), requests by
+outcome, and the upstream's and the proxy's own time as histograms."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from config import load_settings
+from proxy.engine.tally import Tally, tally
+from proxy.rewrite.identity import message_hash
+from proxy.rewrite.project import Projection, project
+from proxy.rewrite.state import Rules
+from proxy.rewrite.tokens import MessageCounter
+from tests.conftest import app_client
+from tests.fakes import CountingUpstream, FakeUpstream
+from tests.test_project import budget, history
+
+
+def samples(client: TestClient) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = client.get("/metrics").text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def with_result(output: str) -> list[dict[str, Any]]:
+    call = {"id": "call_1", "type": "function", "function": {"name": "sh", "arguments": '{"command": "cat log"}'}}
+    return [{"role": "system", "content": "You are an agent."}, {"role": "user", "content": "Read the log."},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": output}]
+
+
+def test_a_spill_counts_the_tokens_it_freed(tmp_path: Path) -> None:
+    settings = load_settings(env={"CTXPROXY_DATA_DIR": str(tmp_path), "CTXPROXY_UPSTREAM": "http://u.test/v1",
+                                  "CTXPROXY_CTX_WINDOW": "32768", "CTXPROXY_SPILL_CHARS": "2000"})
+    output = "\n".join(f"line {i}: all is well with item number {i}" for i in range(1500))
+    with app_client(settings, httpx.ASGITransport(app=FakeUpstream())) as c:
+        assert c.post("/v1/chat/completions", json={"model": "m", "messages": with_result(output)}).status_code == 200
+        got = samples(c)
+    freed = got[("ctxproxy_tokens_freed_total", (("by", "auto"), ("kind", "spill")))]
+    assert freed > 10_000  # ~15k tokens of log went to overflow; a stub of a few hundred went upstream
+    assert got[("ctxproxy_decisions_total", (("kind", "spill"),))] == 1
+
+
+def test_requests_are_counted_by_outcome_and_timed(tmp_path: Path) -> None:
+    settings = load_settings(env={"CTXPROXY_DATA_DIR": str(tmp_path), "CTXPROXY_UPSTREAM": "http://u.test/v1",
+                                  "CTXPROXY_CTX_WINDOW": "4096"})
+    too_big = {"model": "m", "messages": [{"role": "system", "content": "rule; " * 5000},
+                                          {"role": "user", "content": "go"}]}
+    fits = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    with app_client(settings, httpx.ASGITransport(app=CountingUpstream(window=100_000))) as c:
+        assert c.post("/v1/chat/completions", json=fits).status_code == 200
+        assert c.post("/v1/chat/completions", json=too_big).status_code == 400
+        got = samples(c)
+    assert got[("ctxproxy_requests_total", (("outcome", "ok"),))] == 1
+    assert got[("ctxproxy_requests_total", (("outcome", "context_too_large"),))] == 1
+    assert got[("ctxproxy_upstream_seconds_count", ())] == 1  # the refused one never went upstream
+    assert got[("ctxproxy_added_seconds_count", ())] == 1
+    assert got[("ctxproxy_added_seconds_sum", ())] > 0
+
+
+def tallied(messages: list[dict[str, Any]], rules: Rules) -> tuple[Projection, Tally]:
+    counter = MessageCounter()
+    hashes = [message_hash(m) for m in messages]
+    p = project(messages, hashes, [], rules, counter)
+    return p, tally(p, messages, hashes, counter)
+
+
+def test_an_elision_and_a_fold_count_what_they_took_out() -> None:
+    """What each cut freed is what the agent's messages lost: the tally adds up with the projection's estimate."""
+    for results, kind in ((["r " * 2000] * 20, "elide"), (["short output " * 10] * 120, "fold")):
+        messages = history(results)
+        p, counted = tallied(messages, Rules(budget(8192 if kind == "elide" else 4096, spill_chars=100_000)))
+        assert kind in [d.kind for d in p.new] and counted.freed[kind] > 0
+        assert counted.tokens_in == counted.tokens_out + sum(counted.freed.values())
+        assert counted.tokens_in == MessageCounter().count_tools(None) + sum(
+            MessageCounter().count(m) for m in messages)
