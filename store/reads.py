@@ -11,25 +11,16 @@ import sqlite3
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["ReadsMixin"]
+__all__ = ["ReadsMixin", "chain_hashes"]
 
 
 class ReadsMixin:
     conn: sqlite3.Connection
 
     def message_hashes(self, list_id: int) -> list[str]:
-        """Rebuild a delta-encoded list by walking its bases (newest first), then concatenating."""
-        pieces: list[tuple[int, list[str]]] = []
-        current: int | None = list_id
-        while current is not None:
-            base_id, base_len, added = self.conn.execute(
-                "SELECT base_id, base_len, added FROM message_lists WHERE id = ?", [current]).fetchone()
-            pieces.append((base_len, json.loads(added)))
-            current = base_id
-        hashes: list[str] = []
-        for base_len, added in reversed(pieces):
-            hashes = hashes[:base_len] + added
-        return hashes
+        """A list's message hashes, rebuilt from its delta chain (the operator's reads; placement asks the prefix
+        index, ``store.prefixes``, instead)."""
+        return chain_hashes(self.conn, list_id)
 
     def blobs(self, hashes: Sequence[str]) -> list[Any]:
         """The decoded JSON bodies of ``hashes``, in order."""
@@ -69,6 +60,21 @@ class ReadsMixin:
         cursor = self.conn.execute(sql, list(params))
         names = [d[0] for d in cursor.description]
         return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+
+
+def chain_hashes(conn: sqlite3.Connection, list_id: int) -> list[str]:
+    """Rebuild a delta-encoded list by walking its bases (newest first), then concatenating."""
+    pieces: list[tuple[int, list[str]]] = []
+    current: int | None = list_id
+    while current is not None:
+        base_id, base_len, added = conn.execute(
+            "SELECT base_id, base_len, added FROM message_lists WHERE id = ?", [current]).fetchone()
+        pieces.append((base_len, json.loads(added)))
+        current = base_id
+    hashes: list[str] = []
+    for base_len, added in reversed(pieces):
+        hashes = hashes[:base_len] + added
+    return hashes
 
 
 _SESSION_SUMMARY = """
