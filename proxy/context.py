@@ -33,6 +33,9 @@ from store import (
 
 __all__ = ["SessionContext", "SessionContexts"]
 
+SHARED_DECISIONS = 16
+"""Ancestors' decision sets kept for their forks: the decisions themselves are shared with the sessions' contexts."""
+
 
 @dataclass
 class SessionContext:
@@ -97,6 +100,8 @@ class SessionContexts:
     def __init__(self, capacity: int = 256) -> None:
         self._items: OrderedDict[tuple[int, int, str], SessionContext] = OrderedDict()
         self._capacity = capacity
+        self._shared: OrderedDict[tuple[int, int, str, int], tuple[Decision, ...]] = OrderedDict()
+        """Ancestors' decisions up to a fork (``_inherited``), least recently used first."""
         self.models: dict[str | None, Calibration] = {}
         """The latest calibration per model, across sessions: a new session starts from it."""
         self.window_limits: dict[str | None, int] = {}
@@ -111,15 +116,33 @@ class SessionContexts:
         return context
 
     def drop(self, writer: JournalWriter, session_id: str) -> None:
-        """Forget a session's working state; the next request reloads it from the journal."""
+        """Forget a session's working state (and the decisions its forks share); the next request reloads it."""
         self._items.pop((id(writer), writer.generation, session_id), None)
+        for key in [k for k in self._shared if k[:3] == (id(writer), writer.generation, session_id)]:
+            del self._shared[key]
+
+    async def _inherited(self, writer: JournalWriter, ancestor: str, upto: int) -> tuple[Decision, ...]:
+        """An ancestor's decisions up to a fork, read once and shared by every session forked there (a new run
+        after a long session would otherwise reload its thousand decisions). They never change: the journal only
+        appends, and a prune or a forgotten session (``drop``) retires them."""
+        key = (id(writer), writer.generation, ancestor, upto)
+        shared = self._shared.pop(key, None)
+        if shared is None:
+            shared = tuple(Decision(**row) for row in await writer.call(Journal.decisions_upto, ancestor, upto))
+        self._shared[key] = shared
+        if len(self._shared) > SHARED_DECISIONS:
+            self._shared.popitem(last=False)
+        return shared
 
     async def _load(self, writer: JournalWriter, session_id: str, model: str | None) -> SessionContext:
-        rows = await writer.call(Journal.decisions, session_id)
+        ancestors, own = await writer.call(Journal.decision_chain, session_id)
+        decisions: list[Decision] = []
+        for ancestor, upto in ancestors:
+            decisions += await self._inherited(writer, ancestor, upto)
+        decisions += [Decision(**row) for row in own]
         calibration = await self._calibration(writer, session_id, model)
         revisions = await writer.call(Journal.mirror_revisions, session_id)
-        context = SessionContext([Decision(**row) for row in rows], calibrations={model: calibration},
-                                 mirror_revision=revisions)
+        context = SessionContext(decisions, calibrations={model: calibration}, mirror_revision=revisions)
         context.resume(await writer.call(session_state, session_id))
         return context
 

@@ -148,12 +148,13 @@ def _elision(state: State, i: int, message: dict[str, Any], rules: Rules) -> Dec
 
 
 def _replace(state: State, i: int, message: dict[str, Any] | None, counter: Counter) -> None:
-    count = counter.count(message) if message is not None else 0
+    out_hash = message_hash(message) if message is not None else ""
+    count = counter.count(message, out_hash) if message is not None else 0  # cached by identity: never recounted
     state.total += count - state.counts[i]
     state.counts[i] = count
     was_cut = state.out_hashes[i] != state.hashes[i]
     state.out[i] = message
-    state.out_hashes[i] = message_hash(message) if message is not None else ""
+    state.out_hashes[i] = out_hash
     state.cut += (state.out_hashes[i] != state.hashes[i]) - was_cut
 
 

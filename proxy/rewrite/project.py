@@ -166,9 +166,10 @@ def _ingest(state: State, i: int, messages: Sequence[dict[str, Any]], message_ha
         if result is not None:
             state.fenced[i] = result
             out = _cut_segments(state, mid, message, message_hash, result, rules, new, writes, spill=i >= seen)
-    count = counter.count(out, message_hash if out is message else None)
+    out_hash = message_hash if out is message else _hash(out)
+    count = counter.count(out, out_hash)  # a stub's count is cached by its identity too: never recounted
     state.out.append(out)
-    state.out_hashes.append(message_hash if out is message else _hash(out))
+    state.out_hashes.append(out_hash)
     state.cut += out is not message
     state.counts.append(count)
     state.total += count
