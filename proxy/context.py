@@ -13,6 +13,7 @@ the journal (``ctxproxy prune``), every session is read back again (``JournalWri
 from __future__ import annotations
 
 import json
+from bisect import bisect_right
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -33,7 +34,7 @@ from store import (
 
 __all__ = ["SessionContext", "SessionContexts"]
 
-SHARED_DECISIONS = 16
+SHARED_DECISIONS = 64
 """Ancestors' decision sets kept for their forks: the decisions themselves are shared with the sessions' contexts."""
 
 
@@ -94,13 +95,22 @@ def _entries(document: str) -> dict[str, str]:
     return {str(e["id"]): content_text(e.get("content")) for e in json.loads(document)["messages"]}
 
 
+@dataclass
+class _Shared:
+    """An ancestor's decisions read so far (those up to decision ``upto``), in order, with their ids."""
+
+    upto: int = 0
+    ids: list[int] = field(default_factory=list)
+    decisions: list[Decision] = field(default_factory=list)
+
+
 class SessionContexts:
     """A bounded LRU of session contexts; a session's lock is held whenever its context is used."""
 
     def __init__(self, capacity: int = 256) -> None:
         self._items: OrderedDict[tuple[int, int, str], SessionContext] = OrderedDict()
         self._capacity = capacity
-        self._shared: OrderedDict[tuple[int, int, str, int], tuple[Decision, ...]] = OrderedDict()
+        self._shared: OrderedDict[tuple[int, int, str], _Shared] = OrderedDict()
         """Ancestors' decisions up to a fork (``_inherited``), least recently used first."""
         self.models: dict[str | None, Calibration] = {}
         """The latest calibration per model, across sessions: a new session starts from it."""
@@ -118,21 +128,23 @@ class SessionContexts:
     def drop(self, writer: JournalWriter, session_id: str) -> None:
         """Forget a session's working state (and the decisions its forks share); the next request reloads it."""
         self._items.pop((id(writer), writer.generation, session_id), None)
-        for key in [k for k in self._shared if k[:3] == (id(writer), writer.generation, session_id)]:
-            del self._shared[key]
+        self._shared.pop((id(writer), writer.generation, session_id), None)
 
-    async def _inherited(self, writer: JournalWriter, ancestor: str, upto: int) -> tuple[Decision, ...]:
-        """An ancestor's decisions up to a fork, read once and shared by every session forked there (a new run
-        after a long session would otherwise reload its thousand decisions). They never change: the journal only
-        appends, and a prune or a forgotten session (``drop``) retires them."""
-        key = (id(writer), writer.generation, ancestor, upto)
-        shared = self._shared.pop(key, None)
-        if shared is None:
-            shared = tuple(Decision(**row) for row in await writer.call(Journal.decisions_upto, ancestor, upto))
+    async def _inherited(self, writer: JournalWriter, ancestor: str, upto: int) -> list[Decision]:
+        """An ancestor's decisions up to a fork, each read once and shared by every session forked from it (a new
+        run after a long session would otherwise reload its thousand decisions): a later fork reads only those
+        made since. They never change (the journal only appends); a prune or a forgotten session retires them."""
+        key = (id(writer), writer.generation, ancestor)
+        shared = self._shared.pop(key, None) or _Shared()
+        if upto > shared.upto:
+            for decision_id, row in await writer.call(Journal.decisions_upto, ancestor, upto, shared.upto):
+                shared.ids.append(decision_id)
+                shared.decisions.append(Decision(**row))
+            shared.upto = upto
         self._shared[key] = shared
         if len(self._shared) > SHARED_DECISIONS:
             self._shared.popitem(last=False)
-        return shared
+        return shared.decisions[:bisect_right(shared.ids, upto)]
 
     async def _load(self, writer: JournalWriter, session_id: str, model: str | None) -> SessionContext:
         ancestors, own = await writer.call(Journal.decision_chain, session_id)

@@ -142,23 +142,25 @@ class CutsMixin:
     def decisions(self, session_id: str) -> list[dict[str, Any]]:
         """The session's decisions in order, after those it inherited from its ancestors up to each fork."""
         ancestors, own = self.decision_chain(session_id)
-        return [row for sid, upto in ancestors for row in self.decisions_upto(sid, upto)] + own
+        return [row for sid, upto in ancestors for _, row in self.decisions_upto(sid, upto)] + own
 
     def decision_chain(self, session_id: str) -> tuple[list[tuple[str, int]], list[dict[str, Any]]]:
         """``decisions`` in two parts: the ancestors it inherits from, oldest first, each as (session, last decision
         inherited), and the session's own rows. An ancestor's decisions up to a fork never change (the journal only
         appends), so a caller may read them once (``decisions_upto``) and share them between its forks."""
         chain = self._ancestry(session_id)
-        return [(sid, upto) for sid, upto in chain[:-1] if upto is not None], self.decisions_upto(session_id, None)
+        ancestors = [(sid, upto) for sid, upto in chain[:-1] if upto is not None]
+        return ancestors, [row for _, row in self.decisions_upto(session_id, None)]
 
-    def decisions_upto(self, session_id: str, upto: int | None) -> list[dict[str, Any]]:
-        """A session's own decisions in order, up to decision ``upto`` (None: all of them)."""
-        sql = f"SELECT {', '.join(_DECISION_FIELDS)} FROM decisions WHERE session_id = ?"
-        params: list[Any] = [session_id]
+    def decisions_upto(self, session_id: str, upto: int | None, after: int = 0) -> list[tuple[int, dict[str, Any]]]:
+        """A session's own decisions with their ids, in order: those after decision ``after`` up to decision
+        ``upto`` (None: all of them)."""
+        sql = f"SELECT id, {', '.join(_DECISION_FIELDS)} FROM decisions WHERE session_id = ? AND id > ?"
+        params: list[Any] = [session_id, after]
         if upto is not None:
-            sql, params = sql + " AND id <= ?", [session_id, upto]
+            sql, params = sql + " AND id <= ?", [*params, upto]
         rows = self.conn.execute(sql + " ORDER BY id", params).fetchall()
-        return [dict(zip(_DECISION_FIELDS, row, strict=True)) for row in rows]
+        return [(row[0], dict(zip(_DECISION_FIELDS, row[1:], strict=True))) for row in rows]
 
     def _ancestry(self, session_id: str) -> list[tuple[str, int | None]]:
         """(session, decisions up to) from the oldest ancestor down to ``session_id`` (None: all of them)."""

@@ -49,15 +49,22 @@ def test_a_projection_from_the_decisions_counts_no_stub_twice() -> None:
     assert text.calls == 0
 
 
+def _pins(journal: Journal, session: str, targets: range) -> None:
+    journal.insert_decisions(session, None, [{"kind": "pin", "target": f"tool:c{k}", "message_hash": "",
+                                              "replacement": "", "overflow_id": "", "until": "", "count": 0,
+                                              "source": "operator"} for k in targets], "t")
+
+
 def _journal_with_forks(tmp_path: Path) -> tuple[Journal, str, list[str]]:
+    """A session with 5 decisions, two runs forked from it, then 3 more decisions and a third run."""
     journal = Journal(tmp_path / "j.db")
     opening: list[dict[str, Any]] = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
     parent = record(journal, incoming([*opening, {"role": "assistant", "content": "a"}], n=1)).session_id
-    journal.insert_decisions(parent, None, [{"kind": "pin", "target": f"tool:c{k}", "message_hash": "",
-                                             "replacement": "", "overflow_id": "", "until": "", "count": 0,
-                                             "source": "operator"} for k in range(5)], "t")
+    _pins(journal, parent, range(5))
     forks = [record(journal, incoming([*opening, {"role": "assistant", "content": f"b{k}"}], n=2 + k)).session_id
              for k in range(2)]
+    _pins(journal, parent, range(5, 8))
+    forks.append(record(journal, incoming([*opening, {"role": "assistant", "content": "b3"}], n=5)).session_id)
     return journal, parent, forks
 
 
@@ -65,11 +72,12 @@ def test_forks_share_the_decisions_they_inherit(tmp_path: Path) -> None:
     journal, parent, forks = _journal_with_forks(tmp_path)
     ancestors, own = journal.decision_chain(forks[0])
     assert [sid for sid, _ in ancestors] == [parent] and own == []
-    assert journal.decisions(forks[0]) == journal.decisions_upto(parent, ancestors[0][1]) != []
-    first, again, sibling, reloaded = asyncio.run(_loads(journal, parent, forks))
+    assert journal.decisions(forks[0]) == [row for _, row in journal.decisions_upto(parent, ancestors[0][1])] != []
+    first, again, sibling, later, reloaded = asyncio.run(_loads(journal, parent, forks))
     assert len(first) == 5 and first == again == sibling == reloaded
+    assert len(later) == 8 and later[:5] == first
     assert first is not again  # each context owns its list...
-    assert all(a is b is c for a, b, c in zip(first, again, sibling, strict=True))  # ...of decisions read once
+    assert all(a is b is c is d for a, b, c, d in zip(first, again, sibling, later, strict=False))  # ...read once
     assert not any(a is b for a, b in zip(first, reloaded, strict=True))  # until the parent is forgotten
 
 
@@ -80,8 +88,9 @@ async def _loads(journal: Journal, parent: str, forks: list[str]) -> list[list[D
         contexts.drop(writer, forks[0])  # the fork's own context goes; what it inherited stays shared
         again = (await contexts.get(writer, forks[0], "m")).decisions
         sibling = (await contexts.get(writer, forks[1], "m")).decisions
+        later = (await contexts.get(writer, forks[2], "m")).decisions  # forked after 3 more: reads those only
         contexts.drop(writer, parent)
         contexts.drop(writer, forks[0])
-        return [first, again, sibling, (await contexts.get(writer, forks[0], "m")).decisions]
+        return [first, again, sibling, later, (await contexts.get(writer, forks[0], "m")).decisions]
     finally:
         writer.close()
