@@ -27,7 +27,8 @@ run: $(BIN)/ctxproxy
 # gate ([tool.coverage] in pyproject.toml), then the rest untraced. On CPython 3.11 a tracer slows every line it
 # sees, measured or not: the whole suite under it took 303 s instead of 184 s; these alone reach the same coverage.
 CORE_TESTS := $(addprefix tests/test_,$(addsuffix .py,project rewriting fenced stubs tokens arguments hashing \
-	templates trajectories unknown_results journal memory_journal recovery retention failures context_tools fenced_tools))
+	templates trajectories unknown_results journal memory_journal recovery retention failures context_tools fenced_tools \
+	prefix_index shared_work))
 
 test: $(VENV)/.extras
 	scripts/test-deps

@@ -159,3 +159,15 @@ def test_prefix_digests_match_the_heads_digest() -> None:
     digests = PrefixDigests(hashes)
     assert [digests.at(n) for n in (3, 1, 4, 0, 2)] == [prefix_digest(hashes[:n]) for n in (3, 1, 4, 0, 2)]
     assert list(digests.run(1, 4)) == [(n, prefix_digest(hashes[:n])) for n in (2, 3, 4)]
+
+
+def test_lists_the_index_does_not_cover_are_rebuilt_from_their_chain(tmp_path: Path) -> None:
+    """Robustness: a list without a segment, or a segment missing a row, is compared the old way, exactly."""
+    expected = _fresh_walk(tmp_path)
+    for damage in ("UPDATE message_lists SET segment = NULL", "DELETE FROM prefixes WHERE length > 4"):
+        journal = Journal(tmp_path / f"{len(damage)}.db")
+        first = _runs_with_forks(journal)
+        with journal.conn:
+            journal.conn.execute(damage)
+        edited = [*first[-1][:7], {"role": "user", "content": "changed"}]
+        assert _placed(journal.record_request(incoming(edited, n=5)))[:5] == expected
