@@ -94,3 +94,23 @@ async def _loads(journal: Journal, parent: str, forks: list[str]) -> list[list[D
         return [first, again, sibling, later, (await contexts.get(writer, forks[0], "m")).decisions]
     finally:
         writer.close()
+
+
+def test_a_fork_of_a_session_without_decisions_inherits_none_it_makes_later(tmp_path: Path) -> None:
+    journal = Journal(tmp_path / "j.db")
+    opening: list[dict[str, Any]] = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    parent = record(journal, incoming([*opening, {"role": "assistant", "content": "a"}], n=1)).session_id
+    fork = record(journal, incoming([*opening, {"role": "assistant", "content": "b"}], n=2)).session_id
+    _pins(journal, parent, range(3))
+    assert journal.decision_chain(fork)[0] == [(parent, 0)]
+    assert journal.decisions(fork) == []
+    contexts = asyncio.run(_context_decisions(journal, fork))
+    assert contexts == []
+
+
+async def _context_decisions(journal: Journal, session: str) -> list[Decision]:
+    writer = JournalWriter(journal)
+    try:
+        return (await SessionContexts().get(writer, session, "m")).decisions
+    finally:
+        writer.close()
