@@ -16,6 +16,9 @@ proxies interleaved:
 - ``fork``: the whole long history with one earlier result edited (new text each trial): a fork of the session;
 - ``next``: the long session's next round (the run goes on, one round further each trial).
 
+``--journal`` also times, per tree, the journal's own part of each kind in a fresh process (``record_request``: the
+session's placement and the list's journaling) on a copy of that proxy's journal, which a loaded machine blurs less.
+
 Reported: median added latency (median proxied − median direct) per request kind, window and tree; the fake's
 answer has ``usage.prompt_tokens`` 42, which the proxy's calibration clamps to k = 0.5 (the budget doubles: the
 long run is still cut at both windows). Nothing leaves 127.0.0.1; only the processes started here are stopped.
@@ -30,7 +33,9 @@ import contextlib
 import json
 import os
 import shlex
+import sqlite3
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -70,6 +75,9 @@ class Proxy:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.journal_of:
+        print(json.dumps(_time_journal(args.journal_of, args.trials)))
+        return 0
     trees = [_tree(t) for t in args.tree] or [("this", str(ROOT))]
     run = conversation(rounds=args.rounds)
     base = {"model": "bench", "tools": run["tools"]}
@@ -81,11 +89,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{proxy.tree} {proxy.window}: {args.rounds} rounds fed in {time.monotonic() - started:.0f} s",
                   file=sys.stderr)
         _trials(direct, proxies, base, args.trials)
-    report = _report(proxies, args, base)
+        steps = {f"{p.tree} {p.window // 1024}k": _journal_steps(Path(tmp), p, trees, args.trials)
+                 for p in proxies} if args.journal else {}
+    report = _report(proxies, args, base) | {"journal_ms": steps}
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     print(f"command: {report['command']}")
     print(_markdown(report))
+    for name, medians in steps.items():
+        print(f"journal, {name}: " + ", ".join(f"{kind} {ms:.3f} ms" for kind, ms in medians.items()))
     return 0
 
 
@@ -97,6 +109,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--tree", action="append", default=[], metavar="NAME=DIR",
                         help="run a proxy from this source tree (repeatable; default: this checkout)")
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--journal", action="store_true", help="also time record_request in process, per tree")
+    parser.add_argument("--journal-of", type=Path, help=argparse.SUPPRESS)  # the child process of --journal
     return parser
 
 
@@ -196,8 +210,46 @@ def _pair(direct: httpx.Client, proxied: httpx.Client, body: bytes, proxied_firs
     return d, _post(proxied, body)
 
 
+def _journal_steps(tmp: Path, proxy: Proxy, trees: list[tuple[str, str]], trials: int) -> dict[str, float]:
+    """``_time_journal`` in a process of its own, the proxy's tree first on its path, on a copy of its journal."""
+    copy = tmp / f"copy-{proxy.tree}-{proxy.window}.db"
+    source = sqlite3.connect(tmp / f"data-{proxy.tree}-{proxy.window}" / "journal.db")
+    with contextlib.closing(sqlite3.connect(copy)) as target:
+        source.backup(target)
+    source.close()
+    env = latency._proxy_environ([f"PYTHONPATH={dict(trees)[proxy.tree]}"])
+    out = subprocess.run([sys.executable, __file__, "--journal-of", str(copy), "--trials", str(trials)], env=env,
+                         capture_output=True, text=True, check=True).stdout
+    return {k: float(v) for k, v in json.loads(out).items()}
+
+
+def _time_journal(db: Path, trials: int) -> dict[str, float]:
+    """Median ms of ``Journal.record_request`` for each kind, on the long session of the journal at ``db``."""
+    sys.path.insert(0, os.environ["PYTHONPATH"])  # the tree under test, before this checkout
+    from proxy.rewrite import canonical_json, content_hash, fingerprint
+    from store import IncomingRequest, Journal, ResponseRecord
+
+    journal = Journal(db)
+    long = journal.conn.execute("SELECT id FROM sessions ORDER BY requests DESC LIMIT 1").fetchone()[0]
+    proxy = Proxy("journal", 0, "", journal.head_messages(long))
+    params = canonical_json({"model": "bench"})
+    times: dict[str, list[float]] = {k: [] for k in KINDS}
+    for trial in range(trials):
+        for kind, body in _bodies(proxy, {}, 1000 + trial).items():
+            messages = json.loads(body)["messages"]
+            bodies = [canonical_json(m) for m in messages]
+            req = IncomingRequest(f"2030-01-01T00:{trial:02d}:00", latency.CHAT_PATH, "bench", False, None,
+                                  fingerprint(messages), [content_hash(b) for b in bodies], bodies,
+                                  content_hash(params), params, {}, len(body))
+            start = time.perf_counter_ns()
+            rec = journal.record_request(req)
+            times[kind].append(time.perf_counter_ns() - start)
+            journal.record_response(ResponseRecord(rec.request_id, 0, "ok", 200, "{}", None, 1.0, 1.0, "t"))
+    return {k: _ms(statistics.median(v)) for k, v in times.items()}
+
+
 def _ms(ns: float) -> float:
-    return round(ns / 1e6, 2)
+    return round(ns / 1e6, 3)
 
 
 def _report(proxies: list[Proxy], args: argparse.Namespace, base: dict[str, Any]) -> dict[str, Any]:
