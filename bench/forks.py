@@ -146,7 +146,9 @@ def _proxy(procs: list[Any], tmp: Path, upstream: str, name: str, tree: str, win
                "--port", str(port), "--data-dir", str(tmp / f"data-{name}-{window}")]
     env = latency._proxy_environ([f"CTXPROXY_CTX_WINDOW={window}", "CTXPROXY_LOG_LEVEL=warning",
                                   f"PYTHONPATH={tree}"])
-    procs.append(latency._spawn(command, log, env))
+    with log.open("wb") as out:  # run from the tree: ``python -c`` puts the working directory first on the path
+        procs.append(subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                      env=env, cwd=tree))
     latency._wait_ready(procs[-1], f"http://127.0.0.1:{port}/healthz", log)
     return Proxy(name, window, f"http://127.0.0.1:{port}", [])
 
