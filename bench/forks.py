@@ -23,7 +23,7 @@ Reported: median added latency (median proxied − median direct) per request ki
 answer has ``usage.prompt_tokens`` 42, which the proxy's calibration clamps to k = 0.5 (the budget doubles: the
 long run is still cut at both windows). Nothing leaves 127.0.0.1; only the processes started here are stopped.
 
-Run: ``.venv/bin/python bench/forks.py --trials 15 --tree before=/tmp/ctxproxy-main --tree after=.``
+Run: ``.venv/bin/python bench/forks.py --trials 15 --tree before=/tmp/ctxproxy-main --tree after=. --journal``
 """
 
 from __future__ import annotations
