@@ -13,6 +13,7 @@ the journal (``ctxproxy prune``), every session is read back again (``JournalWri
 from __future__ import annotations
 
 import json
+from bisect import bisect_right
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -34,6 +35,9 @@ from store import (
 )
 
 __all__ = ["SessionContext", "SessionContexts"]
+
+SHARED_DECISIONS = 64
+"""Ancestors' decision sets kept for their forks: the decisions themselves are shared with the sessions' contexts."""
 
 
 @dataclass
@@ -99,12 +103,23 @@ def _entries(document: str) -> dict[str, str]:
     return {str(e["id"]): content_text(e.get("content")) for e in json.loads(document)["messages"]}
 
 
+@dataclass
+class _Shared:
+    """An ancestor's decisions read so far (those up to decision ``upto``), in order, with their ids."""
+
+    upto: int = 0
+    ids: list[int] = field(default_factory=list)
+    decisions: list[Decision] = field(default_factory=list)
+
+
 class SessionContexts:
     """A bounded LRU of session contexts; a session's lock is held whenever its context is used."""
 
     def __init__(self, capacity: int = 256) -> None:
         self._items: OrderedDict[tuple[int, int, str], SessionContext] = OrderedDict()
         self._capacity = capacity
+        self._shared: OrderedDict[tuple[int, int, str], _Shared] = OrderedDict()
+        """Ancestors' decisions up to a fork (``_inherited``), least recently used first."""
         self.models: dict[str | None, Calibration] = {}
         """The latest calibration per model, across sessions: a new session starts from it."""
         self.window_limits: dict[str | None, int] = {}
@@ -119,13 +134,33 @@ class SessionContexts:
         return context
 
     def drop(self, writer: JournalWriter, session_id: str) -> None:
-        """Forget a session's working state; the next request reloads it from the journal."""
+        """Forget a session's working state (and the decisions its forks share); the next request reloads it."""
         self._items.pop((id(writer), writer.generation, session_id), None)
+        self._shared.pop((id(writer), writer.generation, session_id), None)
+
+    async def _inherited(self, writer: JournalWriter, ancestor: str, upto: int) -> list[Decision]:
+        """An ancestor's decisions up to a fork, each read once and shared by every session forked from it (a new
+        run after a long session would otherwise reload its thousand decisions): a later fork reads only those
+        made since. They never change (the journal only appends); a prune or a forgotten session retires them."""
+        key = (id(writer), writer.generation, ancestor)
+        shared = self._shared.pop(key, None) or _Shared()
+        if upto > shared.upto:
+            for decision_id, row in await writer.call(Journal.decisions_upto, ancestor, upto, shared.upto):
+                shared.ids.append(decision_id)
+                shared.decisions.append(Decision(**row))
+            shared.upto = upto
+        self._shared[key] = shared
+        if len(self._shared) > SHARED_DECISIONS:
+            self._shared.popitem(last=False)
+        return shared.decisions[:bisect_right(shared.ids, upto)]
 
     async def _load(self, writer: JournalWriter, session_id: str, model: str | None) -> SessionContext:
         saved = await writer.call(_read_back, session_id, model)  # one hop to the journal's thread, not five
-        context = SessionContext([Decision(**row) for row in saved.decisions],
-                                 calibrations={model: self._calibration(saved, model)},
+        decisions: list[Decision] = []
+        for ancestor, upto in saved.ancestors:
+            decisions += await self._inherited(writer, ancestor, upto)
+        decisions += [Decision(**row) for row in saved.decisions]
+        context = SessionContext(decisions, calibrations={model: self._calibration(saved, model)},
                                  mirror_revision=saved.revisions)
         context.resume(saved.state)
         return context
@@ -149,7 +184,10 @@ class _Saved:
     """What the journal keeps of a session, read back in one call on its thread: every new session (a fork, a
     new run) is loaded, and each hop to that thread costs a wake-up and a GIL hand-off, ~0.1 ms on a busy core."""
 
+    ancestors: list[tuple[str, int]]
+    """The sessions it was forked from, each with the last of its decisions it inherits (``Journal.decision_chain``)."""
     decisions: list[dict[str, Any]]
+    """Its own decisions."""
     force: CalibrationInForce | None
     samples: list[tuple[int, int]]
     revisions: int
@@ -159,5 +197,6 @@ class _Saved:
 def _read_back(journal: Journal, session_id: str, model: str | None) -> _Saved:
     force = calibration_in_force(journal, session_id, model)
     samples = journal.calibration_samples(session_id, model) if force is None else []
-    return _Saved(journal.decisions(session_id), force, samples, journal.mirror_revisions(session_id),
+    ancestors, own = journal.decision_chain(session_id)
+    return _Saved(ancestors, own, force, samples, journal.mirror_revisions(session_id),
                   session_state(journal, session_id))

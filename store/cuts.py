@@ -207,16 +207,20 @@ class CutsMixin(SpansMixin):
     # --- reads ------------------------------------------------------------------------------------------------
     def decisions(self, session_id: str) -> list[dict[str, Any]]:
         """The session's decisions in order, after those it inherited from its ancestors up to each fork."""
-        chain = self._ancestry(session_id)
-        out: list[dict[str, Any]] = []
-        for sid, upto in chain:
-            sql = f"SELECT {', '.join(_DECISION_FIELDS)} FROM decisions WHERE session_id = ?"
-            params: list[Any] = [sid]
-            if upto is not None:
-                sql, params = sql + " AND id <= ?", [sid, upto]
-            rows = self.conn.execute(sql + " ORDER BY id", params).fetchall()
-            out += [dict(zip(_DECISION_FIELDS, row, strict=True)) for row in rows]
-        return out
+        ancestors, own = self.decision_chain(session_id)
+        return [row for sid, upto in ancestors for _, row in self.decisions_upto(sid, upto)] + own
+
+    def decision_chain(self, session_id: str) -> tuple[list[tuple[str, int]], list[dict[str, Any]]]:
+        """``decisions`` in two parts: the (ancestor, last decision inherited) pairs, oldest first, whose rows never
+        change (the journal only appends: a caller may share them between forks), and the session's own rows."""
+        ancestors = [(sid, upto) for sid, upto in self._ancestry(session_id)[:-1] if upto is not None]
+        return ancestors, [row for _, row in self.decisions_upto(session_id, None)]
+
+    def decisions_upto(self, session_id: str, upto: int | None, after: int = 0) -> list[tuple[int, dict[str, Any]]]:
+        """(id, row) of a session's own decisions after decision ``after``, up to decision ``upto`` (None: all)."""
+        rows = self.conn.execute(f"SELECT id, {', '.join(_DECISION_FIELDS)} FROM decisions WHERE session_id = ?"
+                                 " AND id > ? AND (?3 IS NULL OR id <= ?3) ORDER BY id", [session_id, after, upto])
+        return [(row[0], dict(zip(_DECISION_FIELDS, row[1:], strict=True))) for row in rows.fetchall()]
 
     def _ancestry(self, session_id: str) -> list[tuple[str, int | None]]:
         """(session, decisions up to) from the oldest ancestor down to ``session_id`` (None: all of them)."""

@@ -23,6 +23,7 @@ from store.cuts import CutsMixin, ForwardRecord
 from store.inspect import InspectMixin
 from store.migrations import migrations
 from store.placement import Placement, PlacementMixin
+from store.prefixes import PrefixDigests, index_list
 from store.reads import ReadsMixin
 from store.records import IncomingRequest, RecordedRequest, ResponseRecord, prefix_digest
 from store.recovery import RecoveryMixin
@@ -58,11 +59,13 @@ class Journal(PlacementMixin, ReadsMixin, CutsMixin, InspectMixin, RecoveryMixin
     def record_request(self, req: IncomingRequest) -> RecordedRequest:
         """Resolve the session and journal the request, in one transaction (its forwards follow, ``record_forward``)."""
         with self.conn:  # one transaction: committed on success, rolled back on any error
-            place = self._place(req)
+            digests = PrefixDigests(req.hashes)
+            place = self._place(req, digests)
             list_id = self._insert_list(req, place)
+            index_list(self.conn, list_id, digests, place.base_list_id if place.common else None, place.common)
             self._insert_blob(req.params_hash, "params", req.params_body)
             request_id = self._insert_request(req, place.session.id, list_id)
-            self._advance_head(place.session.id, list_id, req)
+            self._advance_head(place.session.id, list_id, req, digests.at(len(req.hashes)))
         self.after_request()
         forked = place.created and place.parent_id is not None
         return RecordedRequest(request_id, place.session.id, place.parent_id, forked, len(req.hashes) - place.common,

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
 from store.journal import Journal
+from store.retention import DELETE_PREFIXES
 
 __all__ = ["MemoryJournal"]
 
@@ -59,6 +60,7 @@ _FORGET = [
                UNION SELECT head_list_id FROM sessions WHERE head_list_id IS NOT NULL
                UNION SELECT l.base_id FROM message_lists l JOIN live ON l.id = live.id WHERE l.base_id IS NOT NULL)
            SELECT id FROM live)""",
+    DELETE_PREFIXES,
     """DELETE FROM blobs WHERE hash NOT IN (SELECT j.value FROM message_lists, json_each(message_lists.added) j)
                          AND hash NOT IN (SELECT params_hash FROM requests)
                          AND hash NOT IN (SELECT params_hash FROM forwards)

@@ -10,8 +10,15 @@ rounds costs O(total bytes), not O(R²).
 
 from __future__ import annotations
 
+import json
+import sqlite3
+from collections import OrderedDict
+
 from sqlite_utils import Database
 from sqlite_utils.migrations import Migrations
+
+from store.prefixes import PrefixDigests, index_list
+from store.reads import chain_hashes
 
 __all__ = ["migrations"]
 
@@ -216,6 +223,43 @@ def m005_session_state(db: Database) -> None:
         ALTER TABLE forwards ADD COLUMN samples INTEGER;
         """
     )
+
+
+@migrations()
+def m006_prefix_index(db: Database) -> None:
+    db.executescript(
+        """
+        -- The segment of a request's message list (store.prefixes): the first list of a run of lists each
+        -- extending the previous whole, whose prefix digests are kept together. NULL for a forward's list.
+        ALTER TABLE message_lists ADD COLUMN segment INTEGER;
+
+        -- The prefix index: the digest (sha256 over the message hashes, joined, as sessions.head_digest) of each
+        -- prefix of the lists of a segment, from the first position its first list does not share with its base.
+        -- One row per message a request added, so a fork's shared length is found by a few indexed SELECTs.
+        CREATE TABLE prefixes (
+            segment INTEGER NOT NULL,    -- message_lists.id of the segment's first list
+            length INTEGER NOT NULL,     -- the prefix's length in messages
+            digest TEXT NOT NULL,
+            PRIMARY KEY (segment, length)
+        ) WITHOUT ROWID;
+        """
+    )
+    _index_journaled_lists(db.conn)
+
+
+def _index_journaled_lists(conn: sqlite3.Connection) -> None:
+    """Index every request's list already journaled, oldest first (a base before the lists built on it). A list's
+    base is usually the one just indexed, so the last few are kept rebuilt; any other is rebuilt from its chain."""
+    rows = conn.execute("SELECT id, base_id, base_len, added FROM message_lists"
+                        " WHERE id IN (SELECT list_id FROM requests) ORDER BY id").fetchall()
+    recent: OrderedDict[int, list[str]] = OrderedDict()
+    for list_id, base_id, base_len, added in rows:
+        base = [] if base_id is None else recent.get(base_id) or chain_hashes(conn, base_id)
+        hashes = base[:base_len] + json.loads(added)
+        index_list(conn, list_id, PrefixDigests(hashes), base_id, base_len)
+        recent[list_id] = hashes
+        if len(recent) > 16:
+            recent.popitem(last=False)
 
 
 @migrations()

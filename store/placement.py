@@ -4,7 +4,8 @@ A mixin of ``Journal`` (same connection, same single writer), run inside ``recor
 A request either names its session (the session header) or is matched by fingerprint (first system + first user
 message). A fingerprinted request continues the session whose head (its last message list) is a prefix of the
 request's messages; if none is, it opens a child of the same-fingerprint session it shares the most messages
-with. A prefix is checked by a digest over the message hashes, so no earlier list is loaded.
+with. A prefix is checked by a digest over the message hashes, so no earlier list is loaded: a head by its own
+digest, a shorter shared prefix by the prefix index (``store.prefixes``), a binary search of indexed SELECTs.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from store.prefixes import PrefixDigests, common_prefix, list_digest
 from store.records import IncomingRequest, prefix_digest
 from store.recovery import ANSWERED, INTERRUPTED
 
@@ -52,17 +54,18 @@ class PlacementMixin:
     if TYPE_CHECKING:  # provided by Journal (store.reads)
         def message_hashes(self, list_id: int) -> list[str]: ...
 
-    def _place(self, req: IncomingRequest) -> Placement:
+    def _place(self, req: IncomingRequest, digests: PrefixDigests) -> Placement:
+        """``digests``: the request's prefix digests (``req.hashes``), shared by every comparison."""
         if req.session_name is not None:
             head = self._head(req.session_name)
             if head is None:
                 return self._open(req, req.session_name, parent=None, shared=0, fingerprint=None)
-            return Placement(head, head.list_id, self._common_with(head, req.hashes), False, None)
+            return Placement(head, head.list_id, self._common_with(head, digests), False, None)
         candidates = self._heads_by_fingerprint(req.fingerprint)
-        head = _continued(candidates, req.hashes, self._answered_heads(candidates))
+        head = _continued(candidates, digests, self._answered_heads(candidates))
         if head is not None:
             return Placement(head, head.list_id, head.length, False, None)
-        parent, shared = self._closest(candidates[-_FORK_CANDIDATES:], req.hashes)
+        parent, shared = self._closest(candidates[-_FORK_CANDIDATES:], digests)
         return self._open(req, self._new_id(req.fingerprint, len(candidates)), parent, shared, req.fingerprint)
 
     def _open(self, req: IncomingRequest, session_id: str, parent: Head | None, shared: int,
@@ -89,27 +92,29 @@ class PlacementMixin:
             candidate = f"{stem}-{n}"
         return candidate
 
-    def _closest(self, candidates: Sequence[Head], hashes: Sequence[str]) -> tuple[Head | None, int]:
-        """The same-fingerprint session sharing the longest message prefix with ``hashes`` (a fork's parent)."""
+    def _closest(self, candidates: Sequence[Head], digests: PrefixDigests) -> tuple[Head | None, int]:
+        """The same-fingerprint session sharing the longest message prefix with the request (a fork's parent); of
+        those sharing as much, the first. Each later candidate is only searched for a longer prefix."""
         best: tuple[Head | None, int] = (None, 0)
         for head in candidates:
-            common = self._common_with(head, hashes)
+            common = self._common_with(head, digests, at_least=best[1] if best[0] is not None else 0)
             if common > best[1] or best[0] is None:
                 best = (head, common)
         return best
 
-    def _common_with(self, head: Head, hashes: Sequence[str]) -> int:
-        if head.length <= len(hashes) and prefix_digest(hashes[: head.length]) == head.digest:
+    def _common_with(self, head: Head, digests: PrefixDigests, at_least: int = 0) -> int:
+        """The messages the head shares with the request (``at_least`` when no more than that)."""
+        if _extends(digests, head):
             return head.length
-        stored = self.message_hashes(head.list_id) if head.list_id is not None else []
-        return next((i for i, (a, b) in enumerate(zip(stored, hashes, strict=False)) if a != b),
-                    min(len(stored), len(hashes)))
+        if head.list_id is None:
+            return at_least
+        return common_prefix(self.conn, head.list_id, head.length, digests, self.message_hashes, at_least)
 
-    def _advance_head(self, session_id: str, list_id: int, req: IncomingRequest) -> None:
+    def _advance_head(self, session_id: str, list_id: int, req: IncomingRequest, digest: str) -> None:
         self.conn.execute(
             "UPDATE sessions SET head_list_id = ?, head_len = ?, head_digest = ?, updated_at = ?,"
             " requests = requests + 1, model = COALESCE(?, model) WHERE id = ?",
-            [list_id, len(req.hashes), prefix_digest(req.hashes), req.received_at, req.model, session_id],
+            [list_id, len(req.hashes), digest, req.received_at, req.model, session_id],
         )
 
     def _head(self, session_id: str) -> Head | None:
@@ -134,13 +139,13 @@ class PlacementMixin:
         out: list[Head] = []
         for head in (h for h in candidates if h.interrupted):
             row = self.conn.execute(
-                "SELECT r.list_id, r.received_at FROM requests r WHERE r.session_id = ?"
-                f" AND {ANSWERED.format(request='r.id')} AND NOT EXISTS (SELECT 1 FROM responses p"
-                f" WHERE p.request_id = r.id AND p.outcome = '{INTERRUPTED}') ORDER BY r.id DESC LIMIT 1",
+                "SELECT r.list_id, r.received_at, l.length FROM requests r JOIN message_lists l ON l.id = r.list_id"
+                f" WHERE r.session_id = ? AND {ANSWERED.format(request='r.id')} AND NOT EXISTS (SELECT 1 FROM"
+                f" responses p WHERE p.request_id = r.id AND p.outcome = '{INTERRUPTED}') ORDER BY r.id DESC LIMIT 1",
                 [head.id]).fetchone()
             if row is not None:
-                hashes = self.message_hashes(int(row[0]))
-                out.append(Head(head.id, int(row[0]), len(hashes), prefix_digest(hashes), row[1]))
+                digest = list_digest(self.conn, int(row[0]), int(row[2]), self.message_hashes)
+                out.append(Head(head.id, int(row[0]), int(row[2]), digest, row[1]))
         return out
 
 
@@ -148,7 +153,7 @@ _FORK_CANDIDATES = 8
 """A new run's parent is looked for among the most recently active sessions of its opening only."""
 
 
-def _continued(candidates: Sequence[Head], hashes: Sequence[str], answered: Sequence[Head] = ()) -> Head | None:
+def _continued(candidates: Sequence[Head], hashes: PrefixDigests, answered: Sequence[Head] = ()) -> Head | None:
     """The session this request continues, if any.
 
     A continuation carries the head and more (the head's answer, the next result). A request that merely
@@ -168,5 +173,5 @@ def _continued(candidates: Sequence[Head], hashes: Sequence[str], answered: Sequ
     return max((h for h in matching if h.id == best.id), key=lambda h: h.length)
 
 
-def _extends(hashes: Sequence[str], head: Head) -> bool:
-    return head.length <= len(hashes) and prefix_digest(hashes[: head.length]) == head.digest
+def _extends(hashes: PrefixDigests, head: Head) -> bool:
+    return head.length <= len(hashes) and hashes.at(head.length) == head.digest

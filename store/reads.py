@@ -11,21 +11,16 @@ import sqlite3
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["ReadsMixin"]
+__all__ = ["ReadsMixin", "chain_hashes"]
 
 
 class ReadsMixin:
     conn: sqlite3.Connection
 
     def message_hashes(self, list_id: int) -> list[str]:
-        """Rebuild a delta-encoded list: its chain of bases in one recursive query (newest first), then the pieces
-        concatenated oldest first. One query, not one per base: a list 600 requests deep took 600."""
-        pieces = self.conn.execute(_CHAIN, [list_id]).fetchall()
-        hashes: list[str] = []
-        for base_len, added in reversed(pieces):
-            del hashes[base_len:]
-            hashes += json.loads(added)
-        return hashes
+        """A list's message hashes, rebuilt from its delta chain (the operator's reads; placement asks the prefix
+        index, ``store.prefixes``, instead)."""
+        return chain_hashes(self.conn, list_id)
 
     def blobs(self, hashes: Sequence[str]) -> list[Any]:
         """The decoded JSON bodies of ``hashes``, in order."""
@@ -75,6 +70,16 @@ class ReadsMixin:
         cursor = self.conn.execute(sql, list(params))
         names = [d[0] for d in cursor.description]
         return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+
+
+def chain_hashes(conn: sqlite3.Connection, list_id: int) -> list[str]:
+    """Rebuild a delta-encoded list: its chain of bases in one recursive query (newest first), then the pieces
+    concatenated oldest first. One query, not one per base: a list 600 requests deep took 600."""
+    hashes: list[str] = []
+    for base_len, added in reversed(conn.execute(_CHAIN, [list_id]).fetchall()):
+        del hashes[base_len:]
+        hashes += json.loads(added)
+    return hashes
 
 
 _CHAIN = """

@@ -82,6 +82,7 @@ class RetentionMixin:
         self.conn.execute("DELETE FROM kept_responses WHERE created_at < ?", [before])  # no session: by age
         self.conn.execute(_DELETE_LISTS)
         lists = self.conn.execute("SELECT changes()").fetchone()[0]  # rowcount is -1 for a statement led by WITH
+        self.conn.execute(DELETE_PREFIXES)
         chars = [r[0] for r in self.conn.execute(_DELETE_BLOBS).fetchall()]
         return PruneReport(sessions, idle - len(sessions), counts[_REQUESTS], lists, len(chars), sum(chars),
                            dry_run)
@@ -126,6 +127,9 @@ WITH RECURSIVE live(id) AS (
 )
 DELETE FROM message_lists WHERE id NOT IN (SELECT id FROM live)
 """
+
+DELETE_PREFIXES = "DELETE FROM prefixes WHERE segment NOT IN (SELECT id FROM message_lists)"
+"""The prefix index of the lists removed: a segment goes with its first list, the base of all its others."""
 
 _DELETE_BLOBS = """
 DELETE FROM blobs WHERE hash NOT IN (

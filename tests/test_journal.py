@@ -158,7 +158,8 @@ def test_migrating_twice_is_a_noop(tmp_path: Path) -> None:
     assert migrations.pending(journal.db) == []
     assert [m.name for m in migrations.applied(journal.db)] == [
         "m001_journal", "m002_decisions_and_overflow", "m003_context_ops", "m004_request_turns",
-        "m005_session_state", "m007_overflow_spans_and_mirror_lists", "m008_kept_responses"]
+        "m005_session_state", "m006_prefix_index", "m007_overflow_spans_and_mirror_lists",
+        "m008_kept_responses"]
 
 
 def test_in_memory_journal_writes_no_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

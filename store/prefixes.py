@@ -1,0 +1,132 @@
+"""The prefix index: how many leading messages a request shares with a journaled message list, without rebuilding it.
+
+Placement asks, for a request that extends no session (a new run with the same opening, an edited retry, a fork),
+how many leading messages it shares with each candidate session's head. Rebuilding a head from its delta chain
+costs one row per request of the session (5.4 ms at 600 rounds, for each of up to 8 candidates). Instead, every
+request's message list records the digest of each of its prefixes (``prefix_digest`` of its first n hashes) that
+its base did not already record, in ``prefixes``, so the lookup is a binary search of a few indexed SELECTs.
+
+Rows are kept per *segment*, not per list: a list that extends its base whole (the usual next request of a session)
+joins its base's segment and adds rows for its new positions only, so a session of R rounds and M messages costs
+M rows, whatever R. A list that keeps only part of its base (a fork, an edit) opens a segment of its own, whose
+rows start after the part it shares; below that, its digests are its base's. A segment never holds two different
+messages at one position: a list joins only while its base is the segment's longest list (a second list extending
+the same base, e.g. a parallel run, opens its own segment).
+
+Only request lists are indexed (placement never looks at a forward's list, and a request list's base is always a
+request list). A list without a segment (none should remain after ``m006``) is rebuilt from its chain.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sqlite3
+from bisect import bisect_right, insort
+from collections.abc import Callable, Iterator, Sequence
+from itertools import accumulate
+
+__all__ = ["PrefixDigests", "common_prefix", "index_list", "list_digest"]
+
+
+class PrefixDigests:
+    """The digests of a request's prefixes (``prefix_digest(hashes[:n])``), computed on demand.
+
+    Each digest continues the hash state of the nearest shorter prefix already computed, so any set of lookups
+    (a binary search, the heads' lengths) costs one pass over the hashes' bytes, in C, plus a few calls each.
+    """
+
+    def __init__(self, hashes: Sequence[str]) -> None:
+        self.hashes = hashes
+        joined = "".join(hashes)
+        self._bytes = joined.encode()
+        hexed = joined.isascii() and (not hashes or set(map(len, hashes)) == {64})
+        self._offsets = None if hexed else [0, *accumulate(len(h.encode()) for h in hashes)]
+        self._states = {0: hashlib.sha256()}
+        self._known = [0]
+        self._digests: dict[int, str] = {}
+
+    def __len__(self) -> int:
+        return len(self.hashes)
+
+    def at(self, n: int) -> str:
+        digest = self._digests.get(n)
+        if digest is None:
+            digest = self._digests[n] = self._state(n).hexdigest()
+        return digest
+
+    def run(self, start: int, end: int) -> Iterator[tuple[int, str]]:
+        """(n, digest) for every n in (start, end], in one pass."""
+        state = self._state(start).copy()
+        for n in range(start + 1, end + 1):
+            state.update(self.hashes[n - 1].encode())
+            yield n, state.copy().hexdigest()
+
+    def _state(self, n: int) -> hashlib._Hash:
+        state = self._states.get(n)
+        if state is None:
+            below = self._known[bisect_right(self._known, n) - 1]
+            state = self._states[below].copy()
+            state.update(self._bytes[self._offset(below):self._offset(n)])
+            self._states[n] = state
+            insort(self._known, n)
+        return state
+
+    def _offset(self, n: int) -> int:
+        """Where the n-th hash starts in the joined bytes: 64 × n for the proxy's (sha256 in hex)."""
+        return 64 * n if self._offsets is None else self._offsets[n]
+
+
+def index_list(conn: sqlite3.Connection, list_id: int, digests: PrefixDigests, base_id: int | None,
+               base_len: int) -> None:
+    """Record the prefixes of request list ``list_id`` (its hashes: ``digests``) that its base did not."""
+    segment = list_id
+    if base_id is not None and base_len:
+        row = conn.execute("SELECT l.segment, l.length, (SELECT MAX(p.length) FROM prefixes p"
+                           " WHERE p.segment = l.segment) FROM message_lists l WHERE l.id = ?", [base_id]).fetchone()
+        if row is not None and row[0] is not None and base_len == row[1] == row[2]:
+            segment = int(row[0])
+    conn.execute("UPDATE message_lists SET segment = ? WHERE id = ?", [segment, list_id])
+    conn.executemany("INSERT INTO prefixes (segment, length, digest) VALUES (?, ?, ?)",
+                     [(segment, n, d) for n, d in digests.run(base_len, len(digests))])
+
+
+def list_digest(conn: sqlite3.Connection, list_id: int, n: int, rebuild: Callable[[int], list[str]]) -> str:
+    """``prefix_digest`` of the first ``n`` messages of request list ``list_id`` (n ≤ its length): one indexed
+    SELECT, or one per fork below it. ``rebuild``: the journal's chain walk, for a list the index does not cover."""
+    current: int | None = list_id
+    while n and current is not None:
+        row = conn.execute(_DIGEST_AT, [n, current]).fetchone()
+        if row is None:
+            return PrefixDigests(rebuild(current)).at(n)
+        base_id, base_len, digest = row
+        if n > base_len:
+            return str(digest) if digest is not None else PrefixDigests(rebuild(current)).at(n)
+        current = base_id
+    return hashlib.sha256(b"").hexdigest()
+
+
+_DIGEST_AT = """
+SELECT r.base_id, r.base_len, p.digest
+  FROM message_lists l JOIN message_lists r ON r.id = l.segment
+  LEFT JOIN prefixes p ON p.segment = r.id AND p.length = ?
+ WHERE l.id = ?
+"""
+"""A list's segment's first list (its base and the length it shares with it), and the segment's digest at n."""
+
+
+def common_prefix(conn: sqlite3.Connection, list_id: int, length: int, digests: PrefixDigests,
+                  rebuild: Callable[[int], list[str]], at_least: int = 0) -> int:
+    """How many leading messages list ``list_id`` (``length`` of them) shares with the request, or ``at_least``
+    when it is no more than that (the caller only wants a longer one). Sharing n messages implies sharing every
+    shorter prefix, so a binary search over n finds it."""
+    lo, hi = at_least, min(length, len(digests))
+    if hi <= lo or list_digest(conn, list_id, lo + 1, rebuild) != digests.at(lo + 1):
+        return lo
+    lo += 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if list_digest(conn, list_id, mid, rebuild) == digests.at(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
