@@ -4,6 +4,10 @@ upstream (``proxy.replay``).
 
 The reading commands open the journal file themselves (SQLite in WAL mode lets them read while a server writes),
 so they work whether or not a server is running.
+
+Importing this module costs only the standard library and the settings: each command imports what it uses when it
+runs (the journal and sqlite-utils, the server stack, the tokenizer), so ``ctxproxy --help`` is instant and
+``ctxproxy serve`` reaches ready sooner (issue #13; ``tests/test_packaging.py`` holds the line).
 """
 
 from __future__ import annotations
@@ -16,13 +20,14 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from config import Settings, SettingsError, load_settings
 from proxy import __version__
 from proxy.tables import render_table
-from store import Journal, JournalUnavailable, open_journal
-from store.failures import storage_errors
+
+if TYPE_CHECKING:
+    from store import Journal
 
 __all__ = ["main"]
 
@@ -49,6 +54,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SettingsError as exc:
         print(f"ctxproxy: {exc}", file=sys.stderr)
         return 2
+    from store import JournalUnavailable
+    from store.failures import storage_errors
+
     try:
         with storage_errors(_journal_path(settings)):
             return int(args.run(settings, args))
@@ -112,6 +120,7 @@ def _serve(settings: Settings, args: argparse.Namespace) -> int:
 
     from proxy.app import create_app
     from proxy.serving import uvicorn_options
+    from store import open_journal
 
     open_journal(_journal_path(settings), settings.journal_sync, check=True).close()  # refused here: no traceback
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level,
@@ -152,6 +161,8 @@ def _replay(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _open_journal(settings: Settings) -> Journal | None:
+    from store import open_journal
+
     path = _journal_path(settings)
     if not path.exists():
         print(f"No journal at {path} yet: start `ctxproxy serve` and send it a request.", file=sys.stderr)
