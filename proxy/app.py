@@ -9,22 +9,22 @@ tests put an ``httpx.MockTransport`` (or ``ASGITransport``) where the network is
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from datetime import UTC, datetime
+from typing import TYPE_CHECKING
 
 import httpx
-from fastapi import FastAPI
-from fastapi.exceptions import RequestValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Mount, Route
+from starlette.types import Receive, Scope, Send
 
 from config import Settings
 from proxy import __version__
-from proxy.admin import router as admin_router
 from proxy.callers import bearer_matches, require_admin, require_metrics
 from proxy.chat import chat_completions
 from proxy.edge import read_body
@@ -39,11 +39,14 @@ from proxy.errors import (
 )
 from proxy.loop import VIA_HEADER, refuse_loop
 from proxy.responses import FinallyResponse
-from proxy.state import AppState
+from proxy.state import AppState, Tokenizer
 from proxy.transport import AiohttpTransport
 from proxy.upstream import Upstream, client_headers, response_headers, with_headers
 from proxy.window import WindowDetector
 from store import Journal, JournalWriter, MemoryJournal, open_journal
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 __all__ = ["create_app"]
 
@@ -54,29 +57,61 @@ def create_app(settings: Settings, upstream_transport: httpx.AsyncBaseTransport 
     FastAPI's middleware (telemetry, body limits, exit stacks) and dependency solving cost ~0.2 ms a request;
     the proxied routes need none of it, the operator API gets query validation and an OpenAPI schema from it.
     """
-    admin = FastAPI(title="ctxproxy operator API", version=__version__, docs_url=None, redoc_url=None,
-                    openapi_url=None)  # served by `_openapi`, behind the admin token like the rest of /ctx
-    admin.include_router(admin_router)
-    admin.add_route("/openapi.json", _openapi(admin), include_in_schema=False)
-    admin.add_exception_handler(RequestValidationError, _render_validation)
     routes = [
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/v1/{path:path}", passthrough, methods=["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
-        Mount("/ctx", app=admin),
+        Mount("/ctx", app=OperatorApi()),
     ]
-    handlers = {CtxError: render_ctx_error, HTTPException: render_http_error, Exception: render_unexpected}
-    for error, handler in handlers.items():
+    return Starlette(routes=routes, exception_handlers=dict(_HANDLERS),
+                     lifespan=_lifespan(settings, upstream_transport))
+
+
+_HANDLERS: dict[type[Exception], Callable[[Request, Exception], Awaitable[Response]]] = {
+    CtxError: render_ctx_error, HTTPException: render_http_error, Exception: render_unexpected}
+
+
+class OperatorApi:
+    """The operator API (``proxy.admin``, a FastAPI app) at ``/ctx``, built on its first request.
+
+    FastAPI and pydantic take about 0.2 s and 15 MB to import, and the proxied routes never use them: a server
+    nobody asks for ``/ctx`` never loads them, and none waits for them to start (issue #13). The first request
+    builds the app on a worker thread, so the proxied requests in flight meanwhile keep being served.
+    """
+
+    def __init__(self) -> None:
+        self._app: FastAPI | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self._app is None:
+            built = await asyncio.to_thread(_operator_api)
+            self._app = self._app or built  # two first requests at once: both built it, one is kept
+        self._app.state.ctx = scope["app"].state.ctx  # the serving app's state, whichever lifespan made it
+        await self._app(scope, receive, send)
+
+
+def _operator_api() -> FastAPI:
+    from fastapi import FastAPI
+    from fastapi.exceptions import RequestValidationError
+
+    from proxy.admin import router
+
+    admin = FastAPI(title="ctxproxy operator API", version=__version__, docs_url=None, redoc_url=None,
+                    openapi_url=None)  # served by `_openapi`, behind the admin token like the rest of /ctx
+    admin.include_router(router)
+    admin.add_route("/openapi.json", _openapi(admin), include_in_schema=False)
+    admin.add_exception_handler(RequestValidationError, _render_validation)
+    for error, handler in _HANDLERS.items():
         admin.add_exception_handler(error, handler)
-    return Starlette(routes=routes, exception_handlers=handlers,
-                     lifespan=_lifespan(settings, upstream_transport, admin))
+    return admin
 
 
-def _lifespan(settings: Settings, transport: httpx.AsyncBaseTransport | None, admin: FastAPI
+def _lifespan(settings: Settings, transport: httpx.AsyncBaseTransport | None
               ) -> Callable[[Starlette], AbstractAsyncContextManager[None]]:
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        tokenizer = Tokenizer.loading()  # on its own thread while the rest starts and the server takes requests
         journal = JournalWriter(open_journal(settings.data_path / "journal.db", settings.journal_sync, check=True),
                                 storage_error)
         marked = await journal.call(Journal.mark_interrupted, datetime.now(UTC).isoformat(timespec="milliseconds"))
@@ -87,8 +122,8 @@ def _lifespan(settings: Settings, transport: httpx.AsyncBaseTransport | None, ad
         upstream = Upstream(settings.upstream, transport or AiohttpTransport(), settings.upstream_connect_timeout,
                             settings.upstream_timeout)
         windows = WindowDetector(upstream, ctx_window=0)  # a configured window is applied per model, in planning
-        app.state.ctx = admin.state.ctx = AppState(settings, upstream, journal, incognito, windows,
-                                                   own_headers=frozenset({settings.session_header.lower()}))
+        app.state.ctx = AppState(settings, upstream, journal, incognito, windows, tokenizer=tokenizer,
+                                 own_headers=frozenset({settings.session_header.lower()}))
         try:
             yield
         finally:
@@ -97,6 +132,12 @@ def _lifespan(settings: Settings, transport: httpx.AsyncBaseTransport | None, ad
             incognito.close()
 
     return lifespan
+
+
+async def chat(request: Request) -> Response:
+    """``proxy.chat.chat_completions``, once the tokenizer has loaded (only the first requests after a start wait)."""
+    await request.app.state.ctx.tokenizer.ready()
+    return await chat_completions(request)
 
 
 async def passthrough(request: Request) -> Response:
@@ -145,6 +186,8 @@ def _openapi(admin: FastAPI) -> Callable[[Request], Awaitable[Response]]:
 
 
 async def _render_validation(request: Request, exc: Exception) -> Response:
+    from fastapi.exceptions import RequestValidationError
+
     assert isinstance(exc, RequestValidationError)
     first = exc.errors()[0] if exc.errors() else {}
     param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None

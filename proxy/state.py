@@ -1,4 +1,4 @@
-"""What the app holds for its lifetime: settings, the upstream, the journals, the session locks.
+"""What the app holds for its lifetime: settings, the upstream, the journals, the session locks, the tokenizer.
 
 Built by the lifespan (``proxy.app``) and reached by handlers as ``request.app.state.ctx``.
 """
@@ -6,7 +6,9 @@ Built by the lifespan (``proxy.app``) and reached by handlers as ``request.app.s
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections import defaultdict
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from config import Settings
@@ -23,7 +25,48 @@ from proxy.upstream import Upstream
 from proxy.window import WindowDetector
 from store import JournalWriter, MemoryJournal
 
-__all__ = ["AppState", "SessionLocks"]
+__all__ = ["AppState", "SessionLocks", "Tokenizer"]
+
+
+class Tokenizer:
+    """The message counter, whose tokenizer (tiktoken's cl100k: about 0.15 s and 30 MB) loads on a thread of its own.
+
+    The lifespan starts the load and the server takes requests at once (issue #13: start to ready). Nothing counts
+    with a stand-in meanwhile: a chat request that arrives first awaits the load (``ready``), so every count is the
+    tokenizer's own, cached counts included, and no budget is judged by an estimate. ``counter`` blocks a thread
+    that reaches it first until the load is done. A load that fails gives the character estimate, as before
+    (``proxy.rewrite.tokens.load_encoding``).
+    """
+
+    def __init__(self, future: Future[MessageCounter]) -> None:
+        self._future = future
+
+    @classmethod
+    def loading(cls) -> Tokenizer:
+        """A tokenizer whose load has started on a daemon thread."""
+        future: Future[MessageCounter] = Future()
+        threading.Thread(target=_load, args=(future,), name="ctxproxy-tokenizer", daemon=True).start()
+        return cls(future)
+
+    @property
+    def counter(self) -> MessageCounter:
+        return self._future.result()
+
+    @property
+    def loaded(self) -> bool:
+        return self._future.done()
+
+    async def ready(self) -> None:
+        """Returns once the counter is there; at once after the first time."""
+        if not self._future.done():
+            await asyncio.wrap_future(self._future)
+
+
+def _load(future: Future[MessageCounter]) -> None:
+    try:
+        future.set_result(MessageCounter())
+    except BaseException as exc:  # MessageCounter() degrades to the estimate itself; this is a last resort
+        future.set_exception(exc)
 
 
 class SessionLocks:
@@ -68,13 +111,18 @@ class AppState:
     windows: WindowDetector
     locks: SessionLocks = field(default_factory=SessionLocks)
     hasher: MessageHasher = field(default_factory=MessageHasher)
-    counter: MessageCounter = field(default_factory=MessageCounter)
+    tokenizer: Tokenizer = field(default_factory=Tokenizer.loading)
     contexts: SessionContexts = field(default_factory=SessionContexts)
     events: EventBus = field(default_factory=EventBus)
     metrics: Metrics = field(default_factory=Metrics)
     offload: Offload = field(default_factory=Offload)
     own_headers: frozenset[str] = frozenset()
     _context_tools_tokens: int | None = None
+
+    @property
+    def counter(self) -> MessageCounter:
+        """Token counts of messages, cached by identity (waits for the tokenizer the first time: ``Tokenizer``)."""
+        return self.tokenizer.counter
 
     def context_tools_tokens(self) -> int:
         """What the context tools' schemas cost when offered (counted once)."""
