@@ -39,7 +39,7 @@ from proxy.errors import (
 )
 from proxy.loop import VIA_HEADER, refuse_loop
 from proxy.responses import FinallyResponse
-from proxy.state import AppState, Tokenizer
+from proxy.state import AppState, Warmup
 from proxy.transport import AiohttpTransport
 from proxy.upstream import Upstream, client_headers, response_headers, with_headers
 from proxy.window import WindowDetector
@@ -111,7 +111,7 @@ def _lifespan(settings: Settings, transport: httpx.AsyncBaseTransport | None
               ) -> Callable[[Starlette], AbstractAsyncContextManager[None]]:
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        tokenizer = Tokenizer.loading()  # on its own thread while the rest starts and the server takes requests
+        warmup = Warmup.start()  # the tokenizer and aiohttp, on a thread, while the server starts and takes requests
         journal = JournalWriter(open_journal(settings.data_path / "journal.db", settings.journal_sync, check=True),
                                 storage_error)
         marked = await journal.call(Journal.mark_interrupted, datetime.now(UTC).isoformat(timespec="milliseconds"))
@@ -122,7 +122,7 @@ def _lifespan(settings: Settings, transport: httpx.AsyncBaseTransport | None
         upstream = Upstream(settings.upstream, transport or AiohttpTransport(), settings.upstream_connect_timeout,
                             settings.upstream_timeout)
         windows = WindowDetector(upstream, ctx_window=0)  # a configured window is applied per model, in planning
-        app.state.ctx = AppState(settings, upstream, journal, incognito, windows, tokenizer=tokenizer,
+        app.state.ctx = AppState(settings, upstream, journal, incognito, windows, warmup=warmup,
                                  own_headers=frozenset({settings.session_header.lower()}))
         try:
             yield
@@ -135,8 +135,8 @@ def _lifespan(settings: Settings, transport: httpx.AsyncBaseTransport | None
 
 
 async def chat(request: Request) -> Response:
-    """``proxy.chat.chat_completions``, once the tokenizer has loaded (only the first requests after a start wait)."""
-    await request.app.state.ctx.tokenizer.ready()
+    """``proxy.chat.chat_completions``, once the warm-up is done (only the first requests after a start wait)."""
+    await request.app.state.ctx.warmup.ready()
     return await chat_completions(request)
 
 

@@ -6,6 +6,7 @@ Built by the lifespan (``proxy.app``) and reached by handlers as ``request.app.s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections import defaultdict
 from concurrent.futures import Future
@@ -25,16 +26,17 @@ from proxy.upstream import Upstream
 from proxy.window import WindowDetector
 from store import JournalWriter, MemoryJournal
 
-__all__ = ["AppState", "SessionLocks", "Tokenizer"]
+__all__ = ["AppState", "SessionLocks", "Warmup"]
 
 
-class Tokenizer:
-    """The message counter, whose tokenizer (tiktoken's cl100k: about 0.15 s and 30 MB) loads on a thread of its own.
+class Warmup:
+    """What the first chat needs beyond a started server, loaded on a thread of its own: the message counter, whose
+    tokenizer (tiktoken's cl100k) takes about 0.15 s and 25 MB, and the aiohttp wire (``proxy.transport``).
 
-    The lifespan starts the load and the server takes requests at once (issue #13: start to ready). Nothing counts
-    with a stand-in meanwhile: a chat request that arrives first awaits the load (``ready``), so every count is the
-    tokenizer's own, cached counts included, and no budget is judged by an estimate. ``counter`` blocks a thread
-    that reaches it first until the load is done. A load that fails gives the character estimate, as before
+    The lifespan starts it and the server takes requests at once (issue #13: start to ready). Nothing counts with
+    a stand-in meanwhile: a chat that arrives first awaits it (``ready``), so every count is the tokenizer's own,
+    cached counts included, and no budget is judged by an estimate. A thread that reaches ``counter`` first waits
+    for the load. A tokenizer that cannot load gives the character estimate, as before
     (``proxy.rewrite.tokens.load_encoding``).
     """
 
@@ -42,10 +44,10 @@ class Tokenizer:
         self._future = future
 
     @classmethod
-    def loading(cls) -> Tokenizer:
-        """A tokenizer whose load has started on a daemon thread."""
+    def start(cls) -> Warmup:
+        """A warm-up under way on a daemon thread."""
         future: Future[MessageCounter] = Future()
-        threading.Thread(target=_load, args=(future,), name="ctxproxy-tokenizer", daemon=True).start()
+        threading.Thread(target=_warm, args=(future,), name="ctxproxy-warmup", daemon=True).start()
         return cls(future)
 
     @property
@@ -53,7 +55,7 @@ class Tokenizer:
         return self._future.result()
 
     @property
-    def loaded(self) -> bool:
+    def done(self) -> bool:
         return self._future.done()
 
     async def ready(self) -> None:
@@ -62,10 +64,12 @@ class Tokenizer:
             await asyncio.wrap_future(self._future)
 
 
-def _load(future: Future[MessageCounter]) -> None:
+def _warm(future: Future[MessageCounter]) -> None:
     try:
+        with contextlib.suppress(ImportError):  # the first upstream request would import it on the event loop
+            import aiohttp  # noqa: F401
         future.set_result(MessageCounter())
-    except BaseException as exc:  # MessageCounter() degrades to the estimate itself; this is a last resort
+    except BaseException as exc:  # MessageCounter() falls back to the estimate itself: this is a last resort
         future.set_exception(exc)
 
 
@@ -111,7 +115,7 @@ class AppState:
     windows: WindowDetector
     locks: SessionLocks = field(default_factory=SessionLocks)
     hasher: MessageHasher = field(default_factory=MessageHasher)
-    tokenizer: Tokenizer = field(default_factory=Tokenizer.loading)
+    warmup: Warmup = field(default_factory=Warmup.start)
     contexts: SessionContexts = field(default_factory=SessionContexts)
     events: EventBus = field(default_factory=EventBus)
     metrics: Metrics = field(default_factory=Metrics)
@@ -121,8 +125,8 @@ class AppState:
 
     @property
     def counter(self) -> MessageCounter:
-        """Token counts of messages, cached by identity (waits for the tokenizer the first time: ``Tokenizer``)."""
-        return self.tokenizer.counter
+        """Token counts of messages, cached by identity (waits for the tokenizer the first time: ``Warmup``)."""
+        return self.warmup.counter
 
     def context_tools_tokens(self) -> int:
         """What the context tools' schemas cost when offered (counted once)."""
