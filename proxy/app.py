@@ -39,7 +39,7 @@ from proxy.errors import (
 )
 from proxy.loop import VIA_HEADER, refuse_loop
 from proxy.responses import FinallyResponse
-from proxy.state import AppState, Warmup
+from proxy.state import AppState, Warmup, give_back_freed_memory
 from proxy.transport import AiohttpTransport
 from proxy.upstream import Upstream, client_headers, response_headers, with_headers
 from proxy.window import WindowDetector
@@ -125,13 +125,39 @@ def _lifespan(settings: Settings, transport: httpx.AsyncBaseTransport | None
         app.state.ctx = AppState(settings, upstream, journal, incognito, windows, warmup=warmup,
                                  own_headers=frozenset({settings.session_header.lower()}))
         try:
-            yield
+            async with asyncio.TaskGroup() as background:
+                trimmer = background.create_task(_trim_when_quiet(app.state.ctx))
+                try:
+                    yield
+                finally:
+                    trimmer.cancel()
         finally:
             await upstream.aclose()
             journal.close()
             incognito.close()
 
     return lifespan
+
+
+TRIM_EVERY = 5.0
+"""Seconds between two looks at whether the proxy is quiet (``_trim_when_quiet``)."""
+
+
+async def _trim_when_quiet(state: AppState) -> None:
+    """Give the memory that answered requests freed back to the system once no chat is in flight.
+
+    A burst of large concurrent requests (their bodies, parsed and serialised) leaves the C allocator holding
+    much freed memory, and glibc returns little of it by itself: after 250 agents of 20 rounds, RSS stayed about
+    90 MB above what the process still used (issue #13). Every ``TRIM_EVERY`` seconds, if chats were answered
+    since the last look and no session holds its lock now, ``malloc_trim`` runs on a worker thread (a few ms).
+    """
+    answered = state.metrics.answered_count()
+    while True:
+        await asyncio.sleep(TRIM_EVERY)
+        now = state.metrics.answered_count()
+        if now != answered and not len(state.locks):
+            answered = now
+            await asyncio.to_thread(give_back_freed_memory)
 
 
 async def chat(request: Request) -> Response:

@@ -76,6 +76,11 @@ class Metrics:
             self.context_ops.inc((op, str(ok).lower()))
             self.tokens_freed.inc((), tokens_freed)
 
+    def answered_count(self) -> float:
+        """Chat requests answered so far, whatever their outcome."""
+        with self._lock:
+            return sum(self.requests.values.values())
+
     def exposition(self) -> bytes:
         """The Prometheus text format (``prometheus_client.generate_latest``) of every counter."""
         from prometheus_client import CollectorRegistry, generate_latest

@@ -27,7 +27,7 @@ from proxy.upstream import Upstream
 from proxy.window import WindowDetector
 from store import JournalWriter, MemoryJournal
 
-__all__ = ["AppState", "SessionLocks", "Warmup"]
+__all__ = ["AppState", "SessionLocks", "Warmup", "give_back_freed_memory"]
 
 
 class Warmup:
@@ -80,7 +80,8 @@ def give_back_freed_memory() -> None:
     """Hand the memory the C allocator holds free back to the system (glibc's ``malloc_trim``; elsewhere nothing).
 
     glibc keeps what a thread freed in that thread's arena for reuse, and gives back only what lies at the top of
-    a heap: the tokenizer's load leaves about 10 MB that way (its file, parsed, and the Python copy of its ranks).
+    a heap: the tokenizer's load leaves a few MB that way (its file, parsed, and the Python copy of its ranks), a
+    burst of large requests far more (``proxy.app``'s ``_trim_when_quiet``).
     """
     try:
         trim = ctypes.CDLL(None).malloc_trim
