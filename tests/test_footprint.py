@@ -4,11 +4,15 @@ lighter, and memory that levels off under sessions that keep coming."""
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import subprocess
 import sys
 from concurrent.futures import Future
 from pathlib import Path
+from types import ModuleType
+
+import pytest
 
 from proxy.rewrite.tokens import OFFLINE_ENCODING, MessageCounter, TiktokenCounter, load_encoding
 from proxy.state import Warmup
@@ -97,3 +101,50 @@ def test_the_loaded_tokenizer_lets_go_of_the_python_ranks_and_counts_the_same() 
     for text in texts:
         assert counter.count(text) == TiktokenCounter(whole).count(text), text[:40]
 
+
+
+BURST = """
+import threading
+from proxy.state import give_back_freed_memory
+def rss():
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) / 1024
+start, held = rss(), []
+def burst():  # a thread's large requests: ~100 MB of malloc'd blocks, a few of them still held, scattered
+    blocks = [bytes(2048) + str(i).encode() for i in range(50_000)]
+    held.extend(blocks[::50])
+thread = threading.Thread(target=burst)
+thread.start()
+thread.join()
+before = rss()
+give_back_freed_memory()
+print(json.dumps([start, before, rss()]))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the resident set from /proc")
+def test_the_memory_a_burst_freed_goes_back_to_the_system() -> None:
+    done = subprocess.run([sys.executable, "-c", "import json\n" + BURST], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, check=True)
+    start, before, after = json.loads(done.stdout.splitlines()[-1])
+    assert before - start > 50  # glibc kept the freed blocks: the heap could not shrink from its top
+    assert after - start < 0.25 * (before - start)
+
+
+def _footprint_bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("footprint_bench", ROOT / "bench" / "footprint.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the resident set from /proc")
+def test_the_servers_memory_levels_off_across_repeated_load_runs() -> None:
+    """Four runs of 40 new agents each through one ``ctxproxy serve``: what the first run added (caches filling,
+    the allocator's pools), the last two runs together must not add a quarter of again."""
+    report = _footprint_bench().waves(sessions=40, rounds=6, count=4, rest=1.0, env=[])
+    assert report["ok"], report
+    before, (first, second, _, last) = report["rss_before_mb"], report["rss_after_each_wave_mb"]
+    assert last - second <= max(0.25 * (first - before), 3.0), report
