@@ -7,7 +7,8 @@ happens, and what it holds under load must level off, not grow run after run (is
 How: ``bench/fake_upstream.py`` runs in its own process; ``ctxproxy serve`` (as a user's install runs it:
 ``bench/harness.py``'s ``AS_INSTALLED``, journal in a temporary data dir) is started ``--starts`` times against
 it. Each start is timed from just before ``exec`` to the first ``GET /healthz`` answered 200 (polled every 2 ms);
-the resident set (``VmRSS`` of ``/proc/PID/status``) is read at ready, ``--settle`` seconds later with no request
+the CPU time it spent until then is read (user + system, ``/proc/PID/stat``: what a busy machine changes least),
+and its resident set (``VmRSS`` of ``/proc/PID/status``) at ready, ``--settle`` seconds later with no request
 (idle: what the server loads on its warm-up thread after ready, the tokenizer and aiohttp, has loaded by then),
 and after one small chat request. Medians over the starts. ``import proxy.cli`` and ``import proxy.app`` are timed
 the same way, each in a fresh interpreter. Then ``bench/load.py``'s agents run ``--waves`` times (``--sessions``
@@ -57,12 +58,12 @@ def start_once(upstream: str, tmp: Path, settle: float, env: list[str]) -> dict[
     proc = latency._spawn(command, tmp / "proxy.log", environ)
     try:
         ready = _wait_healthz(proc, f"http://127.0.0.1:{port}/healthz") - started
-        at_ready = harness.rss_mb(proc.pid, "VmRSS")
+        at_ready, cpu = harness.rss_mb(proc.pid, "VmRSS"), load.proc_stats(proc.pid)["cpu_s"]
         time.sleep(settle)
         idle = harness.rss_mb(proc.pid, "VmRSS")
         chat = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=SMALL_CHAT, timeout=30)
         chat.raise_for_status()
-        return {"ready_s": ready, "rss_at_ready_mb": at_ready, "rss_idle_mb": idle,
+        return {"ready_s": ready, "cpu_at_ready_s": cpu, "rss_at_ready_mb": at_ready, "rss_idle_mb": idle,
                 "rss_after_chat_mb": harness.rss_mb(proc.pid, "VmRSS")}
     finally:
         latency._stop(proc)
@@ -158,6 +159,7 @@ def markdown(report: dict[str, Any]) -> str:
     if "start" in report:
         s = report["start"]
         rows += [("start to ready (exec → /healthz 200), median", f"**{s['ready_s']:.3f} s**"),
+                 ("CPU time the process spent until ready (user + system), median", f"{s['cpu_at_ready_s']:.2f} s"),
                  ("`import proxy.cli` / `import proxy.app`, median",
                   f"{s['import_proxy.cli_s']:.3f} / {s['import_proxy.app_s']:.3f} s"),
                  ("RSS at ready", f"{s['rss_at_ready_mb']:.1f} MB"),
