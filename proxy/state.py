@@ -6,10 +6,11 @@ Built by the lifespan (``proxy.app``) and reached by handlers as ``request.app.s
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ctypes
+import importlib
 import threading
 from collections import defaultdict
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -31,8 +32,9 @@ __all__ = ["AppState", "SessionLocks", "Warmup", "give_back_freed_memory"]
 
 
 class Warmup:
-    """What the first chat needs beyond a started server, loaded on a thread of its own: the message counter, whose
-    tokenizer (tiktoken's cl100k) takes about 0.15 s and 25 MB, and the aiohttp wire (``proxy.transport``).
+    """What the first chat needs beyond a started server, loaded on a thread of its own: the modules the app names
+    (the request engine, the aiohttp wire: ``proxy.app.WARM``), then the message counter, whose tokenizer
+    (tiktoken's cl100k) takes about 0.15 s and 25 MB.
 
     The lifespan starts it and the server takes requests at once (issue #13: start to ready). Nothing counts with
     a stand-in meanwhile: a chat that arrives first awaits it (``ready``), so every count is the tokenizer's own,
@@ -45,10 +47,10 @@ class Warmup:
         self._future = future
 
     @classmethod
-    def start(cls) -> Warmup:
-        """A warm-up under way on a daemon thread."""
+    def start(cls, modules: Sequence[str] = ()) -> Warmup:
+        """A warm-up under way on a daemon thread: ``modules`` imported, then the counter loaded."""
         future: Future[MessageCounter] = Future()
-        threading.Thread(target=_warm, args=(future,), name="ctxproxy-warmup", daemon=True).start()
+        threading.Thread(target=_warm, args=(future, modules), name="ctxproxy-warmup", daemon=True).start()
         return cls(future)
 
     @property
@@ -65,14 +67,14 @@ class Warmup:
             await asyncio.wrap_future(self._future)
 
 
-def _warm(future: Future[MessageCounter]) -> None:
+def _warm(future: Future[MessageCounter], modules: Sequence[str]) -> None:
     try:
-        with contextlib.suppress(ImportError):  # the first upstream request would import it on the event loop
-            import aiohttp  # noqa: F401
+        for module in modules:  # whoever needs one first meanwhile waits for this import to finish, not twice
+            importlib.import_module(module)
         counter = MessageCounter()
         give_back_freed_memory()
         future.set_result(counter)
-    except BaseException as exc:  # MessageCounter() falls back to the estimate itself: this is a last resort
+    except BaseException as exc:  # a module that fails to import fails the chats that need it, with its error
         future.set_exception(exc)
 
 

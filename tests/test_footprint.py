@@ -41,6 +41,11 @@ def test_ctxproxy_version_answers_without_loading_the_server() -> None:
     assert loaded & HEAVY == set()
 
 
+def test_the_app_module_leaves_the_engine_the_wire_and_the_tokenizer_to_the_warmup() -> None:
+    loaded = modules_after("import uvicorn\nfrom proxy.app import create_app")
+    assert loaded & {"proxy.chat", "proxy.engine", "aiohttp", "tiktoken", "fastapi", "prometheus_client"} == set()
+
+
 SERVE_AND_ASK = """
 import httpx
 from starlette.testclient import TestClient
