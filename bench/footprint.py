@@ -5,17 +5,19 @@ happens, and what it holds under load must level off, not grow run after run (is
 ≤ 0.3 s, idle RSS ≤ 70 MB, ≤ 300 MB and flat after ``bench/load.py``'s 250 sessions, run after run).
 
 How: ``bench/fake_upstream.py`` runs in its own process; ``ctxproxy serve`` (as a user's install runs it:
-``bench/harness.py``'s ``AS_INSTALLED``, journal in a temporary data dir) is started ``--starts`` times against
-it. Each start is timed from just before ``exec`` to the first ``GET /healthz`` answered 200 (polled every 2 ms);
-the CPU time it spent until then is read (user + system, ``/proc/PID/stat``: what a busy machine changes least),
-and its resident set (``VmRSS`` of ``/proc/PID/status``) at ready, ``--settle`` seconds later with no request
-(idle: what the server loads on its warm-up thread after ready, the tokenizer and aiohttp, has loaded by then),
-and after one small chat request. Medians over the starts. ``import proxy.cli`` and ``import proxy.app`` are timed
-the same way, each in a fresh interpreter. Then ``bench/load.py``'s agents run ``--waves`` times (``--sessions``
-new agent runs of ``--rounds`` rounds each, no pause) through one more proxy, against ``bench/load.py``'s fake
-upstream minus its record of every body (``ForgetfulUpstream``); the proxy's RSS is read when it is idle before,
-and ``--rest`` seconds after each run. Flat means the later runs add next to nothing. ``bench/load.py --waves N``
-runs the same agents with all of its checks.
+``bench/harness.py``'s ``AS_INSTALLED``) is started against it once to create a journal in a temporary data dir,
+then ``--starts`` times more on that journal (a restart). Each start is timed from just before ``exec`` to the first
+``GET /healthz`` answered 200 (polled every 2 ms); the CPU time it spent until then is read (user + system,
+``/proc/PID/stat``: what a busy machine changes least), and its resident set (``VmRSS`` of ``/proc/PID/status``) at
+ready, ``--settle`` seconds later with no request (idle: what the server loads on its warm-up thread after ready,
+the tokenizer and aiohttp, has loaded by then), and after one small chat request. Medians over the restarts.
+``--starts`` more starts send a chat the moment ``/healthz`` answers: exec to that chat's answer is what a client
+that starts the proxy and uses it at once sees (the chat waits for the warm-up). ``import proxy.cli`` and ``import
+proxy.app`` are timed the same way, each in a fresh interpreter. Then ``bench/load.py``'s agents run ``--waves``
+times (``--sessions`` new agent runs of ``--rounds`` rounds each, no pause) through one more proxy, against
+``bench/load.py``'s fake upstream minus its record of every body (``ForgetfulUpstream``); the proxy's RSS is read
+when it is idle before, and ``--rest`` seconds after each run. Flat means the later runs add next to nothing.
+``bench/load.py --waves N`` runs the same agents with all of its checks.
 
 Run: ``.venv/bin/python bench/footprint.py --markdown`` (``--waves 0``: start and idle only; ``--starts 0``: load only)
 """
@@ -48,14 +50,10 @@ import load  # noqa: E402
 SMALL_CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
 
 
-def start_once(upstream: str, tmp: Path, settle: float, env: list[str]) -> dict[str, float]:
-    """One ``ctxproxy serve``: seconds from exec to /healthz 200, its RSS at ready, idle, after one chat."""
-    port = latency.free_port()
-    command = [sys.executable, "-c", harness.AS_INSTALLED, "serve", "--upstream", upstream + "/v1",
-               "--host", "127.0.0.1", "--port", str(port), "--data-dir", str(tmp / f"data-{port}")]
-    environ = latency._proxy_environ(env)
-    started = time.perf_counter()
-    proc = latency._spawn(command, tmp / "proxy.log", environ)
+def start_once(upstream: str, data: Path, settle: float, env: list[str]) -> dict[str, float]:
+    """One ``ctxproxy serve``: seconds from exec to /healthz 200, its CPU time then, its RSS at ready, idle and
+    after one chat."""
+    proc, port, started = _spawn_proxy(upstream, data, env)
     try:
         ready = _wait_healthz(proc, f"http://127.0.0.1:{port}/healthz") - started
         at_ready, cpu = harness.rss_mb(proc.pid, "VmRSS"), load.proc_stats(proc.pid)["cpu_s"]
@@ -67,6 +65,27 @@ def start_once(upstream: str, tmp: Path, settle: float, env: list[str]) -> dict[
                 "rss_after_chat_mb": harness.rss_mb(proc.pid, "VmRSS")}
     finally:
         latency._stop(proc)
+
+
+def first_answer_once(upstream: str, data: Path, env: list[str]) -> float:
+    """Seconds from exec to the answer of a chat sent the moment /healthz first answers (it waits for the
+    warm-up: what a client that starts the proxy and talks to it at once sees)."""
+    proc, port, started = _spawn_proxy(upstream, data, env)
+    try:
+        _wait_healthz(proc, f"http://127.0.0.1:{port}/healthz")
+        httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=SMALL_CHAT, timeout=30).raise_for_status()
+        return time.perf_counter() - started
+    finally:
+        latency._stop(proc)
+
+
+def _spawn_proxy(upstream: str, data: Path, env: list[str]) -> tuple[subprocess.Popen[bytes], int, float]:
+    port = latency.free_port()
+    command = [sys.executable, "-c", harness.AS_INSTALLED, "serve", "--upstream", upstream + "/v1",
+               "--host", "127.0.0.1", "--port", str(port), "--data-dir", str(data)]
+    environ = latency._proxy_environ(env)
+    started = time.perf_counter()
+    return latency._spawn(command, data.parent / "proxy.log", environ), port, started
 
 
 def _wait_healthz(proc: subprocess.Popen[bytes], url: str, timeout: float = 30.0) -> float:
@@ -95,20 +114,23 @@ def import_seconds(module: str) -> float:
 
 
 def starts(count: int, settle: float, env: list[str]) -> dict[str, Any]:
-    """Medians (and all values) over ``count`` starts against one fake upstream."""
+    """Medians (and all values) over ``count`` restarts on one journal against one fake upstream, after a first
+    start that creates the journal; then as many starts answering a chat at once."""
     with tempfile.TemporaryDirectory(prefix="ctxproxy-footprint-") as tmp:
-        port = latency.free_port()
+        port, data = latency.free_port(), Path(tmp) / "data"
         fake = latency._spawn([sys.executable, str(BENCH / "fake_upstream.py"), "--port", str(port)],
                               Path(tmp) / "fake.log", latency._proxy_environ([]))
         try:
             latency._wait_ready(fake, f"http://127.0.0.1:{port}/v1/models", Path(tmp) / "fake.log")
-            runs = [start_once(f"http://127.0.0.1:{port}", Path(tmp), settle, env) for _ in range(count)]
+            first, *runs = [start_once(f"http://127.0.0.1:{port}", data, settle, env) for _ in range(count + 1)]
+            answers = [first_answer_once(f"http://127.0.0.1:{port}", data, env) for _ in range(count)]
         finally:
             latency._stop(fake)
     imports = {m: [import_seconds(m) for _ in range(count)] for m in ("proxy.cli", "proxy.app")}
     out: dict[str, Any] = {k: round(statistics.median(r[k] for r in runs), 3) for k in runs[0]}
     out |= {f"import_{m}_s": round(statistics.median(v), 3) for m, v in imports.items()}
-    return out | {"starts": count, "settle_s": settle, "all": runs}
+    out |= {"first_ready_s": round(first["ready_s"], 3), "first_answer_s": round(statistics.median(answers), 3)}
+    return out | {"starts": count, "settle_s": settle, "all": [first, *runs], "answers": answers}
 
 
 class ForgetfulUpstream(load.RecordingUpstream):
@@ -158,7 +180,10 @@ def markdown(report: dict[str, Any]) -> str:
     rows = []
     if "start" in report:
         s = report["start"]
-        rows += [("start to ready (exec → /healthz 200), median", f"**{s['ready_s']:.3f} s**"),
+        rows += [("start to ready (exec → /healthz 200), median of restarts", f"**{s['ready_s']:.3f} s**"),
+                 ("… the first start, which creates the journal", f"{s['first_ready_s']:.3f} s"),
+                 ("exec → the answer to a chat sent at ready (waits for the warm-up), median",
+                  f"{s['first_answer_s']:.3f} s"),
                  ("CPU time the process spent until ready (user + system), median", f"{s['cpu_at_ready_s']:.2f} s"),
                  ("`import proxy.cli` / `import proxy.app`, median",
                   f"{s['import_proxy.cli_s']:.3f} / {s['import_proxy.app_s']:.3f} s"),
