@@ -156,7 +156,10 @@ async def _trim_when_quiet(state: AppState) -> None:
         now = state.metrics.answered_count()
         if now != answered and not len(state.locks):
             answered = now
-            await asyncio.to_thread(give_back_freed_memory)
+            try:
+                await asyncio.to_thread(give_back_freed_memory)
+            except Exception as exc:  # a failure here must not end the lifespan's task group, and the server
+                log.warning("could not give freed memory back to the system: %s", exc)
 
 
 WARM = ("aiohttp", "proxy.chat")
