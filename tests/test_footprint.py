@@ -153,3 +153,26 @@ def test_the_servers_memory_levels_off_across_repeated_load_runs() -> None:
     assert report["ok"], report
     before, (first, second, _, last) = report["rss_before_mb"], report["rss_after_each_wave_mb"]
     assert last - second <= max(0.25 * (first - before), 3.0), report
+
+
+def test_the_metrics_render_as_prometheus_clients_own_counters_would() -> None:
+    from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+    from proxy.metrics import Metrics
+
+    metrics = Metrics()
+    metrics.answered("ok", {"prompt_tokens": 40, "completion_tokens": -5})  # a negative figure counts as unknown
+    metrics.context_op("drop", True, 120)
+    metrics.decided(["spill", "spill"])
+    registry = CollectorRegistry()
+    Counter("ctxproxy_requests", "Chat requests answered, by outcome", ["outcome"], registry=registry).labels(
+        "ok").inc()
+    Counter("ctxproxy_tokens_freed", "Tokens freed by the model's context tools", registry=registry).inc(120)
+    ours, theirs = metrics.exposition().decode(), generate_latest(registry).decode()
+    for line in theirs.splitlines():
+        if "_created" not in line:  # their creation times are theirs
+            assert line in ours.splitlines(), line
+    assert 'ctxproxy_decisions_total{kind="spill"} 2.0' in ours and 'ctxproxy_tokens_total{kind="prompt"} 40.0' in ours
+    assert 'kind="completion"' not in ours and metrics.answered_count() == 1
+    with pytest.raises(ValueError, match="only go up"):
+        metrics.context_op("drop", True, -1)
