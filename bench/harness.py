@@ -172,10 +172,12 @@ def upstream(kind: str, tmp: Path) -> Iterator[tuple[str, Any]]:
             yield base, tap
 
 
-AS_INSTALLED = ("import sys; sys.modules.update(dict.fromkeys(('pandas', 'numpy'), None)); "
+AS_INSTALLED = ("import sys; sys.modules.update(dict.fromkeys(('pandas', 'numpy', 'rich', 'pygments'), None)); "
                 "from proxy.cli import main; sys.exit(main())")
 """``ctxproxy`` as a user's install runs it. The test venv also holds pandas and numpy (mini-swe-agent needs them),
-and sqlite-utils imports them when they are there, which would add about 120 MB to the memory measured."""
+and sqlite-utils imports them when they are there, which would add about 120 MB to the memory measured; and rich
+and pygments (the test tools'), which httpx imports for its command line when they are there (40 ms, 4 MB).
+None of the four is in the closure of ctxproxy's own dependencies."""
 
 
 @contextlib.contextmanager

@@ -9,25 +9,24 @@ tests put an ``httpx.MockTransport`` (or ``ASGITransport``) where the network is
 
 from __future__ import annotations
 
+import asyncio
+import importlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from datetime import UTC, datetime
+from typing import TYPE_CHECKING, cast
 
 import httpx
-from fastapi import FastAPI
-from fastapi.exceptions import RequestValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, RedirectResponse, Response, StreamingResponse
 from starlette.routing import Mount, Route
+from starlette.types import Receive, Scope, Send
 
 from config import Settings
 from proxy import __version__
-from proxy.actions import router as actions_router
-from proxy.admin import router as admin_router
 from proxy.callers import bearer_matches, require_admin, require_metrics
-from proxy.chat import chat_completions
 from proxy.edge import read_body
 from proxy.errors import (
     BadRequest,
@@ -38,19 +37,17 @@ from proxy.errors import (
     render_unexpected,
     storage_error,
 )
-from proxy.fronts.anthropic.count import count_tokens
-from proxy.fronts.anthropic.front import messages
-from proxy.fronts.responses.front import responses
-from proxy.inspect import router as inspect_router
 from proxy.logs import startup_line
 from proxy.loop import VIA_HEADER, refuse_loop
 from proxy.responses import FinallyResponse
-from proxy.state import AppState
+from proxy.state import AppState, Warmup, give_back_freed_memory
 from proxy.transport import AiohttpTransport
-from proxy.ui import router as ui_router
 from proxy.upstream import Upstream, client_headers, response_headers, with_headers
 from proxy.window import WindowDetector
 from store import Journal, JournalWriter, MemoryJournal, open_journal
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 __all__ = ["create_app"]
 
@@ -61,34 +58,70 @@ def create_app(settings: Settings, upstream_transport: httpx.AsyncBaseTransport 
     FastAPI's middleware (telemetry, body limits, exit stacks) and dependency solving cost ~0.2 ms a request;
     the proxied routes need none of it, the operator API gets query validation and an OpenAPI schema from it.
     """
-    admin = FastAPI(title="ctxproxy operator API", version=__version__, docs_url=None, redoc_url=None,
-                    openapi_url=None)  # served by `_openapi`, behind the admin token like the rest of /ctx
-    for router in (admin_router, actions_router, inspect_router, ui_router):
-        admin.include_router(router)
-    admin.add_route("/openapi.json", _openapi(admin), include_in_schema=False)
-    admin.add_exception_handler(RequestValidationError, _render_validation)
     routes = [
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/v1/messages", messages, methods=["POST"]),
-        Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
-        Route("/v1/responses", responses, methods=["POST"]),
+        Route("/v1/chat/completions", _engine_route("proxy.chat", "chat_completions"), methods=["POST"]),
+        Route("/v1/messages", _engine_route("proxy.fronts.anthropic.front", "messages"), methods=["POST"]),
+        Route("/v1/messages/count_tokens", _engine_route("proxy.fronts.anthropic.count", "count_tokens"),
+              methods=["POST"]),
+        Route("/v1/responses", _engine_route("proxy.fronts.responses.front", "responses"), methods=["POST"]),
         Route("/v1/{path:path}", passthrough, methods=["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]),
         Route("/", home, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
-        Mount("/ctx", app=admin),
+        Mount("/ctx", app=OperatorApi()),
     ]
-    handlers = {CtxError: render_ctx_error, HTTPException: render_http_error, Exception: render_unexpected}
-    for error, handler in handlers.items():
+    return Starlette(routes=routes, exception_handlers=dict(_HANDLERS),
+                     lifespan=_lifespan(settings, upstream_transport))
+
+
+_HANDLERS: dict[type[Exception], Callable[[Request, Exception], Awaitable[Response]]] = {
+    CtxError: render_ctx_error, HTTPException: render_http_error, Exception: render_unexpected}
+
+
+class OperatorApi:
+    """The operator API (``proxy.admin``, a FastAPI app) at ``/ctx``, built on its first request.
+
+    FastAPI and pydantic take about 0.2 s and 15 MB to import, and the proxied routes never use them: a server
+    nobody asks for ``/ctx`` never loads them, and none waits for them to start (issue #13). The first request
+    builds the app on a worker thread, so the proxied requests in flight meanwhile keep being served.
+    """
+
+    def __init__(self) -> None:
+        self._app: FastAPI | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self._app is None:
+            built = await asyncio.to_thread(_operator_api)
+            self._app = self._app or built  # two first requests at once: both built it, one is kept
+        self._app.state.ctx = scope["app"].state.ctx  # the serving app's state, whichever lifespan made it
+        await self._app(scope, receive, send)
+
+
+def _operator_api() -> FastAPI:
+    from fastapi import FastAPI
+    from fastapi.exceptions import RequestValidationError
+
+    from proxy.actions import router as actions
+    from proxy.admin import router as journal
+    from proxy.inspect import router as inspect
+    from proxy.ui import router as page
+
+    admin = FastAPI(title="ctxproxy operator API", version=__version__, docs_url=None, redoc_url=None,
+                    openapi_url=None)  # served by `_openapi`, behind the admin token like the rest of /ctx
+    for router in (journal, actions, inspect, page):
+        admin.include_router(router)
+    admin.add_route("/openapi.json", _openapi(admin), include_in_schema=False)
+    admin.add_exception_handler(RequestValidationError, _render_validation)
+    for error, handler in _HANDLERS.items():
         admin.add_exception_handler(error, handler)
-    return Starlette(routes=routes, exception_handlers=handlers,
-                     lifespan=_lifespan(settings, upstream_transport, admin))
+    return admin
 
 
-def _lifespan(settings: Settings, transport: httpx.AsyncBaseTransport | None, admin: FastAPI
+def _lifespan(settings: Settings, transport: httpx.AsyncBaseTransport | None
               ) -> Callable[[Starlette], AbstractAsyncContextManager[None]]:
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        warmup = Warmup.start(WARM)  # on a thread, while the server starts and takes requests
         journal = JournalWriter(open_journal(settings.data_path / "journal.db", settings.journal_sync, check=True),
                                 storage_error)
         text, fields = startup_line(settings)
@@ -101,16 +134,64 @@ def _lifespan(settings: Settings, transport: httpx.AsyncBaseTransport | None, ad
         upstream = Upstream(settings.upstream, transport or AiohttpTransport(), settings.upstream_connect_timeout,
                             settings.upstream_timeout)
         windows = WindowDetector(upstream, ctx_window=0)  # a configured window is applied per model, in planning
-        app.state.ctx = admin.state.ctx = AppState(settings, upstream, journal, incognito, windows,
-                                                   own_headers=frozenset({settings.session_header.lower()}))
+        app.state.ctx = AppState(settings, upstream, journal, incognito, windows, warmup=warmup,
+                                 own_headers=frozenset({settings.session_header.lower()}))
         try:
-            yield
+            async with asyncio.TaskGroup() as background:
+                trimmer = background.create_task(_trim_when_quiet(app.state.ctx))
+                try:
+                    yield
+                finally:
+                    trimmer.cancel()
         finally:
             await upstream.aclose()
             journal.close()
             incognito.close()
 
     return lifespan
+
+
+TRIM_EVERY = 5.0
+"""Seconds between two looks at whether the proxy is quiet (``_trim_when_quiet``)."""
+
+
+async def _trim_when_quiet(state: AppState) -> None:
+    """Give the memory that answered requests freed back to the system once no chat is in flight.
+
+    A burst of large concurrent requests (their bodies, parsed and serialised) leaves the C allocator holding
+    much freed memory, and glibc returns little of it by itself: after 250 agents of 20 rounds, RSS stayed about
+    90 MB above what the process still used (issue #13). Every ``TRIM_EVERY`` seconds, if chats were answered
+    since the last look and no session holds its lock now, ``malloc_trim`` runs on a worker thread (a few ms).
+    """
+    answered = state.metrics.answered_count()
+    while True:
+        await asyncio.sleep(TRIM_EVERY)
+        now = state.metrics.answered_count()
+        if now != answered and not len(state.locks):
+            answered = now
+            try:
+                await asyncio.to_thread(give_back_freed_memory)
+            except Exception as exc:  # a failure here must not end the lifespan's task group, and the server
+                log.warning("could not give freed memory back to the system: %s", exc)
+
+
+WARM = ("aiohttp", "proxy.chat", "proxy.fronts.anthropic.front", "proxy.fronts.anthropic.count",
+        "proxy.fronts.responses.front")
+"""What the warm-up thread imports before it loads the tokenizer: the upstream wire (``proxy.transport``), the
+request engine (``proxy.chat``, ``proxy.engine``: 70 ms) and the fronts around it, which the server does not need
+to take connections."""
+
+
+def _engine_route(module: str, name: str) -> Callable[[Request], Awaitable[Response]]:
+    """A route of the request engine, once the warm-up is done (only the first requests after a start wait)."""
+
+    async def route(request: Request) -> Response:
+        await request.app.state.ctx.warmup.ready()
+        handler = getattr(importlib.import_module(module), name)  # imported by the warm-up: a sys.modules lookup
+        return cast(Response, await handler(request))
+
+    route.__name__ = name
+    return route
 
 
 async def passthrough(request: Request) -> Response:
@@ -164,6 +245,8 @@ def _openapi(admin: FastAPI) -> Callable[[Request], Awaitable[Response]]:
 
 
 async def _render_validation(request: Request, exc: Exception) -> Response:
+    from fastapi.exceptions import RequestValidationError
+
     assert isinstance(exc, RequestValidationError)
     first = exc.errors()[0] if exc.errors() else {}
     param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None

@@ -4,6 +4,10 @@ upstream (``proxy.replay``).
 
 The reading commands open the journal file themselves (SQLite in WAL mode lets them read while a server writes),
 so they work whether or not a server is running.
+
+Importing this module costs only the standard library and the settings: each command imports what it uses when it
+runs (the journal and sqlite-utils, the server stack, the tokenizer), so ``ctxproxy --help`` is instant and
+``ctxproxy serve`` reaches ready sooner (issue #13; ``tests/test_packaging.py`` holds the line).
 """
 
 from __future__ import annotations
@@ -16,14 +20,15 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from config import Settings, SettingsError, load_settings
 from config.settings import unknown_environment
 from proxy import __version__
 from proxy.tables import render_table
-from store import Journal, JournalUnavailable, open_journal
-from store.failures import storage_errors
+
+if TYPE_CHECKING:
+    from store import Journal
 
 __all__ = ["main"]
 
@@ -53,6 +58,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SettingsError as exc:
         print(f"ctxproxy: {exc}", file=sys.stderr)
         return 2
+    from store import JournalUnavailable
+    from store.failures import storage_errors
+
     try:
         with storage_errors(_journal_path(settings)):
             code = int(args.run(settings, args))
@@ -132,6 +140,7 @@ def _serve(settings: Settings, args: argparse.Namespace) -> int:
     from proxy.app import create_app
     from proxy.logs import configure_logging
     from proxy.serving import port_taken, uvicorn_options
+    from store import open_journal
 
     open_journal(_journal_path(settings), settings.journal_sync, check=True).close()  # refused here: no traceback
     taken = port_taken(settings.host, settings.port)
@@ -181,6 +190,8 @@ def _replay(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _open_journal(settings: Settings) -> Journal | None:
+    from store import open_journal
+
     path = _journal_path(settings)
     if not path.exists():
         print(f"No journal at {path} yet: start `ctxproxy serve` and send it a request.", file=sys.stderr)

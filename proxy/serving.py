@@ -98,7 +98,8 @@ def guarded_protocol(settings: Settings) -> type[GuardedProtocol]:
 def uvicorn_options(settings: Settings) -> dict[str, Any]:
     """uvicorn's options for serving the proxy (besides host, port and log level)."""
     return {"http": guarded_protocol(settings), "proxy_headers": False, "server_header": False,
-            "access_log": settings.access_log}
+            "access_log": settings.access_log,
+            "ws": "none"}  # no WebSocket route here; uvicorn's "auto" would import websockets at every start
 
 
 def port_taken(host: str, port: int) -> str:

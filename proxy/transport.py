@@ -8,15 +8,21 @@ only the bytes on the wire go through aiohttp.
 Faithfulness: aiohttp is told to add nothing (no default User-Agent, Accept or Accept-Encoding), keep no cookies
 (one pool serves every agent) and decompress nothing (bytes are relayed as they came, with their headers).
 Its exceptions become httpx's, so ``proxy.upstream.send`` maps them to 502/504 like any other transport's.
+
+aiohttp is imported when the first request goes out (or earlier, on the thread ``proxy.state.Warmup`` starts with
+the server), not when this module is: it is a third of the proxy's import time (about 0.1 s), and start to ready
+does not wait for it (issue #13).
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import aiohttp
 import httpx
+
+if TYPE_CHECKING:
+    import aiohttp
 
 __all__ = ["AiohttpTransport"]
 
@@ -25,6 +31,8 @@ _NO_AUTO_HEADERS = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
 
 def _as_httpx_error(exc: Exception, request: httpx.Request) -> httpx.TransportError:
     """The httpx exception for an aiohttp (or asyncio) failure; the most specific kind wins."""
+    import aiohttp
+
     if isinstance(exc, aiohttp.ConnectionTimeoutError):
         return httpx.ConnectTimeout(str(exc) or "connect timeout", request=request)
     if isinstance(exc, aiohttp.ServerTimeoutError | TimeoutError):
@@ -43,6 +51,8 @@ class _Body(httpx.AsyncByteStream):
         self._response, self._request = response, request
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
+        import aiohttp
+
         try:
             async for chunk in self._response.content.iter_any():
                 yield chunk
@@ -54,19 +64,30 @@ class _Body(httpx.AsyncByteStream):
 
 
 class AiohttpTransport(httpx.AsyncBaseTransport):
-    """An ``httpx.AsyncBaseTransport`` whose connections are aiohttp's. Create it inside the running loop."""
+    """An ``httpx.AsyncBaseTransport`` whose connections are aiohttp's. Used inside one running loop: its session
+    (the pool) is made there by the first request."""
 
     def __init__(self, max_connections: int = 0, keepalive_seconds: float = 60.0) -> None:
-        connector = aiohttp.TCPConnector(limit=max_connections, keepalive_timeout=keepalive_seconds)
-        self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
-                                              cookie_jar=aiohttp.DummyCookieJar(),
-                                              skip_auto_headers=_NO_AUTO_HEADERS)
+        self._limits = (max_connections, keepalive_seconds)
+        self._session: aiohttp.ClientSession | None = None
+        self._errors: tuple[type[Exception], ...] = (TimeoutError,)
+
+    def _pool(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            import aiohttp
+
+            connector = aiohttp.TCPConnector(limit=self._limits[0], keepalive_timeout=self._limits[1])
+            self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
+                                                  cookie_jar=aiohttp.DummyCookieJar(),
+                                                  skip_auto_headers=_NO_AUTO_HEADERS)
+            self._errors = (TimeoutError, aiohttp.ClientError)
+        return self._session
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         for attempt in range(2):
             try:
                 response = await self._send(request)
-            except (TimeoutError, aiohttp.ClientError) as exc:
+            except self._errors as exc:
                 if attempt == 0 and _replayable(request) and _dropped_unanswered(exc):
                     continue
                 raise _as_httpx_error(exc, request) from exc
@@ -75,15 +96,18 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         raise AssertionError("unreachable: the second attempt returns or raises")
 
     async def _send(self, request: httpx.Request) -> aiohttp.ClientResponse:
+        import aiohttp
+
         timeout: dict[str, Any] = request.extensions.get("timeout", {})
-        return await self._session.request(
+        return await self._pool().request(
             request.method, str(request.url), headers=request.headers.multi_items(), data=await _body_of(request),
             allow_redirects=False, compress=None, auto_decompress=False,
             timeout=aiohttp.ClientTimeout(sock_connect=timeout.get("connect"), sock_read=timeout.get("read"),
                                           connect=timeout.get("pool")))
 
     async def aclose(self) -> None:
-        await self._session.close()
+        if self._session is not None:
+            await self._session.close()
 
 
 def _replayable(request: httpx.Request) -> bool:
@@ -98,6 +122,8 @@ def _replayable(request: httpx.Request) -> bool:
 
 def _dropped_unanswered(exc: BaseException) -> bool:
     """The upstream closed or reset the connection before any answer (not: could not connect, timed out)."""
+    import aiohttp
+
     if isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ServerTimeoutError | TimeoutError):
         return False
     return isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError)

