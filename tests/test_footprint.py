@@ -160,18 +160,27 @@ def test_the_servers_memory_levels_off_across_repeated_load_runs() -> None:
 
 
 def test_the_metrics_render_as_prometheus_clients_own_counters_would() -> None:
-    from prometheus_client import CollectorRegistry, Counter, generate_latest
+    from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-    from proxy.metrics import Metrics
+    from proxy.metrics import _SECONDS, Metrics
 
     metrics = Metrics()
     metrics.answered("ok", {"prompt_tokens": 40, "completion_tokens": -5})  # a negative figure counts as unknown
     metrics.context_op("drop", True, 120)
-    metrics.decided(["spill", "spill"])
+    metrics.decided(["spill", "spill"], {"spill": 300})
+    metrics.timed(3.0, [250.0, 40_000.0])
     registry = CollectorRegistry()
     Counter("ctxproxy_requests", "Chat requests answered, by outcome", ["outcome"], registry=registry).labels(
         "ok").inc()
-    Counter("ctxproxy_tokens_freed", "Tokens freed by the model's context tools", registry=registry).inc(120)
+    freed = Counter("ctxproxy_tokens_freed", metrics.tokens_freed.help, ["by", "kind"], registry=registry)
+    freed.labels("model", "drop").inc(120)
+    freed.labels("auto", "spill").inc(300)
+    upstream = Histogram("ctxproxy_upstream_seconds", metrics.upstream_seconds.help, registry=registry,
+                         buckets=_SECONDS)
+    upstream.observe(0.25)
+    upstream.observe(40.0)
+    Histogram("ctxproxy_added_seconds", metrics.added_seconds.help, registry=registry,
+              buckets=_SECONDS).observe(0.003)
     ours, theirs = metrics.exposition().decode(), generate_latest(registry).decode()
     for line in theirs.splitlines():
         if "_created" not in line:  # their creation times are theirs
@@ -179,4 +188,4 @@ def test_the_metrics_render_as_prometheus_clients_own_counters_would() -> None:
     assert 'ctxproxy_decisions_total{kind="spill"} 2.0' in ours and 'ctxproxy_tokens_total{kind="prompt"} 40.0' in ours
     assert 'kind="completion"' not in ours and metrics.answered_count() == 1
     with pytest.raises(ValueError, match="only go up"):
-        metrics.context_op("drop", True, -1)
+        metrics.tokens_freed.inc(("model", "drop"), -1)
