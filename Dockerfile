@@ -7,6 +7,7 @@ COPY pyproject.toml README.md ./
 COPY proxy ./proxy
 COPY store ./store
 COPY config ./config
+COPY ctxproxy ./ctxproxy
 # /data must exist and belong to the user before VOLUME: a named volume copies this ownership, and the
 # journal cannot be created otherwise.
 RUN pip install --no-cache-dir . && useradd --create-home ctxproxy && mkdir /data && chown ctxproxy /data

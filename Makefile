@@ -33,14 +33,14 @@ CORE_TESTS := $(addprefix tests/test_,$(addsuffix .py,project rewriting fenced s
 test: $(VENV)/.extras
 	scripts/test-deps
 	scripts/real-model
-	$(BIN)/ruff check proxy store config tests bench
+	$(BIN)/ruff check ctxproxy proxy store config tests bench
 	$(BIN)/mypy
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/pytest $(CORE_TESTS) --cov
 	$(BIN)/pytest $(addprefix --ignore=,$(CORE_TESTS))
 
 lint: $(VENV)/.extras
-	$(BIN)/ruff check proxy store config tests bench
+	$(BIN)/ruff check ctxproxy proxy store config tests bench
 	$(BIN)/mypy
 	$(BIN)/lint-imports --no-cache
 

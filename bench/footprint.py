@@ -106,7 +106,7 @@ def _wait_healthz(proc: subprocess.Popen[bytes], url: str, timeout: float = 30.0
 
 def import_seconds(module: str) -> float:
     """Seconds a fresh interpreter spends importing ``module`` (as installed: without pandas and numpy)."""
-    code = (harness.AS_INSTALLED.split("from proxy.cli")[0] +
+    code = (harness.AS_INSTALLED.split("from ctxproxy.proxy.commands.cli")[0] +
             f"import time; t = time.perf_counter(); import {module}; print(time.perf_counter() - t)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env=latency._proxy_environ([]), cwd=BENCH.parent)
@@ -126,7 +126,8 @@ def starts(count: int, settle: float, env: list[str]) -> dict[str, Any]:
             answers = [first_answer_once(f"http://127.0.0.1:{port}", data, env) for _ in range(count)]
         finally:
             latency._stop(fake)
-    imports = {m: [import_seconds(m) for _ in range(count)] for m in ("proxy.cli", "proxy.app")}
+    imports = {m: [import_seconds(m) for _ in range(count)]
+               for m in ("ctxproxy.proxy.commands.cli", "ctxproxy.proxy.edge.app")}
     out: dict[str, Any] = {k: round(statistics.median(r[k] for r in runs), 3) for k in runs[0]}
     out |= {f"import_{m}_s": round(statistics.median(v), 3) for m, v in imports.items()}
     out |= {"first_ready_s": round(first["ready_s"], 3), "first_answer_s": round(statistics.median(answers), 3)}
@@ -186,7 +187,7 @@ def markdown(report: dict[str, Any]) -> str:
                   f"{s['first_answer_s']:.3f} s"),
                  ("CPU time the process spent until ready (user + system), median", f"{s['cpu_at_ready_s']:.2f} s"),
                  ("`import proxy.cli` / `import proxy.app`, median",
-                  f"{s['import_proxy.cli_s']:.3f} / {s['import_proxy.app_s']:.3f} s"),
+                  f"{s['import_ctxproxy.proxy.commands.cli_s']:.3f} / {s['import_ctxproxy.proxy.edge.app_s']:.3f} s"),
                  ("RSS at ready", f"{s['rss_at_ready_mb']:.1f} MB"),
                  (f"RSS idle ({s['settle_s']:g} s after ready, no request)", f"**{s['rss_idle_mb']:.1f} MB**"),
                  ("RSS after one small chat", f"{s['rss_after_chat_mb']:.1f} MB")]

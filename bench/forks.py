@@ -58,7 +58,7 @@ from tests.workloads import conversation  # noqa: E402
 WINDOWS = (32768, 131072)
 KINDS = ("new run", "fork", "next")
 AS_INSTALLED = ("import sys; sys.modules.update(dict.fromkeys(('pandas', 'numpy'), None)); "
-                "from proxy.cli import main; sys.exit(main())")
+                "from ctxproxy.proxy.commands.cli import main; sys.exit(main())")
 """``ctxproxy`` as a user's install runs it (``bench/harness.py``): sqlite-utils would import pandas if present."""
 
 
@@ -228,8 +228,8 @@ def _journal_steps(tmp: Path, proxy: Proxy, trees: list[tuple[str, str]], trials
 def _time_journal(db: Path, trials: int) -> dict[str, float]:
     """Median ms of ``Journal.record_request`` for each kind, on the long session of the journal at ``db``."""
     sys.path.insert(0, os.environ["PYTHONPATH"])  # the tree under test, before this checkout
-    from proxy.rewrite import canonical_json, content_hash, fingerprint
-    from store import IncomingRequest, Journal, ResponseRecord
+    from ctxproxy.proxy.core import canonical_json, content_hash, fingerprint
+    from ctxproxy.store import IncomingRequest, Journal, ResponseRecord
 
     journal = Journal(db)
     long = journal.conn.execute("SELECT id FROM sessions ORDER BY requests DESC LIMIT 1").fetchone()[0]

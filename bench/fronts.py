@@ -4,7 +4,7 @@ Why: issue #14's "done when" asks that the shared trajectories, converted to eac
 guarantees as today (0 over the window, 0 broken pairs) and that prefix reuse be reported per protocol. Each
 agent request of each ``*.native.json`` trajectory is converted to an Anthropic Messages request (the system
 prompt apart, tool calls as ``tool_use`` blocks, results as ``tool_result`` blocks) and sent through the real
-app, in process, the recording answering as the model (``proxy.recording``), exactly as ``ctxproxy replay``
+app, in process, the recording answering as the model (``proxy.commands.recording``), exactly as ``ctxproxy replay``
 does for the chat route:
 
 - ``chat``: the original chat requests to ``/v1/chat/completions`` (the reference);
@@ -34,15 +34,15 @@ sys.path.insert(0, str(ROOT))
 import httpx  # noqa: E402
 import orjson  # noqa: E402
 
-from config import load_settings  # noqa: E402
-from proxy.app import create_app  # noqa: E402
-from proxy.fronts.anthropic.encode import CARRIER  # noqa: E402
-from proxy.fronts.anthropic.native import native_chat  # noqa: E402
-from proxy.recording import LAST_ANSWER, RecordedUpstream, Sent, prompt_tokens  # noqa: E402
-from proxy.replay import _Run, agent_requests, replay_settings, request_body, summarize  # noqa: E402
-from proxy.rewrite import broken_pairs  # noqa: E402
-from proxy.rewrite.tokens import MessageCounter  # noqa: E402
-from store import open_journal  # noqa: E402
+from ctxproxy.config import load_settings  # noqa: E402
+from ctxproxy.proxy.commands.recording import LAST_ANSWER, RecordedUpstream, Sent, prompt_tokens  # noqa: E402
+from ctxproxy.proxy.commands.replay import _Run, agent_requests, replay_settings, request_body, summarize  # noqa: E402
+from ctxproxy.proxy.core import broken_pairs  # noqa: E402
+from ctxproxy.proxy.core.tokens import MessageCounter  # noqa: E402
+from ctxproxy.proxy.edge.app import create_app  # noqa: E402
+from ctxproxy.proxy.edge.fronts.anthropic.encode import CARRIER  # noqa: E402
+from ctxproxy.proxy.edge.fronts.anthropic.native import native_chat  # noqa: E402
+from ctxproxy.store import open_journal  # noqa: E402
 from tests.workloads import trajectories_dir  # noqa: E402
 
 WINDOWS = (8192, 32768)
@@ -168,7 +168,7 @@ async def run(conversation: dict[str, Any], window: int, mode: str, counter: Mes
 
 
 def _as_chat_error(response: httpx.Response, sent: Sent | None) -> httpx.Response:
-    """An Anthropic refusal (a 400 with nothing forwarded) in the chat envelope ``proxy.replay`` recognises."""
+    """An Anthropic refusal (a 400 with nothing forwarded) in the chat envelope ``proxy.commands.replay`` recognises."""
     if response.status_code == 400 and sent is None and response.json().get("type") == "error":
         return httpx.Response(400, json={"error": {"code": "context_length_exceeded", "message": "",
                                                    "type": "invalid_request_error"}})

@@ -23,7 +23,7 @@ prompt-processing time are the server's own.
 
 Reported per workload: requests, refused through the proxy and raw, upstream requests over the window (the
 upstream's own count), broken pairs (a tool call without its result or a result without its call in what was
-sent), changed text (the invariants of ``proxy.rewrite.violations``), tokens sent vs raw (cl100k), prefix reuse
+sent), changed text (the invariants of ``proxy.core.violations``), tokens sent vs raw (cl100k), prefix reuse
 (characters of leading messages and tools identical to the previous upstream request's, over all characters sent,
 as in ``shared/bench/README.md``), time per request (for llama.cpp with ``max_tokens`` 1, its prompt processing)
 and the proxy process's peak resident memory (VmHWM). ``--latency`` adds ``bench/latency.py``'s added-latency
@@ -60,9 +60,9 @@ sys.path.insert(0, str(BENCH))
 import latency  # noqa: E402
 from rewrite import load_conversation  # noqa: E402
 
-from proxy.rewrite import violations  # noqa: E402
-from proxy.rewrite.invariants import broken_pairs as pairs_broken  # noqa: E402
-from proxy.rewrite.tokens import MessageCounter  # noqa: E402
+from ctxproxy.proxy.core import violations  # noqa: E402
+from ctxproxy.proxy.core.invariants import broken_pairs as pairs_broken  # noqa: E402
+from ctxproxy.proxy.core.tokens import MessageCounter  # noqa: E402
 from tests.fakes import CountingUpstream, Reply, lifespan, receive_body, serve_in_thread  # noqa: E402
 from tests.real.upstream import agent_history, llama_server  # noqa: E402
 from tests.workloads import TRAJECTORIES_ENV, conversation, trajectories_dir  # noqa: E402
@@ -173,7 +173,7 @@ def upstream(kind: str, tmp: Path) -> Iterator[tuple[str, Any]]:
 
 
 AS_INSTALLED = ("import sys; sys.modules.update(dict.fromkeys(('pandas', 'numpy', 'rich', 'pygments'), None)); "
-                "from proxy.cli import main; sys.exit(main())")
+                "from ctxproxy.proxy.commands.cli import main; sys.exit(main())")
 """``ctxproxy`` as a user's install runs it. The test venv also holds pandas and numpy (mini-swe-agent needs them),
 and sqlite-utils imports them when they are there, which would add about 120 MB to the memory measured; and rich
 and pygments (the test tools'), which httpx imports for its command line when they are there (40 ms, 4 MB).
@@ -245,7 +245,7 @@ def tokens(body: dict[str, Any], by_identity: dict[int, int] | None = None) -> i
 
 
 def broken_pairs(sent: list[dict[str, Any]], received: list[dict[str, Any]]) -> int:
-    """Tool calls without their result plus results without their call (``proxy.rewrite.invariants``' walk, which
+    """Tool calls without their result plus results without their call (``proxy.core.invariants``' walk, which
     follows reused ids) in what was sent, beyond those already in the agent's own request."""
     return max(0, sum(pairs_broken(sent).values()) - sum(pairs_broken(received).values()))
 

@@ -28,9 +28,9 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from config import load_settings
-from proxy.app import create_app
-from proxy.rewrite.tokens import MessageCounter
+from ctxproxy.config import load_settings
+from ctxproxy.proxy.core.tokens import MessageCounter
+from ctxproxy.proxy.edge.app import create_app
 from tests.fakes import serve_in_thread
 from tests.real.upstream import agent_history, llama_server
 

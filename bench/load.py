@@ -330,7 +330,7 @@ async def sample(pid: int, load: Load) -> None:
 
 def client(base: str, sessions: int, timeout: float) -> Client:
     """aiohttp, not httpx: the driver shares the machine's two cores with the proxy, and aiohttp's HTTP stack costs
-    about a third of httpx's per request (proxy/transport.py); a connection per session."""
+    about a third of httpx's per request (proxy/upstream/transport.py); a connection per session."""
     return aiohttp.ClientSession(base, connector=aiohttp.TCPConnector(limit=sessions + 10),
                                  timeout=aiohttp.ClientTimeout(total=timeout))
 

@@ -181,13 +181,13 @@ def steps_report(chosen: list[Workload]) -> str:
 
 
 def _time_steps(body: bytes) -> dict[str, tuple[float, float]]:
-    from config import load_settings
-    from proxy.chat import incoming_request
-    from proxy.edge import parse_chat_body
-    from proxy.hashing import MessageHasher
-    from proxy.rewrite import canonical_json, content_hash, fingerprint
-    from proxy.sse import last_usage
-    from proxy.upstream import client_headers, redact
+    from ctxproxy.config import load_settings
+    from ctxproxy.proxy.core import canonical_json, content_hash, fingerprint
+    from ctxproxy.proxy.edge.body import parse_chat_body
+    from ctxproxy.proxy.edge.chat import incoming_request
+    from ctxproxy.proxy.engine.hashing import MessageHasher
+    from ctxproxy.proxy.upstream.endpoint import client_headers, redact
+    from ctxproxy.proxy.upstream.sse import last_usage
 
     parsed = parse_chat_body(body)
     messages = parsed["messages"]
@@ -221,7 +221,7 @@ def _fake_request(body: bytes) -> Any:
 
 def _time_journal(incoming: Any) -> dict[str, tuple[float, float]]:
     """The two journal writes of a request on a fresh file journal, and the cost of the hop to its thread."""
-    from store import Journal, JournalWriter, ResponseRecord
+    from ctxproxy.store import Journal, JournalWriter, ResponseRecord
 
     with tempfile.TemporaryDirectory(prefix="ctxproxy-steps-") as tmp:
         journal = Journal(Path(tmp) / "journal.db")

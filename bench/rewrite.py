@@ -3,7 +3,7 @@
 Why: issue #3's "done when" is a set of numbers. This script produces all of them in one run:
 
 1. every recorded trajectory (the directory ``CTXPROXY_TRAJECTORIES`` names; left out, and said so, when it is
-   not set) replayed through the proxy's request path (``proxy.replay``) at 4k, 8k and 32k: requests, refused
+   not set) replayed through the proxy's request path (``proxy.commands.replay``) at 4k, 8k and 32k: requests, refused
    (cannot fit even after every cut), invariant violations, the largest request sent, requests over the window;
    the fenced ones likewise, and a generated fenced run whose results no preset knows (``bench/gen_fenced.py``)
    at 4k, 8k and 16k, with the newest rounds' text lost and the cuts not restorable;
@@ -39,13 +39,13 @@ import httpx  # noqa: E402
 import orjson  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 
-from config import load_settings  # noqa: E402
-from proxy.app import create_app  # noqa: E402
-from proxy.budgets import budget_for  # noqa: E402
-from proxy.hashing import MessageHasher  # noqa: E402
-from proxy.replay import replay, summarize  # noqa: E402
-from proxy.rewrite import Rules, project, violations  # noqa: E402
-from proxy.rewrite.tokens import MessageCounter  # noqa: E402
+from ctxproxy.config import load_settings  # noqa: E402
+from ctxproxy.proxy.commands.replay import replay, summarize  # noqa: E402
+from ctxproxy.proxy.core import Rules, project, violations  # noqa: E402
+from ctxproxy.proxy.core.tokens import MessageCounter  # noqa: E402
+from ctxproxy.proxy.edge.app import create_app  # noqa: E402
+from ctxproxy.proxy.engine.budgets import budget_for  # noqa: E402
+from ctxproxy.proxy.engine.hashing import MessageHasher  # noqa: E402
 from tests.fakes import CountingUpstream, Reply  # noqa: E402
 from tests.workloads import TRAJECTORIES_ENV, conversation, trajectories_dir  # noqa: E402
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from config.parsers import (
+from ctxproxy.config.parsers import (
     Parser,
     Secret,
     parse_bool,

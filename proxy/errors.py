@@ -2,7 +2,7 @@
 
 Our exceptions carry their HTTP status, type and code; one renderer turns any of them (and anything unexpected)
 into the envelope, so a client never sees a bare 500 or a traceback. Upstream errors are not ours: they are
-relayed with the upstream's own status and body (see ``proxy.chat``).
+relayed with the upstream's own status and body (see ``proxy.edge.chat``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from store.failures import JournalUnavailable
+from ctxproxy.store.failures import JournalUnavailable
 
 __all__ = [
     "BadRequest",
@@ -77,7 +77,7 @@ class PayloadTooLarge(CtxError):
 
 
 class ProxyLoop(CtxError):
-    """The request came back to the proxy that sent it (``proxy.loop``): 508 Loop Detected, RFC 5842 §7.2."""
+    """The request came back to the proxy that sent it (``proxy.upstream.loop``): 508 Loop Detected, RFC 5842 §7.2."""
 
     status, type, code = 508, "server_error", "proxy_loop"
 
@@ -101,7 +101,8 @@ class UpstreamBrokeOff(UpstreamUnreachable):
 
 
 class UpstreamMalformed(CtxError):
-    """The upstream answered, but not in the shape ctxproxy reads (``proxy.answers``): its fault, not the client's."""
+    """The upstream answered, but not in the shape ctxproxy reads (``proxy.upstream.answers``): its fault, not
+    the client's."""
 
     status, type, code = 502, "upstream_error", "upstream_malformed"
 

@@ -1,4 +1,4 @@
-"""The OpenAI chat shapes ctxproxy reads, declared once. They are validated only at the HTTP edge (``proxy.edge``).
+"""The OpenAI chat shapes ctxproxy reads, declared once. They are validated only at the HTTP edge (``proxy.edge.body``).
 
 Only the keys the proxy looks at are declared; every other key of a request is passed upstream as it came.
 """

@@ -14,7 +14,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from config.settings import SETTABLE, Settings  # noqa: E402
+from ctxproxy.config.settings import SETTABLE, Settings  # noqa: E402
 
 SECTIONS = {"upstream": "Server", "metrics_token": "Clients and exposure",
             "ctx_window": "Budget and tokens (DESIGN.md §3)", "tools_enabled": "Context tools (DESIGN.md §5)"}

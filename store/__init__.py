@@ -1,19 +1,19 @@
 """Persistence for ctxproxy. Every SQL string of the project lives in this package."""
 
-from store.cuts import ForwardRecord, OverflowBody
-from store.failures import JournalUnavailable, open_journal
-from store.journal import IncomingRequest, Journal, RecordedRequest, ResponseRecord, prefix_digest
-from store.kept_responses import keep_response, kept_response
-from store.memory import MemoryJournal
-from store.retention import PruneReport
-from store.session_state import (
+from ctxproxy.store.cuts import ForwardRecord, OverflowBody
+from ctxproxy.store.failures import JournalUnavailable, open_journal
+from ctxproxy.store.journal import IncomingRequest, Journal, RecordedRequest, ResponseRecord, prefix_digest
+from ctxproxy.store.kept_responses import keep_response, kept_response
+from ctxproxy.store.memory import MemoryJournal
+from ctxproxy.store.retention import PruneReport
+from ctxproxy.store.session_state import (
     CalibrationInForce,
     SessionState,
     calibration_in_force,
     record_session_state,
     session_state,
 )
-from store.writer import JournalWriter
+from ctxproxy.store.writer import JournalWriter
 
 __all__ = [
     "CalibrationInForce",

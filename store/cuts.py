@@ -112,7 +112,38 @@ class SpansMixin:
         return [found[h] for h in hashes]
 
 
-class CutsMixin(SpansMixin):
+class OpsMixin:
+    """The model's context-tool calls as the journal keeps them, and the scorecard read from them."""
+
+    conn: sqlite3.Connection
+
+    def record_context_op(self, op: Mapping[str, Any]) -> None:
+        """One context-tool call the proxy executed (``op``: the columns of ``context_ops`` but ``id``)."""
+        with self.conn:
+            self.conn.execute(
+                "INSERT INTO context_ops (session_id, request_id, round, op, ok, arguments, result, handles,"
+                " tokens_freed, overflow_ids, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [op["session_id"], op["request_id"], op["round"], op["op"], int(op["ok"]), op["arguments"],
+                 op["result"], json.dumps(op["handles"]), op["tokens_freed"], json.dumps(op["overflow_ids"]),
+                 op["created_at"]])
+
+    def mirror_revisions(self, session_id: str) -> int:
+        """How many mirror revisions of the session were accepted: ``ctx commit`` calls that applied cuts (a commit
+        that cut nothing names no handle)."""
+        row = self.conn.execute("SELECT COUNT(*) FROM context_ops WHERE session_id = ? AND op = 'commit' AND ok = 1"
+                                " AND handles != '[]'", [session_id]).fetchone()
+        return int(row[0])
+
+    def scorecard(self) -> list[dict[str, Any]]:
+        """One row per turn (a person's message and the rounds it started): tokens in and out, per round and per
+        tool call, and the model's context ops."""
+        rows = self.conn.execute(_SCORECARD).fetchall()
+        keys = ("session_id", "turn", "rounds", "tool_calls", "input_tokens", "output_tokens", "status", "pins",
+                "unpins", "drops", "notes", "tokens_freed")
+        return [_score(dict(zip(keys, row, strict=True))) for row in rows]
+
+
+class CutsMixin(SpansMixin, OpsMixin):
     conn: sqlite3.Connection
 
     if TYPE_CHECKING:  # provided by Journal
@@ -178,31 +209,6 @@ class CutsMixin(SpansMixin):
             [rec.base_list_id if rec.base_len else None, rec.base_len, json.dumps(list(rec.added_hashes)),
              rec.length])
         return int(cursor.lastrowid or 0)
-
-    def record_context_op(self, op: Mapping[str, Any]) -> None:
-        """One context-tool call the proxy executed (``op``: the columns of ``context_ops`` but ``id``)."""
-        with self.conn:
-            self.conn.execute(
-                "INSERT INTO context_ops (session_id, request_id, round, op, ok, arguments, result, handles,"
-                " tokens_freed, overflow_ids, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                [op["session_id"], op["request_id"], op["round"], op["op"], int(op["ok"]), op["arguments"],
-                 op["result"], json.dumps(op["handles"]), op["tokens_freed"], json.dumps(op["overflow_ids"]),
-                 op["created_at"]])
-
-    def mirror_revisions(self, session_id: str) -> int:
-        """How many mirror revisions of the session were accepted: ``ctx commit`` calls that applied cuts (a commit
-        that cut nothing names no handle)."""
-        row = self.conn.execute("SELECT COUNT(*) FROM context_ops WHERE session_id = ? AND op = 'commit' AND ok = 1"
-                                " AND handles != '[]'", [session_id]).fetchone()
-        return int(row[0])
-
-    def scorecard(self) -> list[dict[str, Any]]:
-        """One row per turn (a person's message and the rounds it started): tokens in and out, per round and per
-        tool call, and the model's context ops."""
-        rows = self.conn.execute(_SCORECARD).fetchall()
-        keys = ("session_id", "turn", "rounds", "tool_calls", "input_tokens", "output_tokens", "status", "pins",
-                "unpins", "drops", "notes", "tokens_freed")
-        return [_score(dict(zip(keys, row, strict=True))) for row in rows]
 
     # --- reads ------------------------------------------------------------------------------------------------
     def decisions(self, session_id: str) -> list[dict[str, Any]]:

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal
 
-from store.journal import Journal
+from ctxproxy.store.journal import Journal
 
 __all__ = ["JournalUnavailable", "explain", "open_journal", "storage_errors", "unavailable"]
 

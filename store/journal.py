@@ -19,15 +19,15 @@ from typing import Any
 
 from sqlite_utils import Database
 
-from store.cuts import CutsMixin, ForwardRecord
-from store.inspect import InspectMixin
-from store.migrations import migrations
-from store.placement import Placement, PlacementMixin
-from store.prefixes import PrefixDigests, index_list
-from store.reads import ReadsMixin
-from store.records import IncomingRequest, RecordedRequest, ResponseRecord, prefix_digest
-from store.recovery import RecoveryMixin
-from store.retention import RetentionMixin
+from ctxproxy.store.cuts import CutsMixin, ForwardRecord
+from ctxproxy.store.inspect import InspectMixin
+from ctxproxy.store.migrations import migrations
+from ctxproxy.store.placement import Placement, PlacementMixin
+from ctxproxy.store.prefixes import PrefixDigests, index_list
+from ctxproxy.store.reads import ReadsMixin
+from ctxproxy.store.records import IncomingRequest, RecordedRequest, ResponseRecord, prefix_digest
+from ctxproxy.store.recovery import RecoveryMixin
+from ctxproxy.store.retention import RetentionMixin
 
 __all__ = ["IncomingRequest", "Journal", "RecordedRequest", "ResponseRecord", "prefix_digest"]
 

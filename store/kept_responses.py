@@ -2,7 +2,7 @@
 
 A Responses client may send only its newest input and name the response it continues; the upstream (a chat
 server) keeps nothing, so the proxy keeps each response it produced as the whole conversation up to it (input
-items, then output items), and the front expands a chained request from it (``proxy.fronts.responses``).
+items, then output items), and the front expands a chained request from it (``proxy.edge.fronts.responses``).
 
 Plain functions over a ``Journal`` (``writer.call(keep_response, ...)``), so the Journal class stays as is.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from store.journal import Journal
+from ctxproxy.store.journal import Journal
 
 __all__ = ["keep_response", "kept_response"]
 

@@ -18,8 +18,8 @@ from collections import deque
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
-from store.journal import Journal
-from store.retention import DELETE_PREFIXES
+from ctxproxy.store.journal import Journal
+from ctxproxy.store.retention import DELETE_PREFIXES
 
 __all__ = ["MemoryJournal"]
 

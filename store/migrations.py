@@ -17,8 +17,8 @@ from collections import OrderedDict
 from sqlite_utils import Database
 from sqlite_utils.migrations import Migrations
 
-from store.prefixes import PrefixDigests, index_list
-from store.reads import chain_hashes
+from ctxproxy.store.prefixes import PrefixDigests, index_list
+from ctxproxy.store.reads import chain_hashes
 
 __all__ = ["migrations"]
 

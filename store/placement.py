@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from store.prefixes import PrefixDigests, common_prefix, list_digest
-from store.records import IncomingRequest, prefix_digest
-from store.recovery import ANSWERED, INTERRUPTED
+from ctxproxy.store.prefixes import PrefixDigests, common_prefix, list_digest
+from ctxproxy.store.records import IncomingRequest, prefix_digest
+from ctxproxy.store.recovery import ANSWERED, INTERRUPTED
 
 __all__ = ["Head", "Placement", "PlacementMixin"]
 

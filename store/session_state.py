@@ -16,7 +16,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 
-from store.journal import Journal
+from ctxproxy.store.journal import Journal
 
 __all__ = ["MIRROR_SEPARATOR", "CalibrationInForce", "SessionState", "calibration_in_force", "record_session_state",
            "session_state"]

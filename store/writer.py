@@ -26,8 +26,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from store.failures import JournalUnavailable, explain
-from store.journal import Journal
+from ctxproxy.store.failures import JournalUnavailable, explain
+from ctxproxy.store.journal import Journal
 
 __all__ = ["JournalWriter"]
 
@@ -50,7 +50,7 @@ class JournalWriter:
         self._data_version: int | None = None
         self.generation = 0
         """Counts the times another process wrote the journal (``ctxproxy prune``): what the proxy remembers of
-        its sessions (``proxy.context``) is keyed by it, so nothing read before such a write is used after."""
+        its sessions (``proxy.engine.context``) is keyed by it, so nothing read before such a write is used after."""
 
     async def call(self, method: Callable[..., T], *args: object) -> T:
         loop = asyncio.get_running_loop()

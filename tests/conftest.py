@@ -15,9 +15,9 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck
 from hypothesis import settings as hypothesis_settings
 
-from config import Settings, load_settings
-from proxy.app import create_app
-from proxy.events import EventBus
+from ctxproxy.config import Settings, load_settings
+from ctxproxy.proxy.edge.app import create_app
+from ctxproxy.proxy.observe.events import EventBus
 from tests.fakes import FakeUpstream
 
 # A noisy 2-core machine: no per-example deadline, and Hypothesis's one-time start-up (building its Unicode tables

@@ -240,7 +240,7 @@ class CountingUpstream(FakeUpstream):
 
     def __init__(self, window: int, ratio: float = 1.0) -> None:
         super().__init__()
-        from proxy.rewrite.tokens import MessageCounter
+        from ctxproxy.proxy.core.tokens import MessageCounter
 
         self.window, self.ratio = window, ratio
         self.counter = MessageCounter()

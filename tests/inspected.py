@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from config import Settings, load_settings
+from ctxproxy.config import Settings, load_settings
 
 BASH = {"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}
 WINDOW = 4096

@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from config import Settings
-from proxy.answers import check_chunk, check_completion, usage_figure
-from proxy.errors import UpstreamMalformed
-from store import Journal
+from ctxproxy.config import Settings
+from ctxproxy.proxy.errors import UpstreamMalformed
+from ctxproxy.proxy.upstream.answers import check_chunk, check_completion, usage_figure
+from ctxproxy.store import Journal
 from tests.conftest import chat
 from tests.fakes import FakeUpstream, Reply, completion, stream_chunks
 

@@ -11,9 +11,9 @@ import orjson
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from proxy.fronts.anthropic.chatstream import ChatFromAnthropic
-from proxy.fronts.anthropic.native import native_body, native_chat
-from proxy.fronts.anthropic.stream import AnthropicStream
+from ctxproxy.proxy.edge.fronts.anthropic.chatstream import ChatFromAnthropic
+from ctxproxy.proxy.edge.fronts.anthropic.native import native_body, native_chat
+from ctxproxy.proxy.edge.fronts.anthropic.stream import AnthropicStream
 from tests.fakes import stream_tool_answer
 
 text = st.text(max_size=30)

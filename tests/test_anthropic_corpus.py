@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from bench.fronts import run
-from proxy.rewrite.tokens import MessageCounter
+from ctxproxy.proxy.core.tokens import MessageCounter
 from tests.workloads import TRAJECTORIES_ENV, trajectories_dir
 
 SETTING = trajectories_dir()

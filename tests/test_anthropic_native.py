@@ -19,7 +19,7 @@ import orjson
 import pytest
 from fastapi.testclient import TestClient
 
-from config import load_settings
+from ctxproxy.config import load_settings
 from tests.conftest import app_client
 from tests.fakes import FakeUpstream, Reply
 

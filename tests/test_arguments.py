@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from proxy.rewrite.arguments import args_target, cut_arguments
-from proxy.rewrite.invariants import violations
-from proxy.rewrite.state import Rules, sha256_text
-from proxy.rewrite.stubs import parse_stub
+from ctxproxy.proxy.core.arguments import args_target, cut_arguments
+from ctxproxy.proxy.core.invariants import violations
+from ctxproxy.proxy.core.state import Rules, sha256_text
+from ctxproxy.proxy.core.stubs import parse_stub
 from tests.test_project import budget, run, session
 
 BODY = "".join(f"def function_{i}():\n    return {i}\n" for i in range(150))  # ~4 KB of a file written
@@ -81,8 +81,8 @@ def test_a_writing_agent_keeps_every_round_where_results_alone_would_fold() -> N
 
 
 def test_a_pin_on_a_call_whose_arguments_were_cut_restores_them() -> None:
-    from proxy.tools.apply import View, apply_intent
-    from proxy.tools.intents import Pin
+    from ctxproxy.proxy.tools.apply import View, apply_intent
+    from ctxproxy.proxy.tools.intents import Pin
     from tests.test_project import CharCounter
 
     rules = Rules(budget(16384, spill_chars=100_000))

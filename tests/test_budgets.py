@@ -1,5 +1,5 @@
 """The budget the core obeys comes from plain values: ``Limits`` resolved against a window; the settings are read
-outside the core (``proxy.budgets``)."""
+outside the core (``proxy.engine.budgets``)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from config import load_settings
-from proxy.budgets import budget_for, limits_of
-from proxy.rewrite import Limits
-from proxy.rewrite.budget import MIN_CUT_CHARS
+from ctxproxy.config import load_settings
+from ctxproxy.proxy.core import Limits
+from ctxproxy.proxy.core.budget import MIN_CUT_CHARS
+from ctxproxy.proxy.engine.budgets import budget_for, limits_of
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,8 +31,9 @@ def test_the_settings_give_the_same_budget_through_plain_values() -> None:
 
 
 def test_importing_the_core_loads_no_settings_store_or_http_layer() -> None:
-    probe = ("import sys, proxy.rewrite, proxy.rewrite.tokens, proxy.rewrite.fenced; "
-             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('config', 'store', 'starlette', 'httpx') "
-             "or (m.startswith('proxy.') and not m.startswith('proxy.rewrite'))))")
+    probe = ("import sys, ctxproxy.proxy.core, ctxproxy.proxy.core.tokens, ctxproxy.proxy.core.fenced; "
+             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('starlette', 'httpx') "
+             "or m.startswith(('ctxproxy.config', 'ctxproxy.store')) "
+             "or (m.startswith('ctxproxy.proxy.') and not m.startswith('ctxproxy.proxy.core'))))")
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -11,9 +11,9 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from config import Settings, load_settings
-from proxy.app import create_app
-from store import Journal
+from ctxproxy.config import Settings, load_settings
+from ctxproxy.proxy.edge.app import create_app
+from ctxproxy.store import Journal
 from tests.conftest import app_client, chat
 from tests.fakes import FakeUpstream, serve_in_thread
 

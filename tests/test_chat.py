@@ -9,8 +9,8 @@ import httpx
 import orjson
 from fastapi.testclient import TestClient
 
-from config import Settings, load_settings
-from store import Journal
+from ctxproxy.config import Settings, load_settings
+from ctxproxy.store import Journal
 from tests.conftest import app_client, chat
 from tests.fakes import FakeUpstream, Reply, stream_chunks, stream_tool_answer, tool_answer
 

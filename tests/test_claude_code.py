@@ -23,9 +23,9 @@ import httpx
 import pytest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from config import load_settings
-from proxy.app import create_app
-from proxy.rewrite.tokens import MessageCounter
+from ctxproxy.config import load_settings
+from ctxproxy.proxy.core.tokens import MessageCounter
+from ctxproxy.proxy.edge.app import create_app
 from tests.fakes import FakeUpstream, Received, Reply, serve_in_thread, stream_chunks, stream_tool_answer
 from tests.test_anthropic_native import answer, sse
 

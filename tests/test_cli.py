@@ -19,9 +19,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from config import load_settings
-from config.settings import unknown_environment
-from proxy.cli import main
+from ctxproxy.config import load_settings
+from ctxproxy.config.settings import unknown_environment
+from ctxproxy.proxy.commands.cli import main
 from tests.conftest import app_client
 from tests.fakes import FakeUpstream, serve_in_thread
 from tests.test_metrics import with_result

@@ -22,9 +22,9 @@ from typing import Any
 import httpx
 import pytest
 
-from config import load_settings
-from proxy.app import create_app
-from store import Journal
+from ctxproxy.config import load_settings
+from ctxproxy.proxy.edge.app import create_app
+from ctxproxy.store import Journal
 from tests.fakes import FakeUpstream, Reply, serve_in_thread, stream_chunks, stream_tool_answer
 
 pytestmark = pytest.mark.e2e
@@ -144,7 +144,7 @@ def test_a_long_codex_run_stays_inside_a_small_window_every_cut_restorable(tmp_p
     carries are restorable from the journal."""
     if not CODEX.exists():
         pytest.skip(f"Codex CLI is not installed at {CODEX}: run scripts/test-deps (needs npm)")
-    from proxy.rewrite.tokens import MessageCounter
+    from ctxproxy.proxy.core.tokens import MessageCounter
 
     window, fake = 24576, FakeUpstream()
     for n in range(6):

@@ -15,9 +15,9 @@ import jsonschema
 import pytest
 from fastapi.testclient import TestClient
 
-from config import load_settings
-from proxy.rewrite.stubs import parse_stub
-from proxy.tools.schemas import CONTEXT_TOOLS, TOOL_NAMES
+from ctxproxy.config import load_settings
+from ctxproxy.proxy.core.stubs import parse_stub
+from ctxproxy.proxy.tools.schemas import CONTEXT_TOOLS, TOOL_NAMES
 from tests.conftest import app_client
 from tests.fakes import FakeUpstream, Reply, completion, stream_chunks, stream_tool_answer, tool_answer
 
@@ -264,7 +264,7 @@ def test_ops_are_journaled_and_counted_in_the_scorecard_and_metrics(client: Test
 def test_the_events_endpoint_streams_context_ops(tmp_path: Path) -> None:
     import threading
 
-    from proxy.app import create_app
+    from ctxproxy.proxy.edge.app import create_app
     from tests.fakes import serve_in_thread
 
     upstream = FakeUpstream()
@@ -448,7 +448,7 @@ def test_a_mirror_edit_that_changes_the_person_is_refused_with_a_reason(
 
 
 def journaled_ops(mirror: Path) -> list[tuple[str, int, str]]:
-    from store import Journal
+    from ctxproxy.store import Journal
 
     journal = Journal(mirror.parent.parent / "data" / "journal.db")
     return [tuple(r) for r in journal.db.execute("SELECT op, ok, result FROM context_ops ORDER BY id")]  # type: ignore

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from proxy.replay import ReplayStep, summarize
-from proxy.rewrite.fenced import find_results, route_of
+from ctxproxy.proxy.commands.replay import ReplayStep, summarize
+from ctxproxy.proxy.core.fenced import find_results, route_of
 from tests.test_trajectories import WINDOWS, assert_replays_within_budget_and_intact, replayed
 from tests.workloads import TRAJECTORIES_ENV, trajectories_dir
 

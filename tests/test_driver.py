@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 
-from config import load_settings
+from ctxproxy.config import load_settings
 from tests.conftest import app_client
 from tests.fakes import FakeUpstream, Reply, completion, stream_chunks, stream_tool_answer, tool_answer
 

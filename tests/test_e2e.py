@@ -20,9 +20,9 @@ import httpx
 import openai
 import pytest
 
-from config import Settings, load_settings
-from proxy.app import create_app
-from store import Journal
+from ctxproxy.config import Settings, load_settings
+from ctxproxy.proxy.edge.app import create_app
+from ctxproxy.store import Journal
 from tests.fakes import FakeUpstream, Reply, completion, serve_in_thread, stream_chunks, stream_tool_answer, tool_answer
 
 pytestmark = pytest.mark.e2e

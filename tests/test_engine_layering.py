@@ -6,17 +6,18 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import proxy
+from ctxproxy import proxy
 
 PACKAGE = Path(proxy.__file__).parent
-DECIDING = ("proxy.engine.turn", "proxy.engine.policy", "proxy.engine.replies")
-IO = ("httpx", "starlette", "anyio", "asyncio", "sqlite3", "store", "config", "proxy.state", "proxy.engine.planning")
+DECIDING = ("ctxproxy.proxy.engine.turn", "ctxproxy.proxy.engine.policy", "ctxproxy.proxy.engine.replies")
+IO = ("httpx", "starlette", "anyio", "asyncio", "sqlite3", "ctxproxy.store", "ctxproxy.config",
+      "ctxproxy.proxy.engine.state", "ctxproxy.proxy.engine.planning")
 
 
 def _modules() -> dict[str, Path]:
     found = {}
     for path in PACKAGE.rglob("*.py"):
-        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        parts = path.relative_to(PACKAGE.parent.parent).with_suffix("").parts
         found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return found
 
@@ -68,8 +69,8 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
 
 def test_the_byte_relay_never_calls_back_up() -> None:
     graph = _graph()
-    for module in ("proxy.relay", "proxy.streaming"):
-        up = {m for m in graph[module] if m.startswith(("proxy.engine", "proxy.chat"))}
+    for module in ("ctxproxy.proxy.upstream.relay", "ctxproxy.proxy.upstream.streaming"):
+        up = {m for m in graph[module] if m.startswith(("ctxproxy.proxy.engine", "ctxproxy.proxy.edge.chat"))}
         assert not up, f"{module} imports {up}"
 
 

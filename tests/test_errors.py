@@ -8,8 +8,8 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from config import Settings, load_settings
-from store import Journal
+from ctxproxy.config import Settings, load_settings
+from ctxproxy.store import Journal
 from tests.conftest import app_client, chat
 from tests.fakes import FakeUpstream, Reply
 

@@ -17,9 +17,9 @@ import httpx
 import pytest
 from starlette.types import Message, Receive, Scope, Send
 
-from config import load_settings
-from proxy.errors import StorageError, StorageFull, storage_error
-from store import Journal, JournalUnavailable, JournalWriter, open_journal
+from ctxproxy.config import load_settings
+from ctxproxy.proxy.errors import StorageError, StorageFull, storage_error
+from ctxproxy.store import Journal, JournalUnavailable, JournalWriter, open_journal
 from tests.conftest import app_client, chat
 from tests.fakes import FakeUpstream, receive_body
 from tests.test_journal import incoming, record, run

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from proxy.rewrite.fenced import PRESETS, find_results, parse_preset, route_of
+from ctxproxy.proxy.core.fenced import PRESETS, find_results, parse_preset, route_of
 from tests.transcripts import FORMATS, transcript
 
 FENCED = [f for f in FORMATS if f != "native"]
@@ -95,8 +95,8 @@ def test_the_route_is_native_with_tools_and_can_be_forced() -> None:
 
 
 def test_an_operators_preset_from_toml_is_tried_first(tmp_path: Path) -> None:
-    from config import SettingsError, load_settings
-    from proxy.rewrite.fenced import presets_for
+    from ctxproxy.config import SettingsError, load_settings
+    from ctxproxy.proxy.core.fenced import presets_for
 
     path = tmp_path / "c.toml"
     path.write_text('[[fenced_presets]]\nname = "mine"\npattern = "RESULT>>\\\\n(?P<body>.*)\\\\n<<END"\n')

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import httpx
 
-from config import load_settings
-from proxy.rewrite.tokens import MessageCounter
+from ctxproxy.config import load_settings
+from ctxproxy.proxy.core.tokens import MessageCounter
 from tests.conftest import app_client
 from tests.fakes import FakeUpstream
 

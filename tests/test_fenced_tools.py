@@ -97,7 +97,7 @@ def test_ctx_clear_through_a_block(client: TestClient, fake: FakeUpstream) -> No
 def test_a_whole_results_message_by_its_m_handle(client: TestClient, fake: FakeUpstream) -> None:
     import hashlib
 
-    from proxy.rewrite.identity import canonical_json
+    from ctxproxy.proxy.core.identity import canonical_json
 
     handle = "m" + hashlib.sha256(canonical_json(history()[5])).hexdigest()[:8]
     fake.enqueue(Reply(body=completion(block("context_drop", handles=[handle]))))

@@ -14,11 +14,11 @@ from typing import Any
 
 import httpx
 
-from config import load_settings
-from proxy.rewrite import Rules, canonical_json, fold_body, message_hash, project
-from proxy.rewrite.state import sha256_text
-from store import Journal, OverflowBody
-from store.journal import IncomingRequest
+from ctxproxy.config import load_settings
+from ctxproxy.proxy.core import Rules, canonical_json, fold_body, message_hash, project
+from ctxproxy.proxy.core.state import sha256_text
+from ctxproxy.store import Journal, OverflowBody
+from ctxproxy.store.journal import IncomingRequest
 from tests.conftest import app_client
 from tests.fakes import FakeUpstream, Reply, completion, tool_answer
 from tests.test_project import CharCounter, budget, history

@@ -14,13 +14,13 @@ from types import ModuleType
 
 import pytest
 
-from proxy.rewrite.tokens import OFFLINE_ENCODING, MessageCounter, TiktokenCounter, load_encoding
-from proxy.state import Warmup
+from ctxproxy.proxy.core.tokens import OFFLINE_ENCODING, MessageCounter, TiktokenCounter, load_encoding
+from ctxproxy.proxy.engine.state import Warmup
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = {"tiktoken", "prometheus_client", "sqlite_utils", "fastapi", "fastapi.openapi.models", "pydantic",
          "uvicorn", "aiohttp", "httpx", "store"}
-"""What ``import proxy.cli`` must not load: each command imports what it runs."""
+"""What ``import ctxproxy.proxy.commands.cli`` must not load: each command imports what it runs."""
 
 
 def modules_after(code: str) -> set[str]:
@@ -32,25 +32,27 @@ def modules_after(code: str) -> set[str]:
 
 
 def test_importing_the_cli_loads_no_heavy_module() -> None:
-    assert modules_after("import proxy.cli") & HEAVY == set()
+    assert modules_after("import ctxproxy.proxy.commands.cli") & HEAVY == set()
 
 
 def test_ctxproxy_version_answers_without_loading_the_server() -> None:
-    loaded = modules_after("import contextlib\nfrom proxy.cli import main\n"
+    loaded = modules_after("import contextlib\nfrom ctxproxy.proxy.commands.cli import main\n"
                            "with contextlib.suppress(SystemExit): main(['--version'])")
     assert loaded & HEAVY == set()
 
 
 def test_the_app_module_leaves_the_engine_the_wire_and_the_tokenizer_to_the_warmup() -> None:
-    loaded = modules_after("import uvicorn\nfrom proxy.app import create_app")
-    assert loaded & {"proxy.chat", "proxy.engine", "aiohttp", "tiktoken", "fastapi", "prometheus_client"} == set()
+    loaded = modules_after("import uvicorn\nfrom ctxproxy.proxy.edge.app import create_app")
+    turn_engine = {f"ctxproxy.proxy.engine.{m}" for m in ("driver", "turn", "forward", "planning", "exchange")}
+    assert loaded & {"ctxproxy.proxy.edge.chat", *turn_engine, "aiohttp", "tiktoken", "fastapi",
+                     "prometheus_client"} == set()
 
 
 SERVE_AND_ASK = """
 import httpx
 from starlette.testclient import TestClient
-from config import load_settings
-from proxy.app import create_app
+from ctxproxy.config import load_settings
+from ctxproxy.proxy.edge.app import create_app
 from tests.fakes import FakeUpstream
 settings = load_settings(env={"CTXPROXY_DATA_DIR": sys.argv[1], "CTXPROXY_UPSTREAM": "http://u.test/v1"})
 app = create_app(settings, upstream_transport=httpx.ASGITransport(app=FakeUpstream()))
@@ -110,7 +112,7 @@ def test_the_loaded_tokenizer_lets_go_of_the_python_ranks_and_counts_the_same() 
 
 BURST = """
 import threading
-from proxy.state import give_back_freed_memory
+from ctxproxy.proxy.engine.state import give_back_freed_memory
 def rss():
     return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) / 1024
 start, held = rss(), []
@@ -148,10 +150,10 @@ def _footprint_bench() -> ModuleType:
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the resident set from /proc")
 def test_the_servers_memory_levels_off_across_repeated_load_runs() -> None:
     """Four runs of 80 new agents each through one ``ctxproxy serve``, its RSS read once it has trimmed after each
-    (``proxy.app.TRIM_EVERY``): the first run adds what filling the caches and the allocator's pools costs, the
+    (``proxy.edge.app.TRIM_EVERY``): the first run adds what filling the caches and the allocator's pools costs, the
     later ones less and less (here: 79 → 89 → 93 → 95 → 95 MB, the caches full after 256 sessions); the last run
     must not add a quarter of what the first did."""
-    from proxy.app import TRIM_EVERY
+    from ctxproxy.proxy.edge.app import TRIM_EVERY
 
     report = _footprint_bench().waves(sessions=80, rounds=4, count=4, rest=TRIM_EVERY + 1, env=[])
     assert report["ok"], report
@@ -162,7 +164,7 @@ def test_the_servers_memory_levels_off_across_repeated_load_runs() -> None:
 def test_the_metrics_render_as_prometheus_clients_own_counters_would() -> None:
     from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-    from proxy.metrics import _SECONDS, Metrics
+    from ctxproxy.proxy.observe.metrics import _SECONDS, Metrics
 
     metrics = Metrics()
     metrics.answered("ok", {"prompt_tokens": 40, "completion_tokens": -5})  # a negative figure counts as unknown

@@ -25,10 +25,10 @@ from fastapi.testclient import TestClient
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from config import load_settings
-from proxy.answers import check_completion
-from proxy.sse import sse_lines
-from store import Journal
+from ctxproxy.config import load_settings
+from ctxproxy.proxy.upstream.answers import check_completion
+from ctxproxy.proxy.upstream.sse import sse_lines
+from ctxproxy.store import Journal
 from tests.conftest import app_client
 from tests.fakes import FakeUpstream, Reply, completion, stream_chunks, stream_tool_answer, tool_answer
 

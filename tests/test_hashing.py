@@ -7,8 +7,8 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.hashing import MessageHasher
-from proxy.rewrite import canonical_json, content_hash
+from ctxproxy.proxy.core import canonical_json, content_hash
+from ctxproxy.proxy.engine.hashing import MessageHasher
 
 message = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "tool"]),
                                  "content": st.one_of(st.none(), st.text(max_size=20))})

@@ -21,11 +21,10 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from config import load_settings
-from proxy import intercept
-from proxy.app import create_app
-from proxy.errors import PayloadTooLarge
-from proxy.heavy import (
+from ctxproxy.config import load_settings
+from ctxproxy.proxy.edge.app import create_app
+from ctxproxy.proxy.engine import intercept
+from ctxproxy.proxy.engine.heavy import (
     OFFLOAD_BYTES,
     OFFLOAD_MESSAGES,
     OFFLOAD_OBJECTS,
@@ -34,8 +33,9 @@ from proxy.heavy import (
     is_heavy,
     is_large,
 )
-from proxy.tools.apply import Outcome, View, apply_intent
-from proxy.tools.intents import Intent
+from ctxproxy.proxy.errors import PayloadTooLarge
+from ctxproxy.proxy.tools.apply import Outcome, View, apply_intent
+from ctxproxy.proxy.tools.intents import Intent
 from tests.fakes import FakeUpstream, Received, Reply, completion, serve_in_thread, tool_answer
 
 SMALL = {"model": "fake-model", "messages": [{"role": "system", "content": "You are terse."},

@@ -16,11 +16,11 @@ import httpx
 import pytest
 from starlette.testclient import TestClient
 
-from config import load_settings
-from proxy.context import SessionContexts
-from proxy.rewrite.tokens import Calibration, MessageCounter, TextCounter
-from proxy.state import AppState
-from store import Journal, JournalWriter
+from ctxproxy.config import load_settings
+from ctxproxy.proxy.core.tokens import Calibration, MessageCounter, TextCounter
+from ctxproxy.proxy.engine.context import SessionContexts
+from ctxproxy.proxy.engine.state import AppState
+from ctxproxy.store import Journal, JournalWriter
 from tests.conftest import app_client
 from tests.fakes import FakeUpstream
 from tests.test_journal import incoming, record

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from proxy.app import create_app
+from ctxproxy.proxy.edge.app import create_app
 from tests.fakes import FakeUpstream, Reply, serve_in_thread, tool_answer
 from tests.inspected import history, result, run, small_window
 

@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.rewrite import canonical_json, content_hash, fingerprint
-from proxy.upstream import redact
-from store import (
+from ctxproxy.proxy.core import canonical_json, content_hash, fingerprint
+from ctxproxy.proxy.upstream.endpoint import redact
+from ctxproxy.store import (
     ForwardRecord,
     IncomingRequest,
     Journal,
@@ -23,7 +23,7 @@ from store import (
     keep_response,
     kept_response,
 )
-from store.migrations import migrations
+from ctxproxy.store.migrations import migrations
 
 
 def incoming(messages: Sequence[dict[str, Any]], session: str | None = None, n: int = 0,

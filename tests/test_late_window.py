@@ -6,14 +6,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from config import load_settings
-from proxy.budgets import budget_for
-from proxy.rewrite.decisions import Decision
-from proxy.rewrite.fenced import presets_for
-from proxy.rewrite.identity import message_hash
-from proxy.rewrite.invariants import broken_pairs
-from proxy.rewrite.project import Projection, project
-from proxy.rewrite.state import Rules, State
+from ctxproxy.config import load_settings
+from ctxproxy.proxy.core.decisions import Decision
+from ctxproxy.proxy.core.fenced import presets_for
+from ctxproxy.proxy.core.identity import message_hash
+from ctxproxy.proxy.core.invariants import broken_pairs
+from ctxproxy.proxy.core.project import Projection, project
+from ctxproxy.proxy.core.state import Rules, State
+from ctxproxy.proxy.engine.budgets import budget_for
 from tests.test_project import STUB, CharCounter, history
 
 BIG = "\n".join(f"def handler_{n}(config, request):  # line {n}" for n in range(700))[:30_000]

@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from config import load_settings
-from proxy.logs import JsonFormatter, request_line
+from ctxproxy.config import load_settings
+from ctxproxy.proxy.observe.logs import JsonFormatter, request_line
 from tests.conftest import app_client
 from tests.fakes import FakeUpstream
 from tests.test_metrics import with_result

@@ -16,11 +16,11 @@ import uvicorn
 from fastapi.testclient import TestClient
 from starlette.datastructures import Headers
 
-from config import load_settings
-from proxy.app import create_app
-from proxy.errors import ProxyLoop
-from proxy.loop import MAX_HOPS, onward, refuse_loop
-from store import Journal
+from ctxproxy.config import load_settings
+from ctxproxy.proxy.edge.app import create_app
+from ctxproxy.proxy.errors import ProxyLoop
+from ctxproxy.proxy.upstream.loop import MAX_HOPS, onward, refuse_loop
+from ctxproxy.store import Journal
 from tests.fakes import FakeUpstream
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}

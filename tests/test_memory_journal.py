@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from config import load_settings
-from proxy.rewrite.state import sha256_text
-from store import (
+from ctxproxy.config import load_settings
+from ctxproxy.proxy.core.state import sha256_text
+from ctxproxy.store import (
     IncomingRequest,
     MemoryJournal,
     OverflowBody,

@@ -10,12 +10,12 @@ import httpx
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from config import load_settings
-from proxy.engine.tally import Tally, tally
-from proxy.rewrite.identity import message_hash
-from proxy.rewrite.project import Projection, project
-from proxy.rewrite.state import Rules
-from proxy.rewrite.tokens import MessageCounter
+from ctxproxy.config import load_settings
+from ctxproxy.proxy.core.identity import message_hash
+from ctxproxy.proxy.core.project import Projection, project
+from ctxproxy.proxy.core.state import Rules
+from ctxproxy.proxy.core.tokens import MessageCounter
+from ctxproxy.proxy.engine.tally import Tally, tally
 from tests.conftest import app_client
 from tests.fakes import CountingUpstream, FakeUpstream
 from tests.test_project import budget, history

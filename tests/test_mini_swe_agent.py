@@ -23,9 +23,9 @@ import pytest
 import yaml
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from config import Settings, load_settings
-from proxy.app import create_app
-from store import Journal
+from ctxproxy.config import Settings, load_settings
+from ctxproxy.proxy.edge.app import create_app
+from ctxproxy.store import Journal
 from tests.fakes import (
     CountingUpstream,
     FakeUpstream,

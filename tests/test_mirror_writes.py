@@ -14,10 +14,10 @@ from typing import Any
 
 import httpx
 
-from config import load_settings
-from proxy.rewrite import message_hash
-from proxy.tools.mirror import mirror_document
-from store import Journal, SessionState, record_session_state, session_state
+from ctxproxy.config import load_settings
+from ctxproxy.proxy.core import message_hash
+from ctxproxy.proxy.tools.mirror import mirror_document
+from ctxproxy.store import Journal, SessionState, record_session_state, session_state
 from tests.conftest import app_client
 from tests.fakes import CountingUpstream
 from tests.test_journal import incoming

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from proxy.overflow import detect_overflow
+from ctxproxy.proxy.upstream.overflow import detect_overflow
 
 
 @pytest.mark.parametrize(("status", "body", "tokens", "limit"), [

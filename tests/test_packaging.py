@@ -12,14 +12,15 @@ import re
 import subprocess
 import sys
 import tomllib
+import zipfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from config import load_settings
-from proxy.app import create_app
+from ctxproxy.config import load_settings
+from ctxproxy.proxy.edge.app import create_app
 from tests.fakes import serve_in_thread
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,7 +55,7 @@ def test_the_image_runs_the_same_ctxproxy_serve_as_the_tests() -> None:
     entry = re.search(r"^ENTRYPOINT (.+)$", dockerfile(), flags=re.M)
     assert entry is not None and json.loads(entry.group(1)) == ["ctxproxy", "serve"]
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    assert project["project"]["scripts"]["ctxproxy"] == "proxy.cli:main"
+    assert project["project"]["scripts"]["ctxproxy"] == "ctxproxy.proxy.commands.cli:main"
 
 
 def test_the_image_copies_every_package_and_sets_valid_settings() -> None:
@@ -119,3 +120,17 @@ def test_the_image_health_check_asks_the_proxy_healthz(tmp_path: Path) -> None:
     down = subprocess.run([sys.executable, *command[1:]], env={"CTXPROXY_PORT": port}, capture_output=True,
                           timeout=30)
     assert up.returncode == 0 and down.returncode != 0
+
+
+def test_the_wheel_installs_one_top_level_name_with_the_three_folders_inside(tmp_path: Path) -> None:
+    """``proxy``, ``store`` and ``config`` would collide with any package of that name in the user's environment:
+    the wheel holds them under ``ctxproxy`` only, as real folders (the checkout's links are followed)."""
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--wheel-dir", str(tmp_path), str(ROOT)], check=True, capture_output=True, timeout=300)
+    (wheel,) = tmp_path.glob("ctxproxy-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")} == {"ctxproxy"}
+    for module in ("ctxproxy/proxy/engine/turn.py", "ctxproxy/proxy/core/project.py", "ctxproxy/store/journal.py",
+                   "ctxproxy/config/default.toml", "ctxproxy/proxy/py.typed",
+                   "ctxproxy/proxy/edge/ui/app.js"):
+        assert module in names, module

@@ -8,7 +8,8 @@ from pathlib import Path
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.engine.policy import (
+from ctxproxy.proxy.core import Decision, message_hash
+from ctxproxy.proxy.engine.policy import (
     COMPACT,
     assemble,
     confirmation_notice,
@@ -18,9 +19,8 @@ from proxy.engine.policy import (
     reminder_due,
     restorable,
 )
-from proxy.rewrite import Decision, message_hash
-from proxy.tools.blocks import NOTE, RESTORE_NOTE
-from proxy.tools.schemas import CONTEXT_TOOLS, READ_TOOL
+from ctxproxy.proxy.tools.blocks import NOTE, RESTORE_NOTE
+from ctxproxy.proxy.tools.schemas import CONTEXT_TOOLS, READ_TOOL
 
 AGENT_TOOL = {"type": "function", "function": {"name": "read_file", "parameters": {}}}
 

@@ -15,9 +15,9 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from store import Journal, RecordedRequest, ResponseRecord, prefix_digest
-from store.placement import Head
-from store.prefixes import PrefixDigests
+from ctxproxy.store import Journal, RecordedRequest, ResponseRecord, prefix_digest
+from ctxproxy.store.placement import Head
+from ctxproxy.store.prefixes import PrefixDigests
 from tests.test_journal import incoming, run
 
 

@@ -13,15 +13,15 @@ from typing import Any
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from config import load_settings
-from proxy.budgets import budget_for
-from proxy.rewrite.budget import Budget
-from proxy.rewrite.cuts import fold_body
-from proxy.rewrite.decisions import Decision
-from proxy.rewrite.identity import message_hash
-from proxy.rewrite.invariants import broken_pairs, violations
-from proxy.rewrite.project import Projection, project
-from proxy.rewrite.state import Rules, State, sha256_text
+from ctxproxy.config import load_settings
+from ctxproxy.proxy.core.budget import Budget
+from ctxproxy.proxy.core.cuts import fold_body
+from ctxproxy.proxy.core.decisions import Decision
+from ctxproxy.proxy.core.identity import message_hash
+from ctxproxy.proxy.core.invariants import broken_pairs, violations
+from ctxproxy.proxy.core.project import Projection, project
+from ctxproxy.proxy.core.state import Rules, State, sha256_text
+from ctxproxy.proxy.engine.budgets import budget_for
 
 STUB = re.compile(r"^\[overflow id=([0-9a-f]{64}) tool=(\S+) bytes=(\d+) call_id=(\S+) storage=(disk|memory-only "
                   r"\(incognito\))\]\n")
@@ -342,7 +342,7 @@ def fenced_history(outputs: Sequence[str]) -> list[Any]:
 
 
 def fenced_rules(window: int = 8192, **overrides: Any) -> Rules:
-    from proxy.rewrite.fenced import PRESETS
+    from ctxproxy.proxy.core.fenced import PRESETS
 
     return Rules(budget(window, **overrides), fenced=PRESETS)
 

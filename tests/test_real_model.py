@@ -14,10 +14,10 @@ from typing import Any
 import httpx
 import pytest
 
-from config import load_settings
-from proxy.app import create_app
-from proxy.rewrite.tokens import Calibration
-from store import Journal
+from ctxproxy.config import load_settings
+from ctxproxy.proxy.core.tokens import Calibration
+from ctxproxy.proxy.edge.app import create_app
+from ctxproxy.store import Journal
 from tests.fakes import serve_in_thread
 from tests.real.upstream import agent_history, llama_server
 

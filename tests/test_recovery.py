@@ -18,7 +18,7 @@ import httpx
 import pytest
 from starlette.types import Message, Receive, Scope, Send
 
-from store import Journal, ResponseRecord
+from ctxproxy.store import Journal, ResponseRecord
 from tests.fakes import FakeUpstream, receive_body, serve_in_thread
 from tests.real.upstream import stop
 from tests.test_journal import incoming, record, run

@@ -9,11 +9,11 @@ from typing import Any
 
 import httpx
 
-from config import load_settings
-from proxy.engine.planning import describe_overflow
-from proxy.rewrite.identity import message_hash
-from proxy.rewrite.project import project
-from proxy.rewrite.state import Rules
+from ctxproxy.config import load_settings
+from ctxproxy.proxy.core.identity import message_hash
+from ctxproxy.proxy.core.project import project
+from ctxproxy.proxy.core.state import Rules
+from ctxproxy.proxy.engine.planning import describe_overflow
 from tests.conftest import app_client
 from tests.fakes import CountingUpstream
 from tests.test_project import CharCounter, budget

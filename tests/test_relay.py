@@ -10,8 +10,8 @@ import httpx
 import orjson
 import pytest
 
-from proxy.errors import UpstreamMalformed
-from proxy.relay import StreamRecord, guarded
+from ctxproxy.proxy.errors import UpstreamMalformed
+from ctxproxy.proxy.upstream.relay import StreamRecord, guarded
 
 
 async def breaking(exc: BaseException) -> AsyncIterator[bytes]:

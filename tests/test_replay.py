@@ -1,14 +1,14 @@
 """``ctxproxy replay`` measures what the server sends: the same conversation, fed request by request to
-``proxy.replay`` and to a running server in front of the same recording upstream, gives byte-identical upstream
+``proxy.commands.replay`` and to a running server in front of the same recording upstream, gives byte-identical upstream
 bodies.
 
-The upstream is ``proxy.recording.RecordedUpstream`` served by real uvicorn on loopback: it answers each request
-with the recording's next assistant message and a ``usage`` counted by the proxy's tokenizer, and keeps every
-body. The server is a real ``ctxproxy serve`` process for the generated runs (``tests/transcripts.py``: native and
-every text protocol; ``tests/workloads.py``'s long workload), and the app over real uvicorn in this process for
-the recorded corpus (``CTXPROXY_TRAJECTORIES``, as ``tests/test_corpus.py``: a process per file would be slow).
-Replay runs first on a data dir that is then removed and given to the server: paths the proxy writes into what
-the model reads (the mirror's) are the same in both.
+The upstream is ``proxy.commands.recording.RecordedUpstream`` served by real uvicorn on loopback: it answers each
+request with the recording's next assistant message and a ``usage`` counted by the proxy's tokenizer, and keeps every
+body. The server is a real ``ctxproxy serve`` process for the generated runs (``tests/transcripts.py``: native and every
+text protocol; ``tests/workloads.py``'s long workload), and the app over real uvicorn in this process for the recorded
+corpus (``CTXPROXY_TRAJECTORIES``, as ``tests/test_corpus.py``: a process per file would be slow). Replay runs first on
+a data dir that is then removed and given to the server: paths the proxy writes into what the model reads (the mirror's)
+are the same in both.
 """
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ import httpx
 import orjson
 import pytest
 
-from config import load_settings
-from proxy.app import create_app
-from proxy.cli import main
-from proxy.recording import LAST_ANSWER, RecordedUpstream
-from proxy.replay import ReplayStep, agent_requests, replay, request_body, summarize
-from proxy.rewrite.tokens import MessageCounter
+from ctxproxy.config import load_settings
+from ctxproxy.proxy.commands.cli import main
+from ctxproxy.proxy.commands.recording import LAST_ANSWER, RecordedUpstream
+from ctxproxy.proxy.commands.replay import ReplayStep, agent_requests, replay, request_body, summarize
+from ctxproxy.proxy.core.tokens import MessageCounter
+from ctxproxy.proxy.edge.app import create_app
 from tests.fakes import serve_in_thread
 from tests.transcripts import FORMATS, transcript
 from tests.workloads import conversation, trajectories_dir

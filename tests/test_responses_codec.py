@@ -9,11 +9,11 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from proxy.errors import BadRequest
-from proxy.fronts.responses.decode import decode_request, input_items
-from proxy.fronts.responses.encode import Frame, encode_completion
-from proxy.fronts.responses.events import StreamEncoder
-from proxy.sse import sse_lines
+from ctxproxy.proxy.edge.fronts.responses.decode import decode_request, input_items
+from ctxproxy.proxy.edge.fronts.responses.encode import Frame, encode_completion
+from ctxproxy.proxy.edge.fronts.responses.events import StreamEncoder
+from ctxproxy.proxy.errors import BadRequest
+from ctxproxy.proxy.upstream.sse import sse_lines
 from tests.fakes import completion, stream_chunks, stream_tool_answer, tool_answer
 
 

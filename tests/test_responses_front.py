@@ -11,10 +11,10 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from config import load_settings
-from proxy.app import create_app
-from proxy.sse import sse_lines
-from store import Journal
+from ctxproxy.config import load_settings
+from ctxproxy.proxy.edge.app import create_app
+from ctxproxy.proxy.upstream.sse import sse_lines
+from ctxproxy.store import Journal
 from tests.fakes import FakeUpstream, Reply, completion, serve_in_thread, stream_chunks, stream_tool_answer, tool_answer
 
 SHELL = {"type": "function", "name": "exec_command", "description": "Run a shell command.",

@@ -11,9 +11,9 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from config import load_settings
-from proxy.fronts.responses.native import ChatFromResponses, ResponsesUpstream, chat_completion
-from proxy.sse import sse_lines
+from ctxproxy.config import load_settings
+from ctxproxy.proxy.edge.fronts.responses.native import ChatFromResponses, ResponsesUpstream, chat_completion
+from ctxproxy.proxy.upstream.sse import sse_lines
 from tests.conftest import app_client
 from tests.fakes import FakeUpstream, Reply
 

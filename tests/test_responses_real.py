@@ -10,9 +10,9 @@ from pathlib import Path
 import openai
 import pytest
 
-from config import load_settings
-from proxy.app import create_app
-from store import Journal
+from ctxproxy.config import load_settings
+from ctxproxy.proxy.edge.app import create_app
+from ctxproxy.store import Journal
 from tests.fakes import serve_in_thread
 from tests.real.upstream import llama_server
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from config import load_settings
-from proxy.fronts.responses.spoken import as_spoken
-from proxy.replay import replay, summarize
+from ctxproxy.config import load_settings
+from ctxproxy.proxy.commands.replay import replay, summarize
+from ctxproxy.proxy.edge.fronts.responses.spoken import as_spoken
 from tests.test_trajectories import COUNTER, assert_replays_within_budget_and_intact
 from tests.transcripts import transcript
 from tests.workloads import conversation

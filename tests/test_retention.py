@@ -11,9 +11,9 @@ from typing import Any
 import httpx
 import pytest
 
-from config import load_settings
-from proxy.cli import main
-from store import Journal, OverflowBody, SessionState, record_session_state, session_state
+from ctxproxy.config import load_settings
+from ctxproxy.proxy.commands.cli import main
+from ctxproxy.store import Journal, OverflowBody, SessionState, record_session_state, session_state
 from tests.conftest import app_client
 from tests.fakes import FakeUpstream
 from tests.test_journal import incoming, record, run

@@ -15,10 +15,10 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from config import Settings, load_settings
-from proxy.app import create_app
-from proxy.rewrite import violations
-from store import Journal
+from ctxproxy.config import Settings, load_settings
+from ctxproxy.proxy.core import violations
+from ctxproxy.proxy.edge.app import create_app
+from ctxproxy.store import Journal
 from tests.conftest import app_client
 from tests.fakes import CountingUpstream, Reply, serve_in_thread
 from tests.workloads import NEEDLE

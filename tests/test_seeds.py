@@ -12,10 +12,10 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from config import load_settings
-from proxy.tools.blocks import NOTE
-from proxy.tools.offer import person_asked, turn_of
-from proxy.tools.schemas import TOOL_NAMES
+from ctxproxy.config import load_settings
+from ctxproxy.proxy.tools.blocks import NOTE
+from ctxproxy.proxy.tools.offer import person_asked, turn_of
+from ctxproxy.proxy.tools.schemas import TOOL_NAMES
 from tests.conftest import app_client
 from tests.fakes import FakeUpstream, Reply, completion, tool_answer
 
@@ -198,7 +198,7 @@ def test_a_restart_lists_read_overflow_the_same(tmp_path: Path, fake: FakeUpstre
 
 def test_a_fenced_session_is_told_how_to_read_back_from_its_first_stub(spilling: TestClient,
                                                                        fake: FakeUpstream) -> None:
-    from proxy.tools.blocks import RESTORE_NOTE
+    from ctxproxy.proxy.tools.blocks import RESTORE_NOTE
 
     msgs = fenced(2)
     spilling.post("/v1/chat/completions", json={"model": "m", "messages": msgs})

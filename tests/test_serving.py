@@ -18,9 +18,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from config import Settings, load_settings
-from proxy.app import create_app
-from proxy.serving import uvicorn_options
+from ctxproxy.config import Settings, load_settings
+from ctxproxy.proxy.edge.app import create_app
+from ctxproxy.proxy.edge.serving import uvicorn_options
 from tests.conftest import chat
 from tests.fakes import FakeUpstream, Reply, completion, serve_in_thread
 

@@ -21,10 +21,17 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from config import load_settings
-from proxy.context import SessionContexts
-from proxy.state import AppState
-from store import CalibrationInForce, ForwardRecord, IncomingRequest, Journal, ResponseRecord, calibration_in_force
+from ctxproxy.config import load_settings
+from ctxproxy.proxy.engine.context import SessionContexts
+from ctxproxy.proxy.engine.state import AppState
+from ctxproxy.store import (
+    CalibrationInForce,
+    ForwardRecord,
+    IncomingRequest,
+    Journal,
+    ResponseRecord,
+    calibration_in_force,
+)
 from tests.conftest import app_client
 from tests.fakes import FakeUpstream, Reply, completion, stream_chunks, stream_tool_answer, tool_answer
 from tests.test_journal import incoming, run

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from config import Settings, SettingsError, load_settings
-from config.settings import SETTABLE
+from ctxproxy.config import Settings, SettingsError, load_settings
+from ctxproxy.config.settings import SETTABLE
 
 ROOT = Path(__file__).resolve().parent.parent
 

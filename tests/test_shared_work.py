@@ -11,13 +11,13 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from proxy.context import SessionContexts
-from proxy.rewrite.decisions import Decision
-from proxy.rewrite.identity import message_hash
-from proxy.rewrite.project import project
-from proxy.rewrite.state import Rules
-from proxy.rewrite.tokens import MessageCounter
-from store import Journal, JournalWriter
+from ctxproxy.proxy.core.decisions import Decision
+from ctxproxy.proxy.core.identity import message_hash
+from ctxproxy.proxy.core.project import project
+from ctxproxy.proxy.core.state import Rules
+from ctxproxy.proxy.core.tokens import MessageCounter
+from ctxproxy.proxy.engine.context import SessionContexts
+from ctxproxy.store import Journal, JournalWriter
 from tests.test_journal import incoming, record
 from tests.test_project import budget, history
 

@@ -1,5 +1,5 @@
-"""When a streamed answer is journaled (``proxy.relay``), seen from the client's side of the ASGI interface, one
-message at a time."""
+"""When a streamed answer is journaled (``proxy.upstream.relay``), seen from the client's side of the ASGI interface,
+one message at a time."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any
 import anyio
 from fastapi.testclient import TestClient
 
-from config import Settings
-from store import Journal
+from ctxproxy.config import Settings
+from ctxproxy.store import Journal
 from tests.conftest import chat
 
 

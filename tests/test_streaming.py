@@ -9,7 +9,7 @@ from typing import Any
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from proxy.streaming import StreamFilter
+from ctxproxy.proxy.upstream.streaming import StreamFilter
 from tests.fakes import stream_tool_answer
 
 
@@ -96,7 +96,7 @@ def test_an_unclosed_block_never_reaches_the_agent_and_a_lookalike_fence_does() 
 def test_a_payload_holding_a_unicode_line_break_is_read_as_one_event() -> None:
     """JSON carries U+0085 and U+2028 unescaped inside strings; ``str.splitlines`` broke such an event in two (the
     fuzz found it), so the usage after it was lost. Only CR, LF and CRLF end an SSE line."""
-    from proxy.sse import data_events, last_usage
+    from ctxproxy.proxy.upstream.sse import data_events, last_usage
 
     text = ('data: {"choices": [{"index": 0, "delta": {"content": "a\u0085b\u2028c"}}]}\n\n'
             'data: {"choices": [], "usage": {"prompt_tokens": 7}}\r\n\r\ndata: [DONE]\n\n')

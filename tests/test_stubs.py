@@ -11,13 +11,13 @@ from typing import Any
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from proxy.rewrite.decisions import Decision
-from proxy.rewrite.fenced import PRESETS
-from proxy.rewrite.invariants import violations
-from proxy.rewrite.state import Rules, sha256_text
-from proxy.rewrite.stubs import argument_stub, elision_marker, parse_stub, program, spill_stub, stub_line
-from proxy.tools.apply import View, apply_intent
-from proxy.tools.intents import Drop
+from ctxproxy.proxy.core.decisions import Decision
+from ctxproxy.proxy.core.fenced import PRESETS
+from ctxproxy.proxy.core.invariants import violations
+from ctxproxy.proxy.core.state import Rules, sha256_text
+from ctxproxy.proxy.core.stubs import argument_stub, elision_marker, parse_stub, program, spill_stub, stub_line
+from ctxproxy.proxy.tools.apply import View, apply_intent
+from ctxproxy.proxy.tools.intents import Drop
 from tests.test_project import CharCounter, budget, run
 
 STORAGES = st.sampled_from(["disk", "memory-only (incognito)"])
@@ -102,7 +102,7 @@ def test_old_decisions_render_as_they_were_stored() -> None:
                        {"role": "assistant", "content": "", "tool_calls": [
                            {"id": "c1", "type": "function", "function": {"name": "sh", "arguments": "{}"}}]},
                        {"role": "tool", "tool_call_id": "c1", "content": "x" * 3000}]
-    from proxy.rewrite.identity import message_hash
+    from ctxproxy.proxy.core.identity import message_hash
 
     old = "[overflow id=" + "0" * 64 + " tool=? bytes=3000 call_id=c1 storage=disk]\nCut by you in the mirror."
     decision = Decision("drop", "tool:c1", message_hash(msgs[3]), old, "0" * 64, source="model")

@@ -1,5 +1,5 @@
 """Every observation template the text-protocol agents ship, rendered the way the agent renders it, is recognised
-by a preset of ``proxy.rewrite.fenced``: each result body inside it is a cuttable segment, the wrapper words stay.
+by a preset of ``proxy.core.fenced``: each result body inside it is a cuttable segment, the wrapper words stay.
 
 mini-swe-agent's templates are read from the installed package's own config YAMLs and rendered with jinja2 as its
 ``format_observation_messages`` / ``parse_regex_actions`` do. The others are transcribed below, each with the file
@@ -18,8 +18,8 @@ import pytest
 import yaml
 from jinja2 import StrictUndefined, Template
 
-from proxy.rewrite.fenced import find_results
-from proxy.rewrite.segments import compose, wrapper_intact
+from ctxproxy.proxy.core.fenced import find_results
+from ctxproxy.proxy.core.segments import compose, wrapper_intact
 
 OUT = "".join(f"line {i}: some output of the command\n" for i in range(40))
 LONG = "".join(f"row {i:05d} " + "x" * 50 + "\n" for i in range(400))  # 24 400 characters
@@ -347,11 +347,11 @@ def test_a_shipped_template_is_recognised_and_only_its_results_are_cut(case: Cas
 def test_cline_sends_its_blocks_as_text_parts_and_they_are_recognised_and_cut_too() -> None:
     """Over an OpenAI-compatible API, Cline and Roo Code send a results message as a list of text parts (their
     api/transform/openai-format.ts): the "[tool] Result:" line, the output, the environment details."""
-    from config import load_settings
-    from proxy.budgets import budget_for
-    from proxy.rewrite import Rules, message_hash, project, violations
-    from proxy.rewrite.fenced import PRESETS, route_of
-    from proxy.rewrite.tokens import MessageCounter
+    from ctxproxy.config import load_settings
+    from ctxproxy.proxy.core import Rules, message_hash, project, violations
+    from ctxproxy.proxy.core.fenced import PRESETS, route_of
+    from ctxproxy.proxy.core.tokens import MessageCounter
+    from ctxproxy.proxy.engine.budgets import budget_for
 
     parts = [{"type": "text", "text": "[execute_command for 'pytest'] Result:"},
              {"type": "text", "text": f"Command executed.\nOutput:\n{LONG}"},

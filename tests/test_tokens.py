@@ -16,8 +16,8 @@ import tiktoken
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from proxy.rewrite import message_hash
-from proxy.rewrite.tokens import (
+from ctxproxy.proxy.core import message_hash
+from ctxproxy.proxy.core.tokens import (
     BOUND_CHARS,
     CHUNK_CHARS,
     IMAGE_TOKENS,
@@ -77,7 +77,7 @@ NO_NETWORK = """
 
 def test_the_offline_encoding_loads_without_touching_the_network(tmp_path: Path) -> None:
     out = run_isolated(NO_NETWORK + """
-    from proxy.rewrite.tokens import load_encoding
+    from ctxproxy.proxy.core.tokens import load_encoding
     counter = load_encoding()
     print(counter.name, counter.count("hello world"), counter.count("<|endoftext|>") > 0)
     """, tmp_path)
@@ -87,7 +87,7 @@ def test_the_offline_encoding_loads_without_touching_the_network(tmp_path: Path)
 def test_the_isolation_really_refuses_the_network(tmp_path: Path) -> None:
     """The guard of the test above is live: the standard ``cl100k_base`` (a download) cannot load under it."""
     out = run_isolated(NO_NETWORK + """
-    from proxy.rewrite.tokens import load_encoding
+    from ctxproxy.proxy.core.tokens import load_encoding
     counter = load_encoding("cl100k_base")
     print(counter.name, counter.reason)
     """, tmp_path)
@@ -98,7 +98,7 @@ def test_the_isolation_really_refuses_the_network(tmp_path: Path) -> None:
 def test_without_tiktoken_counting_falls_back_to_the_character_estimate(tmp_path: Path) -> None:
     out = run_isolated(NO_NETWORK + """
     sys.modules["tiktoken"] = None  # makes `import tiktoken` raise ImportError, as if the package were missing
-    from proxy.rewrite.tokens import load_encoding
+    from ctxproxy.proxy.core.tokens import load_encoding
     counter = load_encoding()
     print(counter.name, counter.count("x" * 35))
     """, tmp_path)

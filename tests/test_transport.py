@@ -17,9 +17,9 @@ import httpx
 import orjson
 import pytest
 
-from config import load_settings
-from proxy.app import create_app
-from store import Journal
+from ctxproxy.config import load_settings
+from ctxproxy.proxy.edge.app import create_app
+from ctxproxy.store import Journal
 from tests.fakes import FakeUpstream, Reply, completion, serve_in_thread, stream_chunks
 
 pytestmark = pytest.mark.e2e

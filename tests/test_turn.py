@@ -8,7 +8,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.engine.turn import (
+from ctxproxy.proxy.engine.turn import (
     Answered,
     Command,
     EndEarly,

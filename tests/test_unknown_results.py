@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 
 from bench.gen_fenced import build
-from config import load_settings
-from proxy.budgets import budget_for
-from proxy.replay import replay, summarize
-from proxy.rewrite import Rules, message_hash, project, violations
-from proxy.rewrite.fenced import PRESETS, find_results
-from proxy.rewrite.tokens import MessageCounter
+from ctxproxy.config import load_settings
+from ctxproxy.proxy.commands.replay import replay, summarize
+from ctxproxy.proxy.core import Rules, message_hash, project, violations
+from ctxproxy.proxy.core.fenced import PRESETS, find_results
+from ctxproxy.proxy.core.tokens import MessageCounter
+from ctxproxy.proxy.engine.budgets import budget_for
 
 COUNTER = MessageCounter()
 TASK = {"role": "user", "content": "Fix the failing test in the repository, then submit."}

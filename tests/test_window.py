@@ -8,8 +8,16 @@ import anyio
 import httpx
 import pytest
 
-from proxy.upstream import Upstream
-from proxy.window import DEFAULT_WINDOW, RETRY_FIRST, RETRY_MAX, Window, WindowDetector, props_window, vllm_window
+from ctxproxy.proxy.upstream.endpoint import Upstream
+from ctxproxy.proxy.upstream.window import (
+    DEFAULT_WINDOW,
+    RETRY_FIRST,
+    RETRY_MAX,
+    Window,
+    WindowDetector,
+    props_window,
+    vllm_window,
+)
 from tests.fakes import FakeUpstream, Reply
 
 pytestmark = pytest.mark.anyio

@@ -9,7 +9,7 @@ a result's wrapper, SWE-agent's demonstration and task (results-shaped, yet afte
 mini-swe-agent's last user message (the submitted diff), a native run's parallel calls, an assistant
 ``content: null`` and a final call without its result.
 
-Formats (``FORMATS``): ``native`` (OpenAI tool calls), and the presets of ``proxy/rewrite/fenced.py``:
+Formats (``FORMATS``): ``native`` (OpenAI tool calls), and the presets of ``proxy/core/fenced.py``:
 ``mini-swe-agent``, ``swe-agent``, ``cline`` (Cline, Roo Code), ``generic``.
 
 Run: ``python -m tests.transcripts --out DIR`` writes ``<format>.json`` for each.

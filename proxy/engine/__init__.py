@@ -5,8 +5,8 @@ answer (``buffered``) and a streamed one (``stream``); ``planning`` decides what
 projection, journal) and ``forward`` makes one round trip fit (overflow, retry, probe); ``exchange`` is the
 request's ledger and the one place its answer is journaled;
 ``replies`` and ``policy`` are pure policy (over a buffered answer; the offer rule, the notices, the payload).
-The HTTP edge (``proxy.chat``) calls ``drive``; nothing here calls back into the edge, and the byte-level relay
-(``proxy.relay``, ``proxy.streaming``) calls nothing here.
+The HTTP edge (``proxy.edge.chat``) calls ``drive``; nothing here calls back into the edge, and the byte-level relay
+(``proxy.upstream.relay``, ``proxy.upstream.streaming``) calls nothing here.
 
 It imports none of its modules here: import the module you need.
 """

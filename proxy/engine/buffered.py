@@ -11,14 +11,14 @@ from collections.abc import AsyncIterator
 import httpx
 from starlette.responses import Response
 
-from proxy.answers import parse_completion
-from proxy.engine.exchange import Exchange
-from proxy.engine.forward import FollowUpTooLong, Forwarder, Opened, read_whole
-from proxy.engine.replies import answered, compaction_report, usage_of, with_report
-from proxy.engine.turn import Event, Failed, Forward, Refused, Reply
-from proxy.intercept import ContextRunner
-from proxy.responses import FinallyResponse
-from proxy.upstream import response_headers, with_headers
+from ctxproxy.proxy.engine.exchange import Exchange
+from ctxproxy.proxy.engine.forward import FollowUpTooLong, Forwarder, Opened, read_whole
+from ctxproxy.proxy.engine.intercept import ContextRunner
+from ctxproxy.proxy.engine.replies import answered, compaction_report, usage_of, with_report
+from ctxproxy.proxy.engine.responses import FinallyResponse
+from ctxproxy.proxy.engine.turn import Event, Failed, Forward, Refused, Reply
+from ctxproxy.proxy.upstream.answers import parse_completion
+from ctxproxy.proxy.upstream.endpoint import response_headers, with_headers
 
 __all__ = ["BufferedSink"]
 

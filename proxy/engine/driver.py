@@ -1,10 +1,10 @@
 """The one async driver of the turn engine: it performs ``Turn``'s commands, for a buffered and a streamed answer.
 
-The first forward is made before any response exists, so that its failure is an HTTP error. Then the answer goes
-to a sink: ``BufferedSink`` reads it whole and builds one response; ``StreamSink`` relays it as it arrives
-(``proxy.streaming.StreamFilter`` takes the context calls out). Both turn what they read into the engine's events
-(``Answered``, ``Failed``, ``Refused``) and the driver feeds them to the ``Turn``; the commands that come back are
-the same whichever way the answer travels. The sinks never decide a round: they read, relay and journal bytes.
+The first forward is made before any response exists, so that its failure is an HTTP error. Then the answer goes to a
+sink: ``BufferedSink`` reads it whole and builds one response; ``StreamSink`` relays it as it arrives
+(``proxy.upstream.streaming.StreamFilter`` takes the context calls out). Both turn what they read into the engine's
+events (``Answered``, ``Failed``, ``Refused``) and the driver feeds them to the ``Turn``; the commands that come back
+are the same whichever way the answer travels. The sinks never decide a round: they read, relay and journal bytes.
 """
 
 from __future__ import annotations
@@ -14,12 +14,14 @@ from typing import Any, Protocol, cast
 
 from starlette.responses import Response
 
-from proxy.engine.buffered import BufferedSink
-from proxy.engine.exchange import Exchange
-from proxy.engine.forward import Forwarder, Opened
-from proxy.engine.replies import usage_of
-from proxy.engine.stream import StreamSink
-from proxy.engine.turn import (
+from ctxproxy.proxy.core.state import Rules
+from ctxproxy.proxy.engine.buffered import BufferedSink
+from ctxproxy.proxy.engine.exchange import Exchange
+from ctxproxy.proxy.engine.forward import Forwarder, Opened
+from ctxproxy.proxy.engine.intercept import ContextRunner
+from ctxproxy.proxy.engine.replies import usage_of
+from ctxproxy.proxy.engine.stream import StreamSink
+from ctxproxy.proxy.engine.turn import (
     Command,
     Event,
     Forward,
@@ -30,9 +32,7 @@ from proxy.engine.turn import (
     ToolsRan,
     Turn,
 )
-from proxy.intercept import ContextRunner
-from proxy.rewrite.state import Rules
-from proxy.sse import last_usage
+from ctxproxy.proxy.upstream.sse import last_usage
 
 __all__ = ["Sink", "drive"]
 

@@ -13,13 +13,13 @@ from datetime import UTC, datetime
 
 from starlette.requests import Request
 
-from proxy.answers import usage_figure
-from proxy.context import SessionContext
-from proxy.engine.tally import Tally
-from proxy.logs import log, request_line
-from proxy.state import AppState
-from proxy.wire import ChatBody
-from store import ForwardRecord, IncomingRequest, Journal, JournalWriter, RecordedRequest, ResponseRecord
+from ctxproxy.proxy.engine.context import SessionContext
+from ctxproxy.proxy.engine.state import AppState
+from ctxproxy.proxy.engine.tally import Tally
+from ctxproxy.proxy.observe.logs import log, request_line
+from ctxproxy.proxy.upstream.answers import usage_figure
+from ctxproxy.proxy.wire import ChatBody
+from ctxproxy.store import ForwardRecord, IncomingRequest, Journal, JournalWriter, RecordedRequest, ResponseRecord
 
 __all__ = ["SESSION_RESPONSE_HEADER", "Exchange", "now"]
 

@@ -1,9 +1,9 @@
 """One round trip upstream that fits: plan, forward, and on an overflow learn, cut harder and retry once.
 
-If the upstream answers that the prompt is too long (``proxy.overflow``), the calibration is corrected from what
-the upstream counted, the request is projected again with the stricter ratio and retried once; if it still does not
-fit, the client gets a clear ``context_length_exceeded`` error. A llama.cpp stream that overflows says nothing (a
-200 that ends, or a connection closed, before its first byte): the upstream is asked why (``Forwarder._probe``).
+If the upstream answers that the prompt is too long (``proxy.upstream.overflow``), the calibration is corrected from
+what the upstream counted, the request is projected again with the stricter ratio and retried once; if it still does not
+fit, the client gets a clear ``context_length_exceeded`` error. A llama.cpp stream that overflows says nothing (a 200
+that ends, or a connection closed, before its first byte): the upstream is asked why (``Forwarder._probe``).
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ from typing import Any, Protocol, cast
 import httpx
 import orjson
 
-from proxy.engine.exchange import Exchange
-from proxy.engine.planning import Plan, plan_forward, what_takes_room
-from proxy.engine.turn import Forward
-from proxy.errors import ContextTooLarge, CtxError, UpstreamBrokeOff, UpstreamTimeout
-from proxy.loop import VIA_HEADER
-from proxy.overflow import Overflow, detect_overflow
-from proxy.upstream import client_headers
+from ctxproxy.proxy.engine.exchange import Exchange
+from ctxproxy.proxy.engine.planning import Plan, plan_forward, what_takes_room
+from ctxproxy.proxy.engine.turn import Forward
+from ctxproxy.proxy.errors import ContextTooLarge, CtxError, UpstreamBrokeOff, UpstreamTimeout
+from ctxproxy.proxy.upstream.endpoint import client_headers
+from ctxproxy.proxy.upstream.loop import VIA_HEADER
+from ctxproxy.proxy.upstream.overflow import Overflow, detect_overflow
 
 __all__ = ["ATTEMPTS", "UPSTREAM_CODEC", "FollowUpTooLong", "Forwarder", "Opened", "UpstreamCodec", "read_whole"]
 
@@ -36,7 +36,7 @@ a streamed prompt over its ``n_ctx`` (its log: "Requested tokens (N) exceed cont
 
 
 UPSTREAM_CODEC = "ctxproxy.upstream_codec"
-"""The request scope's key for an ``UpstreamCodec``: set by a front (``proxy.fronts.codec``) whose upstream speaks
+"""The request scope's key for an ``UpstreamCodec``: set by a front (``proxy.edge.fronts.codec``) whose upstream speaks
 its client's protocol; absent, the chat body goes to the upstream's chat route as it is."""
 
 

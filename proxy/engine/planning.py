@@ -5,7 +5,7 @@ messages with the session's decisions and calibration, checks the invariants, jo
 bodies and the projected list (one transaction, before anything is forwarded), then updates the session's
 working context. A request that cannot fit even after every cut raises ``ContextTooLarge``, which says what
 takes the room. Everything between the awaits is one synchronous step (``_shape``), so that for a large request
-it runs on a worker thread as a whole (``proxy.heavy``) while the event loop serves the other clients.
+it runs on a worker thread as a whole (``proxy.engine.heavy``) while the event loop serves the other clients.
 """
 
 from __future__ import annotations
@@ -19,10 +19,25 @@ from typing import Any, cast
 
 import orjson
 
-from config import Settings
-from proxy.budgets import budget_for
-from proxy.context import SessionContext
-from proxy.engine.policy import (
+from ctxproxy.config import Settings
+from ctxproxy.proxy.core import (
+    Decision,
+    Projection,
+    Rules,
+    State,
+    canonical_json,
+    project,
+    violations,
+)
+from ctxproxy.proxy.core.fenced import presets_for, route_of
+from ctxproxy.proxy.core.identity import content_text
+from ctxproxy.proxy.core.state import sha256_text
+from ctxproxy.proxy.core.tokens import MessageCounter
+from ctxproxy.proxy.engine.budgets import budget_for
+from ctxproxy.proxy.engine.context import SessionContext
+from ctxproxy.proxy.engine.heavy import is_large
+from ctxproxy.proxy.engine.outfiles import outfiles_dir, write_outfiles
+from ctxproxy.proxy.engine.policy import (
     assemble,
     confirmation_notice,
     guidance,
@@ -32,28 +47,13 @@ from proxy.engine.policy import (
     reminder_notice,
     restorable,
 )
-from proxy.engine.tally import Tally, tally
-from proxy.errors import ContextTooLarge
-from proxy.heavy import is_large
-from proxy.outfiles import outfiles_dir, write_outfiles
-from proxy.rewrite import (
-    Decision,
-    Projection,
-    Rules,
-    State,
-    canonical_json,
-    project,
-    violations,
-)
-from proxy.rewrite.fenced import presets_for, route_of
-from proxy.rewrite.identity import content_text
-from proxy.rewrite.state import sha256_text
-from proxy.rewrite.tokens import MessageCounter
-from proxy.state import AppState
-from proxy.tools.mirror import mirror_document, mirror_path
-from proxy.tools.offer import person_asked, turn_in
-from proxy.wire import ChatBody
-from store import ForwardRecord, IncomingRequest, Journal, JournalWriter, OverflowBody, RecordedRequest
+from ctxproxy.proxy.engine.state import AppState
+from ctxproxy.proxy.engine.tally import Tally, tally
+from ctxproxy.proxy.errors import ContextTooLarge
+from ctxproxy.proxy.tools.mirror import mirror_document, mirror_path
+from ctxproxy.proxy.tools.offer import person_asked, turn_in
+from ctxproxy.proxy.wire import ChatBody
+from ctxproxy.store import ForwardRecord, IncomingRequest, Journal, JournalWriter, OverflowBody, RecordedRequest
 
 __all__ = ["Plan", "plan_forward"]
 
@@ -82,7 +82,7 @@ async def plan_forward(app: AppState, writer: JournalWriter, ctx: SessionContext
                        compact: str | None = None) -> Plan:
     """Project the request and journal the forward. ``splice``: this request's context-tool exchanges so far,
     sent after the projection in the proxy's own follow-up rounds; ``offer=False``: the last round, without the
-    context tools. The projection of a large request runs on the worker (``proxy.heavy``)."""
+    context tools. The projection of a large request runs on the worker (``proxy.engine.heavy``)."""
     model = body.get("model")
     settings = app.settings.for_model(model)
     window = settings.ctx_window or (await app.windows.window_for(model)).tokens
@@ -300,7 +300,7 @@ def _notices(ctx: SessionContext, settings: Settings, p: Projection, rules: Rule
 def _checked_projection(messages: list[dict[str, Any]], hashes: Sequence[str], decisions: Sequence[Decision],
                         rules: Rules, counter: MessageCounter, previous: State | None, seen: int) -> Projection:
     """The projection, refused if it cannot fit, the request as it came if it broke an invariant. Pure and sized by
-    the request: a large one's runs on the worker (``proxy.heavy``), under the session's lock."""
+    the request: a large one's runs on the worker (``proxy.engine.heavy``), under the session's lock."""
     p = project(messages, hashes, decisions, rules, counter, previous, seen)
     if p.report.over_budget:
         raise ContextTooLarge(describe_overflow(p, messages, rules))

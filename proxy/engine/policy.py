@@ -12,12 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from proxy.rewrite import Decision, message_hash
-from proxy.rewrite.decisions import CUTS
-from proxy.tools.blocks import NOTE, RESTORE_NOTE
-from proxy.tools.mirror import PARAGRAPH
-from proxy.tools.offer import REMINDER, with_context_tools
-from proxy.tools.schemas import CONTEXT_TOOLS, READ_TOOL
+from ctxproxy.proxy.core import Decision, message_hash
+from ctxproxy.proxy.core.decisions import CUTS
+from ctxproxy.proxy.tools.blocks import NOTE, RESTORE_NOTE
+from ctxproxy.proxy.tools.mirror import PARAGRAPH
+from ctxproxy.proxy.tools.offer import REMINDER, with_context_tools
+from ctxproxy.proxy.tools.schemas import CONTEXT_TOOLS, READ_TOOL
 
 __all__ = [
     "COMPACT", "Payload", "assemble", "confirmation_notice", "guidance", "listed_tools", "offer_due",

@@ -13,10 +13,10 @@ from typing import Any
 
 import orjson
 
-from proxy.engine.turn import Answered
-from proxy.tools.blocks import extract_blocks, has_command
-from proxy.tools.offer import split_calls
-from proxy.wire import ChatBody
+from ctxproxy.proxy.engine.turn import Answered
+from ctxproxy.proxy.tools.blocks import extract_blocks, has_command
+from ctxproxy.proxy.tools.offer import split_calls
+from ctxproxy.proxy.wire import ChatBody
 
 __all__ = ["answered", "compact_request", "compaction_report", "strip_calls", "usage_of", "with_report"]
 

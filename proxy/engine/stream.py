@@ -1,6 +1,6 @@
 """The streamed sink: one coherent SSE stream to the agent, whatever rounds the turn takes.
 
-Text reaches the agent as it arrives; the agent's own tool calls too (``proxy.streaming.StreamFilter``). The
+Text reaches the agent as it arrives; the agent's own tool calls too (``proxy.upstream.streaming.StreamFilter``). The
 context-tool calls are held back; when the turn runs them, each call's event goes out as an SSE comment (clients
 skip them, a person tailing a stream reads them). A follow-up is asked while SSE comments keep the client's
 connection alive, and its answer is relayed in the same stream: the agent sees one answer, one finish, one usage
@@ -17,19 +17,19 @@ import anyio
 import orjson
 from starlette.responses import Response, StreamingResponse
 
-from proxy.engine.exchange import Exchange
-from proxy.engine.forward import Forwarder, Opened
-from proxy.engine.replies import compaction_report
-from proxy.engine.turn import Answered, Event, Failed, Forward, Refused, Reply
-from proxy.errors import CtxError, envelope
-from proxy.intercept import ContextRunner
-from proxy.relay import DONE, Box, StreamRecord, beating, guarded, relayed
-from proxy.responses import FinallyResponse
-from proxy.rewrite.state import Rules
-from proxy.sse import last_usage
-from proxy.streaming import StreamFilter
-from proxy.tools.blocks import has_command
-from proxy.upstream import response_headers, with_headers
+from ctxproxy.proxy.core.state import Rules
+from ctxproxy.proxy.engine.exchange import Exchange
+from ctxproxy.proxy.engine.forward import Forwarder, Opened
+from ctxproxy.proxy.engine.intercept import ContextRunner
+from ctxproxy.proxy.engine.replies import compaction_report
+from ctxproxy.proxy.engine.responses import FinallyResponse
+from ctxproxy.proxy.engine.turn import Answered, Event, Failed, Forward, Refused, Reply
+from ctxproxy.proxy.errors import CtxError, envelope
+from ctxproxy.proxy.tools.blocks import has_command
+from ctxproxy.proxy.upstream.endpoint import response_headers, with_headers
+from ctxproxy.proxy.upstream.relay import DONE, Box, StreamRecord, beating, guarded, relayed
+from ctxproxy.proxy.upstream.sse import last_usage
+from ctxproxy.proxy.upstream.streaming import StreamFilter
 
 __all__ = ["StreamSink"]
 

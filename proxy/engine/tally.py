@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.rewrite import Decision, Projection
-from proxy.rewrite.decisions import CUTS
-from proxy.rewrite.tokens import MessageCounter
+from ctxproxy.proxy.core import Decision, Projection
+from ctxproxy.proxy.core.decisions import CUTS
+from ctxproxy.proxy.core.tokens import MessageCounter
 
 __all__ = ["Tally", "tally"]
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.tools.blocks import results_message
+from ctxproxy.proxy.tools.blocks import results_message
 
 __all__ = [
     "Answered", "Command", "EndEarly", "Event", "Failed", "Forward", "RecordRound", "Refused", "Reply", "RunTools",

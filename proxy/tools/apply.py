@@ -18,11 +18,11 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from proxy.rewrite.budget import MIN_CUT_CHARS
-from proxy.rewrite.decisions import Decision, OverflowWrite
-from proxy.rewrite.state import sha256_text
-from proxy.rewrite.stubs import full_output, program, stub_line
-from proxy.tools.handles import (
+from ctxproxy.proxy.core.budget import MIN_CUT_CHARS
+from ctxproxy.proxy.core.decisions import Decision, OverflowWrite
+from ctxproxy.proxy.core.state import sha256_text
+from ctxproxy.proxy.core.stubs import full_output, program, stub_line
+from ctxproxy.proxy.tools.handles import (
     Unit,
     View,
     call_of,
@@ -37,7 +37,7 @@ from proxy.tools.handles import (
     unit_target,
     units_named,
 )
-from proxy.tools.intents import Ctx, Drop, Intent, Note, Pin, Status, Unpin
+from ctxproxy.proxy.tools.intents import Ctx, Drop, Intent, Note, Pin, Status, Unpin
 
 __all__ = ["Outcome", "View", "apply_intent", "render_overflow"]
 

@@ -13,11 +13,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.rewrite.fenced import text_of
-from proxy.rewrite.identity import content_text
-from proxy.rewrite.project import PASTE
-from proxy.rewrite.segments import segment_target
-from proxy.rewrite.state import Counter, Rules, State
+from ctxproxy.proxy.core.fenced import text_of
+from ctxproxy.proxy.core.identity import content_text
+from ctxproxy.proxy.core.project import PASTE
+from ctxproxy.proxy.core.segments import segment_target
+from ctxproxy.proxy.core.state import Counter, Rules, State
 
 __all__ = ["Unit", "View", "call_of", "current_text", "handle_of", "is_cut", "message_text", "result_units",
            "snippet_index", "unit_body", "unit_cut", "unit_target", "units_named"]

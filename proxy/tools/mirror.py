@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from proxy.rewrite.arguments import ArgumentCut, args_target
-from proxy.rewrite.decisions import Decision, OverflowWrite
-from proxy.rewrite.identity import content_text
-from proxy.rewrite.state import Rules, sha256_text
-from proxy.rewrite.stubs import full_output, stub_line
+from ctxproxy.proxy.core.arguments import ArgumentCut, args_target
+from ctxproxy.proxy.core.decisions import Decision, OverflowWrite
+from ctxproxy.proxy.core.identity import content_text
+from ctxproxy.proxy.core.state import Rules, sha256_text
+from ctxproxy.proxy.core.stubs import full_output, stub_line
 
 __all__ = ["PARAGRAPH", "MirrorPlaces", "Revision", "maintenance_rounds", "mirror_document", "mirror_path", "revise"]
 

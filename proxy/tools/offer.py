@@ -19,9 +19,9 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.rewrite.project import PASTE
-from proxy.rewrite.state import State
-from proxy.tools.schemas import CONTEXT_TOOLS, TOOL_NAMES
+from ctxproxy.proxy.core.project import PASTE
+from ctxproxy.proxy.core.state import State
+from ctxproxy.proxy.tools.schemas import CONTEXT_TOOLS, TOOL_NAMES
 
 __all__ = ["Split", "Turn", "person_asked", "split_calls", "turn_in", "turn_of", "with_context_tools"]
 

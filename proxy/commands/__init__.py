@@ -1,0 +1,1 @@
+"""The ``ctxproxy`` command line: serve, sessions, show, doctor, replay, prune."""

@@ -1,0 +1,142 @@
+"""The invariants of DESIGN.md §6, checked on a projection: a list of what is wrong (empty when all holds).
+
+- every tool call that had its result still has it, and every result its call (a call and its result are cut or
+  folded together, never apart);
+- system, user and assistant messages are byte-identical, except where a fold stub stands for whole rounds;
+- a cut tool result keeps its place, role and ``tool_call_id``: only its content changes;
+- an assistant message with an argument cut keeps its text and each call's id, type and name: only arguments
+  change, and they stay a JSON object;
+- pinned messages are byte-identical.
+
+The proxy runs it on every request it forwards (from the first message a projection touched); the property tests
+run it on every generated history.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
+
+from ctxproxy.proxy.core.fenced import Segment, text_of
+from ctxproxy.proxy.core.segments import wrapper_intact
+
+__all__ = ["broken_pairs", "violations"]
+
+_FOLD = re.compile(r"^\[folded id=[0-9a-f]{64} messages=(\d+) ")
+_KEPT_ROLES = ("system", "developer", "user", "assistant")
+
+
+def broken_pairs(messages: Sequence[dict[str, Any]]) -> Counter[str]:
+    """Calls with no result after them and results with no call before them, by id (agents reuse ids: a result
+    answers the oldest open call of its id)."""
+    open_calls: Counter[str] = Counter()
+    orphans: Counter[str] = Counter()
+    for m in messages:
+        for call in m.get("tool_calls") or []:
+            open_calls[str(call.get("id"))] += 1
+        if m.get("role") == "tool":
+            cid = str(m.get("tool_call_id"))
+            if open_calls[cid]:
+                open_calls[cid] -= 1
+            else:
+                orphans[cid] += 1
+    return +(open_calls + orphans)
+
+
+def violations(incoming: Sequence[dict[str, Any]], outgoing: Sequence[dict[str, Any]],
+               pinned: Collection[int] = (), start: int = 0, pairs: bool = True,
+               fenced: Mapping[int, Sequence[Segment]] | None = None, hidden: Collection[int] = ()) -> list[str]:
+    """``pinned``: incoming indices of pinned messages; ``start``: check from this incoming index on (the
+    messages before it were checked on an earlier request and have not changed since); ``pairs=False`` skips the
+    pairing walk when nothing but contents changed since it last held; ``fenced``: the text-protocol results
+    messages (index → segments), whose result bodies may be cut as long as their wrapper stays."""
+    problems: list[str] = []
+    # Before ``start`` nothing changed since the last check: any fold lies before it, so the lists line up from
+    # there with a constant offset.
+    i, j = start, start - (len(incoming) - len(outgoing))
+    if j < 0 or hidden:
+        i = j = 0
+    while i < len(incoming) and j < len(outgoing):
+        if i in hidden:  # taken out whole (a round of the agent's mirror edits); its pairs go with it
+            i += 1
+            continue
+        folded = _folded_count(outgoing[j])
+        if folded:
+            problems += [f"message {x} (pinned) is folded" for x in range(i, i + folded) if x in pinned]
+            i, j = i + folded, j + 1
+            continue
+        if i >= start:
+            segments = (fenced or {}).get(i)
+            problems += _compare(i, incoming[i], outgoing[j], i in pinned) if segments is None else \
+                _compare_fenced(i, incoming[i], outgoing[j], segments)
+        i, j = i + 1, j + 1
+    while i < len(incoming) and i in hidden:
+        i += 1
+    if i != len(incoming) or j != len(outgoing):
+        problems.append(f"lengths do not line up: {len(incoming)} in, {len(outgoing)} out")
+    extra = broken_pairs(outgoing) - broken_pairs(incoming) if pairs else Counter[str]()
+    problems += [f"tool call {cid} lost its pair" for cid in sorted(extra)]
+    return problems
+
+
+def _folded_count(message: dict[str, Any]) -> int:
+    content = message.get("content")
+    match = _FOLD.match(content) if message.get("role") == "user" and isinstance(content, str) else None
+    return int(match.group(1)) if match else 0
+
+
+def _compare_fenced(i: int, before: dict[str, Any], after: dict[str, Any], segments: Sequence[Segment]) -> list[str]:
+    if after is before or after == before:
+        return []
+    intact = wrapper_intact(text_of(before.get("content")) or "", text_of(after.get("content")) or "", segments)
+    if _without_content(after) != _without_content(before) or not intact:
+        return [f"message {i} (results) changed outside its result bodies"]
+    return []
+
+
+def _without_content(message: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in message.items() if k != "content"}
+
+
+def _compare(i: int, before: dict[str, Any], after: dict[str, Any], pinned: bool) -> list[str]:
+    if after is before or after == before:
+        return []
+    if pinned:
+        return [f"message {i} is pinned but changed"]
+    if before.get("role") == "assistant" and _only_arguments(before, after):
+        return []
+    if before.get("role") in _KEPT_ROLES:
+        return [f"message {i} ({before.get('role')}) changed"]
+    if {k: v for k, v in after.items() if k != "content"} != {k: v for k, v in before.items() if k != "content"}:
+        return [f"message {i} ({before.get('role')}) changed more than its content"]
+    return []
+
+
+def _only_arguments(before: dict[str, Any], after: dict[str, Any]) -> bool:
+    """Only call arguments changed (an argument cut): the text, each call's id, type and name as they were, and
+    the new arguments still a JSON object."""
+    calls, cut = before.get("tool_calls") or [], after.get("tool_calls") or []
+    if _without(before, "tool_calls") != _without(after, "tool_calls") or len(calls) != len(cut):
+        return False
+    for a, b in zip(calls, cut, strict=True):
+        fa, fb = a.get("function") or {}, b.get("function") or {}
+        if _without(a, "function") != _without(b, "function") or _without(fa, "arguments") != _without(fb,
+                                                                                                    "arguments"):
+            return False
+        if fa.get("arguments") != fb.get("arguments") and not _json_object(fb.get("arguments")):
+            return False
+    return True
+
+
+def _without(message: Any, key: str) -> dict[str, Any]:
+    return {k: v for k, v in message.items() if k != key} if isinstance(message, dict) else {}
+
+
+def _json_object(text: Any) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except (TypeError, ValueError):
+        return False

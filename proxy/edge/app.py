@@ -1,0 +1,254 @@
+"""The ASGI app: ``create_app(settings)`` wires routes, error rendering and the lifespan.
+
+The lifespan owns the one upstream transport (connection pool) and the journals (starlette's lifespan pattern);
+nothing is built at import time. Starting, it checks the journal (whole, writable) and marks the requests a crash
+left in flight ``interrupted`` (``store.failures``, ``store.recovery``). ``upstream_transport`` lets in-process
+tests put an ``httpx.MockTransport`` (or ``ASGITransport``) where the network is; by default it is
+``proxy.upstream.transport.AiohttpTransport``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, cast
+
+import httpx
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, RedirectResponse, Response, StreamingResponse
+from starlette.routing import Mount, Route
+from starlette.types import Receive, Scope, Send
+
+from ctxproxy.config import Settings
+from ctxproxy.proxy import __version__
+from ctxproxy.proxy.edge.body import read_body
+from ctxproxy.proxy.edge.callers import bearer_matches, require_admin, require_metrics
+from ctxproxy.proxy.engine.responses import FinallyResponse
+from ctxproxy.proxy.engine.state import AppState, Warmup, give_back_freed_memory
+from ctxproxy.proxy.errors import (
+    BadRequest,
+    CtxError,
+    log,
+    render_ctx_error,
+    render_http_error,
+    render_unexpected,
+    storage_error,
+)
+from ctxproxy.proxy.observe.logs import startup_line
+from ctxproxy.proxy.upstream.endpoint import Upstream, client_headers, response_headers, with_headers
+from ctxproxy.proxy.upstream.loop import VIA_HEADER, refuse_loop
+from ctxproxy.proxy.upstream.transport import AiohttpTransport
+from ctxproxy.proxy.upstream.window import WindowDetector
+from ctxproxy.store import Journal, JournalWriter, MemoryJournal, open_journal
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+__all__ = ["create_app"]
+
+
+def create_app(settings: Settings, upstream_transport: httpx.AsyncBaseTransport | None = None) -> Starlette:
+    """The proxy: plain Starlette routes on the hot path; the operator API, a FastAPI app, mounted at ``/ctx``.
+
+    FastAPI's middleware (telemetry, body limits, exit stacks) and dependency solving cost ~0.2 ms a request;
+    the proxied routes need none of it, the operator API gets query validation and an OpenAPI schema from it.
+    """
+    routes = [
+        Route("/v1/chat/completions", _engine_route(f"{EDGE}.chat", "chat_completions"), methods=["POST"]),
+        Route("/v1/messages", _engine_route(f"{EDGE}.fronts.anthropic.front", "messages"), methods=["POST"]),
+        Route("/v1/messages/count_tokens", _engine_route(f"{EDGE}.fronts.anthropic.count", "count_tokens"),
+              methods=["POST"]),
+        Route("/v1/responses", _engine_route(f"{EDGE}.fronts.responses.front", "responses"), methods=["POST"]),
+        Route("/v1/{path:path}", passthrough, methods=["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]),
+        Route("/", home, methods=["GET"]),
+        Route("/healthz", healthz, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Mount("/ctx", app=OperatorApi()),
+    ]
+    return Starlette(routes=routes, exception_handlers=dict(_HANDLERS),
+                     lifespan=_lifespan(settings, upstream_transport))
+
+
+_HANDLERS: dict[type[Exception], Callable[[Request, Exception], Awaitable[Response]]] = {
+    CtxError: render_ctx_error, HTTPException: render_http_error, Exception: render_unexpected}
+
+
+class OperatorApi:
+    """The operator API (``proxy.edge.admin``, a FastAPI app) at ``/ctx``, built on its first request.
+
+    FastAPI and pydantic take about 0.2 s and 15 MB to import, and the proxied routes never use them: a server
+    nobody asks for ``/ctx`` never loads them, and none waits for them to start (issue #13). The first request
+    builds the app on a worker thread, so the proxied requests in flight meanwhile keep being served.
+    """
+
+    def __init__(self) -> None:
+        self._app: FastAPI | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self._app is None:
+            built = await asyncio.to_thread(_operator_api)
+            self._app = self._app or built  # two first requests at once: both built it, one is kept
+        self._app.state.ctx = scope["app"].state.ctx  # the serving app's state, whichever lifespan made it
+        await self._app(scope, receive, send)
+
+
+def _operator_api() -> FastAPI:
+    from fastapi import FastAPI
+    from fastapi.exceptions import RequestValidationError
+
+    from ctxproxy.proxy.edge.actions import router as actions
+    from ctxproxy.proxy.edge.admin import router as journal
+    from ctxproxy.proxy.edge.inspect import router as inspect
+    from ctxproxy.proxy.edge.ui import router as page
+
+    admin = FastAPI(title="ctxproxy operator API", version=__version__, docs_url=None, redoc_url=None,
+                    openapi_url=None)  # served by `_openapi`, behind the admin token like the rest of /ctx
+    for router in (journal, actions, inspect, page):
+        admin.include_router(router)
+    admin.add_route("/openapi.json", _openapi(admin), include_in_schema=False)
+    admin.add_exception_handler(RequestValidationError, _render_validation)
+    for error, handler in _HANDLERS.items():
+        admin.add_exception_handler(error, handler)
+    return admin
+
+
+def _lifespan(settings: Settings, transport: httpx.AsyncBaseTransport | None
+              ) -> Callable[[Starlette], AbstractAsyncContextManager[None]]:
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        warmup = Warmup.start(WARM)  # on a thread, while the server starts and takes requests
+        journal = JournalWriter(open_journal(settings.data_path / "journal.db", settings.journal_sync, check=True),
+                                storage_error)
+        text, fields = startup_line(settings)
+        log.info(text, extra={"ctx": fields})
+        marked = await journal.call(Journal.mark_interrupted, datetime.now(UTC).isoformat(timespec="milliseconds"))
+        if marked:
+            log.warning("%d requests were in flight when ctxproxy last stopped: journaled as interrupted", marked)
+        incognito = JournalWriter(MemoryJournal(settings.incognito_max_bytes, settings.incognito_max_age),
+                                  storage_error)
+        upstream = Upstream(settings.upstream, transport or AiohttpTransport(), settings.upstream_connect_timeout,
+                            settings.upstream_timeout)
+        windows = WindowDetector(upstream, ctx_window=0)  # a configured window is applied per model, in planning
+        app.state.ctx = AppState(settings, upstream, journal, incognito, windows, warmup=warmup,
+                                 own_headers=frozenset({settings.session_header.lower()}))
+        try:
+            async with asyncio.TaskGroup() as background:
+                trimmer = background.create_task(_trim_when_quiet(app.state.ctx))
+                try:
+                    yield
+                finally:
+                    trimmer.cancel()
+        finally:
+            await upstream.aclose()
+            journal.close()
+            incognito.close()
+
+    return lifespan
+
+
+TRIM_EVERY = 5.0
+"""Seconds between two looks at whether the proxy is quiet (``_trim_when_quiet``)."""
+
+
+async def _trim_when_quiet(state: AppState) -> None:
+    """Give the memory that answered requests freed back to the system once no chat is in flight.
+
+    A burst of large concurrent requests (their bodies, parsed and serialised) leaves the C allocator holding
+    much freed memory, and glibc returns little of it by itself: after 250 agents of 20 rounds, RSS stayed about
+    90 MB above what the process still used (issue #13). Every ``TRIM_EVERY`` seconds, if chats were answered
+    since the last look and no session holds its lock now, ``malloc_trim`` runs on a worker thread (a few ms).
+    """
+    answered = state.metrics.answered_count()
+    while True:
+        await asyncio.sleep(TRIM_EVERY)
+        now = state.metrics.answered_count()
+        if now != answered and not len(state.locks):
+            answered = now
+            try:
+                await asyncio.to_thread(give_back_freed_memory)
+            except Exception as exc:  # a failure here must not end the lifespan's task group, and the server
+                log.warning("could not give freed memory back to the system: %s", exc)
+
+
+EDGE = "ctxproxy.proxy.edge"
+WARM = ("aiohttp", "ctxproxy.proxy.edge.chat", "ctxproxy.proxy.edge.fronts.anthropic.front",
+        "ctxproxy.proxy.edge.fronts.anthropic.count", "ctxproxy.proxy.edge.fronts.responses.front")
+"""What the warm-up thread imports before it loads the tokenizer: the upstream wire (``proxy.upstream.transport``), the
+request engine (``proxy.edge.chat``, ``proxy.engine``: 70 ms) and the fronts around it, which the server does not need
+to take connections."""
+
+
+def _engine_route(module: str, name: str) -> Callable[[Request], Awaitable[Response]]:
+    """A route of the request engine, once the warm-up is done (only the first requests after a start wait)."""
+
+    async def route(request: Request) -> Response:
+        await request.app.state.ctx.warmup.ready()
+        handler = getattr(importlib.import_module(module), name)  # imported by the warm-up: a sys.modules lookup
+        return cast(Response, await handler(request))
+
+    route.__name__ = name
+    return route
+
+
+async def passthrough(request: Request) -> Response:
+    """Every other ``/v1/*`` route (models, embeddings, completions, responses…): relayed as it is."""
+    state: AppState = request.app.state.ctx
+    refuse_loop(request.headers, state.upstream.instance)
+    body = await read_body(request, state.settings.max_body_bytes, state.settings.client_body_timeout)
+    path = request.scope.get("raw_path", b"").decode("latin-1") or request.url.path  # keep %2F as the client sent it
+    upstream = await state.upstream.send(request.method, path, request.url.query,
+                                         client_headers(request.headers.raw, state.own_headers), body,
+                                         via=request.headers.get(VIA_HEADER, ""))
+    inner = StreamingResponse(_relayed(upstream), upstream.status_code)
+    return FinallyResponse(with_headers(inner, response_headers(upstream)), upstream.aclose)
+
+
+async def _relayed(upstream: httpx.Response) -> AsyncIterator[bytes]:
+    """The upstream's bytes as they come; a body that breaks off ends the relay (the status is already sent)."""
+    try:
+        async for chunk in upstream.aiter_raw():
+            yield chunk
+    except httpx.TransportError as exc:
+        log.warning("upstream answer to a passthrough request broke off: %s", exc or type(exc).__name__)
+
+
+async def metrics(request: Request) -> Response:
+    """Prometheus text exposition of the proxy's counters (behind ``metrics_token`` or the admin token if set)."""
+    state: AppState = request.app.state.ctx
+    require_metrics(request, state.settings)
+    return Response(state.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+async def home(request: Request) -> Response:
+    """``GET /``: to the inspector page (``/ctx/ui``), which asks for the admin token when one is set."""
+    return RedirectResponse("/ctx/ui", status_code=307)
+
+
+async def healthz(request: Request) -> JSONResponse:
+    """Liveness for anyone; the version and the upstream's URL only for a caller the admin token admits."""
+    settings: Settings = request.app.state.ctx.settings
+    if settings.admin_token is not None and not bearer_matches(request, settings.admin_token):
+        return JSONResponse({"status": "ok"})
+    return JSONResponse({"status": "ok", "version": __version__, "upstream": settings.upstream})
+
+
+def _openapi(admin: FastAPI) -> Callable[[Request], Awaitable[Response]]:
+    async def openapi(request: Request) -> Response:
+        require_admin(request, request.app.state.ctx.settings)
+        return JSONResponse(admin.openapi())
+
+    return openapi
+
+
+async def _render_validation(request: Request, exc: Exception) -> Response:
+    from fastapi.exceptions import RequestValidationError
+
+    assert isinstance(exc, RequestValidationError)
+    first = exc.errors()[0] if exc.errors() else {}
+    param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+    return await render_ctx_error(request, BadRequest(f"{param}: {first.get('msg', 'invalid value')}", param=param))

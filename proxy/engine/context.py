@@ -1,0 +1,202 @@
+"""What the proxy remembers about a session between its requests, and how it gets it back after a restart.
+
+Per session: its decisions (the journal's, in order), the state the last projection left (so the next request
+costs only its new messages), the calibration ratio per model, and the list that last went upstream (the base of
+the next forward's delta in the journal). All of it can be rebuilt from the journal: on a miss (a restart, an
+evicted session) the decisions and calibration samples are read back, and the first projection recomputes from
+the decisions, which gives the same bytes. What the decisions do not imply (the turn the context tools are offered
+in, the reminder given, confirmations not yet told, the live mirror) is journaled whenever a request changes it
+(``SessionContext.journal_state``, ``store.session_state``) and read back with them. When another process wrote
+the journal (``ctxproxy prune``), every session is read back again (``JournalWriter.generation``).
+"""
+
+from __future__ import annotations
+
+import json
+from bisect import bisect_right
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from ctxproxy.proxy.core import Decision, State
+from ctxproxy.proxy.core.identity import content_text
+from ctxproxy.proxy.core.state import sha256_text
+from ctxproxy.proxy.core.tokens import Calibration
+from ctxproxy.store import (
+    CalibrationInForce,
+    Journal,
+    JournalWriter,
+    SessionState,
+    calibration_in_force,
+    record_session_state,
+    session_state,
+)
+
+__all__ = ["SessionContext", "SessionContexts"]
+
+SHARED_DECISIONS = 64
+"""Ancestors' decision sets kept for their forks: the decisions themselves are shared with the sessions' contexts."""
+
+
+@dataclass
+class SessionContext:
+    decisions: list[Decision]
+    state: State | None = None
+    calibrations: dict[str | None, Calibration] = field(default_factory=dict)
+    sent_list: tuple[int, list[str]] | None = None
+    """Id and message hashes of the last list forwarded: the base of the next forward's delta."""
+    offered_turn: str | None = None
+    """Identity of the message that opened the turn in which the context tools were offered."""
+    reminded_turn: str | None = None
+    mirror: Path | None = None
+    """Where LIVE_CONTEXT.json is written while the model manages its context through it."""
+    mirror_revision: int = 0
+    mirror_written: tuple[str, dict[str, str]] | None = None
+    """The sha256 of the mirror as last written and its entries (identity → text): a file that differs is the
+    model's draft (not overwritten until committed), judged against what it was given, entry by entry."""
+    mirror_document: str | None = None
+    """The mirror's text as last written: what ``mirror_written`` is read back from after a restart."""
+    mirror_key: tuple[Any, ...] | None = field(default=None, compare=False)
+    """What the mirror last written showed (session, revision, identities, hashes): unchanged, it is not rewritten."""
+    mirror_entries: dict[tuple[str, str], str] = field(default_factory=dict, compare=False)
+    """The mirror's entries as last written, by (identity, hash): a new version serialises only what is new."""
+    mirror_stat: tuple[int, int, int, int] | None = field(default=None, compare=False)
+    """The file's inode, size and times just after the proxy wrote it: while they hold, no draft is pending."""
+    confirmations: list[str] = field(default_factory=list)
+    """What the model's context tools did, told to it as one system line in its next request."""
+    journaled: SessionState = field(default_factory=SessionState, compare=False)
+    """The working state as last journaled (or read back): a request that leaves it as it was writes nothing."""
+
+    def calibration(self, model: str | None) -> Calibration:
+        return self.calibrations.get(model, Calibration())
+
+    def working_state(self) -> SessionState:
+        """What of this context the decisions do not imply, as the journal keeps it."""
+        return SessionState(self.offered_turn, self.reminded_turn, tuple(self.confirmations),
+                            None if self.mirror is None else str(self.mirror),
+                            self.mirror_document if self.mirror_written is not None else None)
+
+    async def journal_state(self, writer: JournalWriter, session_id: str, request_id: int) -> None:
+        """Journal the working state if ``request_id`` changed it (the offer, the reminder, the confirmations, the
+        mirror), so a restart or an eviction resumes the session as it is now."""
+        state = self.working_state()
+        if state != self.journaled:
+            created_at = datetime.now(UTC).isoformat(timespec="milliseconds")
+            await writer.call(record_session_state, session_id, request_id, state, created_at)
+            self.journaled = state
+
+    def resume(self, state: SessionState) -> None:
+        """Take back the working state the journal kept."""
+        self.offered_turn, self.reminded_turn = state.offered_turn, state.reminded_turn
+        self.confirmations = list(state.confirmations)
+        self.mirror = None if state.mirror is None else Path(state.mirror)
+        self.mirror_document = state.mirror_text
+        self.mirror_written = None if state.mirror_text is None else (
+            sha256_text(state.mirror_text), _entries(state.mirror_text))
+        self.journaled = state
+
+
+def _entries(document: str) -> dict[str, str]:
+    """The mirror's entries as it gave them (identity → text), read back from its text (``mirror_document``)."""
+    return {str(e["id"]): content_text(e.get("content")) for e in json.loads(document)["messages"]}
+
+
+@dataclass
+class _Shared:
+    """An ancestor's decisions read so far (those up to decision ``upto``), in order, with their ids."""
+
+    upto: int = 0
+    ids: list[int] = field(default_factory=list)
+    decisions: list[Decision] = field(default_factory=list)
+
+
+class SessionContexts:
+    """A bounded LRU of session contexts; a session's lock is held whenever its context is used."""
+
+    def __init__(self, capacity: int = 256) -> None:
+        self._items: OrderedDict[tuple[int, int, str], SessionContext] = OrderedDict()
+        self._capacity = capacity
+        self._shared: OrderedDict[tuple[int, int, str], _Shared] = OrderedDict()
+        """Ancestors' decisions up to a fork (``_inherited``), least recently used first."""
+        self.models: dict[str | None, Calibration] = {}
+        """The latest calibration per model, across sessions: a new session starts from it."""
+        self.window_limits: dict[str | None, int] = {}
+        """Windows the upstream proved smaller than configured or detected (it refused a prompt as too long)."""
+
+    async def get(self, writer: JournalWriter, session_id: str, model: str | None) -> SessionContext:
+        key = (id(writer), writer.generation, session_id)  # a prune may have removed what an older one holds
+        context = self._items.pop(key, None) or await self._load(writer, session_id, model)
+        self._items[key] = context
+        if len(self._items) > self._capacity:
+            self._items.popitem(last=False)
+        return context
+
+    def drop(self, writer: JournalWriter, session_id: str) -> None:
+        """Forget a session's working state (and the decisions its forks share); the next request reloads it."""
+        self._items.pop((id(writer), writer.generation, session_id), None)
+        self._shared.pop((id(writer), writer.generation, session_id), None)
+
+    async def _inherited(self, writer: JournalWriter, ancestor: str, upto: int) -> list[Decision]:
+        """An ancestor's decisions up to a fork, each read once and shared by every session forked from it (a new
+        run after a long session would otherwise reload its thousand decisions): a later fork reads only those
+        made since. They never change (the journal only appends); a prune or a forgotten session retires them."""
+        key = (id(writer), writer.generation, ancestor)
+        shared = self._shared.pop(key, None) or _Shared()
+        if upto > shared.upto:
+            for decision_id, row in await writer.call(Journal.decisions_upto, ancestor, upto, shared.upto):
+                shared.ids.append(decision_id)
+                shared.decisions.append(Decision(**row))
+            shared.upto = upto
+        self._shared[key] = shared
+        if len(self._shared) > SHARED_DECISIONS:
+            self._shared.popitem(last=False)
+        return shared.decisions[:bisect_right(shared.ids, upto)]
+
+    async def _load(self, writer: JournalWriter, session_id: str, model: str | None) -> SessionContext:
+        saved = await writer.call(_read_back, session_id, model)  # one hop to the journal's thread, not five
+        decisions: list[Decision] = []
+        for ancestor, upto in saved.ancestors:
+            decisions += await self._inherited(writer, ancestor, upto)
+        decisions += [Decision(**row) for row in saved.decisions]
+        context = SessionContext(decisions, calibrations={model: self._calibration(saved, model)},
+                                 mirror_revision=saved.revisions)
+        context.resume(saved.state)
+        return context
+
+    def _calibration(self, saved: _Saved, model: str | None) -> Calibration:
+        """The session's calibration: the one its latest forward was sent under, and what its answer taught. A
+        session with no forward yet starts from the latest calibration of the model, across sessions; one whose
+        forwards were journaled without their sample count, from its latest answers."""
+        force = saved.force
+        if force is not None:
+            calibration = Calibration(force.k, force.samples)
+            return calibration.observe(*force.learnt) if force.learnt else calibration
+        calibration = self.models.get(model, Calibration())
+        for estimate, actual in saved.samples:
+            calibration = calibration.observe(estimate, actual)
+        return calibration
+
+
+@dataclass(frozen=True)
+class _Saved:
+    """What the journal keeps of a session, read back in one call on its thread: every new session (a fork, a
+    new run) is loaded, and each hop to that thread costs a wake-up and a GIL hand-off, ~0.1 ms on a busy core."""
+
+    ancestors: list[tuple[str, int]]
+    """The sessions it was forked from, each with the last of its decisions it inherits (``Journal.decision_chain``)."""
+    decisions: list[dict[str, Any]]
+    """Its own decisions."""
+    force: CalibrationInForce | None
+    samples: list[tuple[int, int]]
+    revisions: int
+    state: SessionState
+
+
+def _read_back(journal: Journal, session_id: str, model: str | None) -> _Saved:
+    force = calibration_in_force(journal, session_id, model)
+    samples = journal.calibration_samples(session_id, model) if force is None else []
+    ancestors, own = journal.decision_chain(session_id)
+    return _Saved(ancestors, own, force, samples, journal.mirror_revisions(session_id),
+                  session_state(journal, session_id))

@@ -1,0 +1,81 @@
+"""Message identities for the journal at the cost of the new messages only.
+
+An agent's request repeats the previous request's history and adds a few messages. Serialising and hashing the
+whole history (about 1.5 ms at 630 KB) on every request would make the proxy's cost grow with the session, so
+the last history seen per conversation is kept in memory: while a message equals (``==``) the one at the same
+position last time, its canonical body and hash are reused; only the rest is serialised and hashed.
+
+``==`` on decoded JSON treats ``1`` and ``1.0`` (and ``true`` and ``1``) as equal although their canonical JSON
+differs; a history that changes only that way keeps the earlier identity. Agents do not do this, and the
+journal then records the earlier, equal value.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ctxproxy.proxy.core import canonical_json, content_hash
+
+__all__ = ["HashedMessages", "MessageHasher"]
+
+
+@dataclass(frozen=True)
+class HashedMessages:
+    messages: Sequence[Any]
+    bodies: list[bytes]
+    hashes: list[str]
+    size: int = 0
+    """The bodies' total length in bytes."""
+
+
+class MessageHasher:
+    """Canonical bodies and hashes of a message list, reusing the previous list's for its unchanged prefix.
+
+    It keeps the last list of ``conversations`` conversations, oldest dropped first, and no more than
+    ``max_bytes`` of canonical bodies besides the newest list: a 50 MB request would otherwise stay in memory
+    (twice: parsed and serialised) until 64 other conversations had come by, and 60 incognito conversations of
+    1 MB kept ~100 MB here for good, whatever their journal forgot. Safe to share between the event loop
+    and the worker that hashes large requests (``proxy.engine.heavy``).
+    """
+
+    def __init__(self, conversations: int = 64, max_bytes: int = 32 << 20) -> None:
+        self._last: OrderedDict[str, HashedMessages] = OrderedDict()
+        self._capacity = conversations
+        self._max_bytes = max_bytes
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def hash(self, key: str, messages: Sequence[Any]) -> HashedMessages:
+        with self._lock:
+            previous = self._last.pop(key, None)
+            self._bytes -= previous.size if previous else 0
+        same = _common_prefix(previous.messages, messages) if previous else 0
+        bodies = previous.bodies[:same] if previous else []
+        hashes = previous.hashes[:same] if previous else []
+        for message in messages[same:]:
+            body = canonical_json(message)
+            bodies.append(body)
+            hashes.append(content_hash(body))
+        result = HashedMessages(messages, bodies, hashes, sum(map(len, bodies)))
+        with self._lock:
+            self._last[key] = result
+            self._bytes += result.size
+            while len(self._last) > 1 and (len(self._last) > self._capacity or self._bytes > self._max_bytes):
+                self._bytes -= self._last.popitem(last=False)[1].size
+        return result
+
+    @property
+    def retained_bytes(self) -> int:
+        """The canonical bodies kept for reuse, in bytes."""
+        return self._bytes
+
+
+def _common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # the usual case, compared in C
+        return n
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), n)

@@ -1,1 +1,0 @@
-"""Fronts: the protocols other than OpenAI chat completions that agents speak to ctxproxy (``proxy.fronts.codec``)."""

@@ -1,0 +1,1 @@
+"""What operators see while the proxy runs: Prometheus metrics and the ``context_op`` event stream."""
