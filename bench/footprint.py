@@ -5,19 +5,19 @@ happens, and what it holds under load must level off, not grow run after run (is
 ≤ 0.3 s, idle RSS ≤ 70 MB, ≤ 300 MB and flat after ``bench/load.py``'s 250 sessions, run after run).
 
 How: ``bench/fake_upstream.py`` runs in its own process; ``ctxproxy serve`` (as a user's install runs it:
-``bench/harness.py``'s ``AS_INSTALLED``) is started against it once to create a journal in a temporary data dir,
-then ``--starts`` times more on that journal (a restart). Each start is timed from just before ``exec`` to the first
-``GET /healthz`` answered 200 (polled every 2 ms); the CPU time it spent until then is read (user + system,
+``bench/harness.py``'s ``AS_INSTALLED``) is started against it once to create a journal in a temporary data dir, then
+``--starts`` times more on that journal (a restart). Each start is timed from just before ``exec`` to the first ``GET
+/healthz`` answered 200 (polled every 2 ms); the CPU time it spent until then is read (user + system,
 ``/proc/PID/stat``: what a busy machine changes least), and its resident set (``VmRSS`` of ``/proc/PID/status``) at
-ready, ``--settle`` seconds later with no request (idle: what the server loads on its warm-up thread after ready,
-the tokenizer and aiohttp, has loaded by then), and after one small chat request. Medians over the restarts.
-``--starts`` more starts send a chat the moment ``/healthz`` answers: exec to that chat's answer is what a client
-that starts the proxy and uses it at once sees (the chat waits for the warm-up). ``import proxy.cli`` and ``import
-proxy.app`` are timed the same way, each in a fresh interpreter. Then ``bench/load.py``'s agents run ``--waves``
-times (``--sessions`` new agent runs of ``--rounds`` rounds each, no pause) through one more proxy, against
-``bench/load.py``'s fake upstream minus its record of every body (``ForgetfulUpstream``); the proxy's RSS is read
-when it is idle before, and ``--rest`` seconds after each run. Flat means the later runs add next to nothing.
-``bench/load.py --waves N`` runs the same agents with all of its checks.
+ready, ``--settle`` seconds later with no request (idle: what the server loads on its warm-up thread after ready, the
+tokenizer and aiohttp, has loaded by then), and after one small chat request. Medians over the restarts. ``--starts``
+more starts send a chat the moment ``/healthz`` answers: exec to that chat's answer is what a client that starts the
+proxy and uses it at once sees (the chat waits for the warm-up). ``import ctxproxy.proxy.commands.cli`` and ``import
+ctxproxy.proxy.edge.app`` are timed the same way, each in a fresh interpreter. Then ``bench/load.py``'s agents run
+``--waves`` times (``--sessions`` new agent runs of ``--rounds`` rounds each, no pause) through one more proxy, against
+``bench/load.py``'s fake upstream minus its record of every body (``ForgetfulUpstream``); the proxy's RSS is read when
+it is idle before, and ``--rest`` seconds after each run. Flat means the later runs add next to nothing. ``bench/load.py
+--waves N`` runs the same agents with all of its checks.
 
 Run: ``.venv/bin/python bench/footprint.py --markdown`` (``--waves 0``: start and idle only; ``--starts 0``: load only)
 """
@@ -186,7 +186,7 @@ def markdown(report: dict[str, Any]) -> str:
                  ("exec → the answer to a chat sent at ready (waits for the warm-up), median",
                   f"{s['first_answer_s']:.3f} s"),
                  ("CPU time the process spent until ready (user + system), median", f"{s['cpu_at_ready_s']:.2f} s"),
-                 ("`import proxy.cli` / `import proxy.app`, median",
+                 ("`import proxy.commands.cli` / `import proxy.edge.app`, median",
                   f"{s['import_ctxproxy.proxy.commands.cli_s']:.3f} / {s['import_ctxproxy.proxy.edge.app_s']:.3f} s"),
                  ("RSS at ready", f"{s['rss_at_ready_mb']:.1f} MB"),
                  (f"RSS idle ({s['settle_s']:g} s after ready, no request)", f"**{s['rss_idle_mb']:.1f} MB**"),
