@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -19,7 +20,7 @@ from starlette.testclient import TestClient
 from ctxproxy.config import load_settings
 from ctxproxy.proxy.core.tokens import Calibration, MessageCounter, TextCounter
 from ctxproxy.proxy.engine.context import SessionContexts
-from ctxproxy.proxy.engine.state import AppState
+from ctxproxy.proxy.engine.state import AppState, Warmup
 from ctxproxy.store import Journal, JournalWriter
 from tests.conftest import app_client
 from tests.fakes import FakeUpstream
@@ -61,7 +62,9 @@ def small_window(tmp_path: Path) -> Iterator[tuple[TestClient, CountingText]]:
                                   "CTXPROXY_CTX_WINDOW": "8192"})
     with app_client(settings, httpx.ASGITransport(app=FakeUpstream())) as client:
         state: AppState = client.app.state.ctx  # type: ignore[attr-defined]
-        state.counter = MessageCounter(CountingText(state.counter.text_counter))
+        counting: Future[MessageCounter] = Future()  # the counter the warm-up hands out, its tokenizer recorded
+        counting.set_result(MessageCounter(CountingText(state.counter.text_counter)))
+        state.warmup = Warmup(counting)
         yield client, state.counter.text_counter  # type: ignore[misc]
 
 
