@@ -50,6 +50,27 @@ def test_a_refused_request_has_its_line_too(tmp_path: Path, caplog: pytest.LogCa
     assert " 400 context_too_large, not forwarded" in line
 
 
+@pytest.mark.parametrize(("path", "body", "code"), [
+    ("/v1/chat/completions", {"model": "m", "messages": [{"role": 7, "content": "x"}]}, "invalid_request"),
+    ("/v1/messages", {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "document"}]}]},
+     None),
+])
+def test_a_request_refused_before_it_has_a_session_has_its_line_and_is_counted(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, path: str, body: dict[str, object], code: str | None) -> None:
+    """A body the edge refuses never reaches a session: it used to leave no line and no count at all."""
+    settings = load_settings(env={"CTXPROXY_DATA_DIR": str(tmp_path), "CTXPROXY_UPSTREAM": "http://u.test/v1"})
+    with caplog.at_level(logging.INFO, logger="ctxproxy"), \
+            app_client(settings, httpx.ASGITransport(app=FakeUpstream())) as c:
+        answer = c.post(path, json=body)
+        metrics = c.get("/metrics").text
+    assert answer.status_code == 400
+    [line] = [r for r in caplog.records if getattr(r, "ctx", {}).get("event") == "refused"]
+    assert line.ctx["route"] == f"POST {path}" and line.ctx["status"] == 400  # type: ignore[attr-defined]
+    assert code is None or line.ctx["code"] == code  # type: ignore[attr-defined]
+    assert line.getMessage().startswith(f"refused POST {path} 400")
+    assert 'ctxproxy_requests_total{outcome="refused"} 1.0' in metrics
+
+
 def test_the_json_format_puts_every_figure_in_a_field() -> None:
     fields = {"event": "request", "session": "s", "route": "POST /v1/chat/completions", "status": 502,
               "outcome": "unreachable", "tokens_in": 10, "tokens_out": 8, "cuts": {}, "retries": 1, "rounds": 0,

@@ -39,7 +39,7 @@ from ctxproxy.proxy.errors import (
     render_unexpected,
     storage_error,
 )
-from ctxproxy.proxy.observe.logs import startup_line
+from ctxproxy.proxy.observe.logs import note_refusal, startup_line
 from ctxproxy.proxy.upstream.endpoint import Upstream, client_headers, response_headers, with_headers
 from ctxproxy.proxy.upstream.loop import VIA_HEADER, refuse_loop
 from ctxproxy.proxy.upstream.transport import AiohttpTransport
@@ -70,12 +70,20 @@ def create_app(settings: Settings, upstream_transport: httpx.AsyncBaseTransport 
         Route("/metrics", metrics, methods=["GET"]),
         Mount("/ctx", app=OperatorApi()),
     ]
-    return Starlette(routes=routes, exception_handlers=dict(_HANDLERS),
+    return Starlette(routes=routes, exception_handlers=dict(_HANDLERS) | {CtxError: _refused},
                      lifespan=_lifespan(settings, upstream_transport))
 
 
 _HANDLERS: dict[type[Exception], Callable[[Request, Exception], Awaitable[Response]]] = {
     CtxError: render_ctx_error, HTTPException: render_http_error, Exception: render_unexpected}
+
+
+async def _refused(request: Request, exc: Exception) -> Response:
+    """A proxied request refused before it had a session: logged and counted, then rendered like any error."""
+    if isinstance(exc, CtxError) and request.url.path.startswith("/v1/"):
+        note_refusal(request.app.state.ctx.metrics, f"{request.method} {request.url.path}", exc.status, exc.code,
+                     exc.message)
+    return await render_ctx_error(request, exc)
 
 
 class OperatorApi:

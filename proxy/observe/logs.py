@@ -13,11 +13,14 @@ import logging
 import sys
 from collections.abc import Mapping
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ctxproxy.config import Settings
 
-__all__ = ["JsonFormatter", "configure_logging", "log", "request_line", "startup_line"]
+if TYPE_CHECKING:
+    from ctxproxy.proxy.observe.metrics import Metrics
+
+__all__ = ["JsonFormatter", "configure_logging", "log", "note_refusal", "refused_line", "request_line", "startup_line"]
 
 log = logging.getLogger("ctxproxy")
 
@@ -68,3 +71,18 @@ def request_line(fields: Mapping[str, Any]) -> str:
     return (f"session {fields['session']} {fields['route']} {fields['status']} {fields['outcome']}, {tokens}, "
             f"cuts {cuts}, retries {fields['retries']}, rounds {fields['rounds']}, added {added}, "
             f"total {fields['total_ms']:.1f} ms")
+
+
+def note_refusal(metrics: Metrics, route: str, status: int, code: str | None, message: str) -> None:
+    """A request refused before it had a session: its line at info, and ``ctxproxy_requests_total`` counts it
+    (outcome ``refused``) like any answered one."""
+    text, fields = refused_line(route, status, code, message)
+    log.info(text, extra={"ctx": fields})
+    metrics.answered("refused", None)
+
+
+def refused_line(route: str, status: int, code: str | None, message: str) -> tuple[str, dict[str, Any]]:
+    """A request refused before it had a session (a body that is not valid, too large, the loop guard): it gets
+    its line too, without the figures only a session's requests have."""
+    fields = {"event": "refused", "route": route, "status": status, "code": code}
+    return f"refused {route} {status} {code or 'error'}: {message[:300]}", fields

@@ -57,6 +57,7 @@ from ctxproxy.proxy.edge.chat import chat_completions
 from ctxproxy.proxy.engine.forward import UPSTREAM_CODEC, UpstreamCodec
 from ctxproxy.proxy.engine.state import AppState
 from ctxproxy.proxy.errors import CtxError
+from ctxproxy.proxy.observe.logs import note_refusal
 
 __all__ = ["CHAT_PATH", "ChatUpstream", "Decoded", "EncodedResponse", "Encoder", "Front", "serve"]
 
@@ -111,7 +112,8 @@ async def serve(request: Request, front: Front) -> Response:
         inner = _inner_request(request, orjson.dumps(decoded.body), decoded.session, state.settings.session_header)
         inner.scope[UPSTREAM_CODEC] = decoded.upstream or ChatUpstream()
         return EncodedResponse(await chat_completions(inner), front.encoder(decoded))
-    except CtxError as exc:
+    except CtxError as exc:  # before a session: the engine renders its own failures (``proxy.edge.chat``)
+        note_refusal(state.metrics, f"{request.method} {request.url.path}", exc.status, exc.code, exc.message)
         return front.error(exc)
 
 
