@@ -39,6 +39,19 @@ def test_each_request_is_one_info_line_with_its_figures(tmp_path: Path, caplog: 
     assert f"tokens {fields['tokens_in']} → {fields['tokens_out']} upstream" in text
 
 
+def test_the_tokens_of_a_small_request_are_the_agents_not_the_proxys_tools(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The context tools' schemas are budgeted before they are offered, but neither the agent sent them nor do they
+    go upstream until they are: a "hi" read "tokens 740 → 740 upstream"."""
+    settings = load_settings(env={"CTXPROXY_DATA_DIR": str(tmp_path), "CTXPROXY_UPSTREAM": "http://u.test/v1",
+                                  "CTXPROXY_CTX_WINDOW": "32768"})
+    with caplog.at_level(logging.INFO, logger="ctxproxy"), \
+            app_client(settings, httpx.ASGITransport(app=FakeUpstream())) as c:
+        c.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    [line] = [r for r in caplog.records if getattr(r, "ctx", {}).get("event") == "request"]
+    assert 0 < line.ctx["tokens_in"] == line.ctx["tokens_out"] < 20  # type: ignore[attr-defined]
+
+
 def test_a_refused_request_has_its_line_too(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     settings = load_settings(env={"CTXPROXY_DATA_DIR": str(tmp_path), "CTXPROXY_UPSTREAM": "http://u.test/v1",
                                   "CTXPROXY_CTX_WINDOW": "4096"})

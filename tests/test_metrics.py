@@ -67,7 +67,7 @@ def tallied(messages: list[dict[str, Any]], rules: Rules) -> tuple[Projection, T
     counter = MessageCounter()
     hashes = [message_hash(m) for m in messages]
     p = project(messages, hashes, [], rules, counter)
-    return p, tally(p, messages, hashes, counter)
+    return p, tally(p, messages, hashes, counter, p.report.estimate, 0)
 
 
 def test_an_elision_and_a_fold_count_what_they_took_out() -> None:

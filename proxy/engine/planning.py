@@ -172,7 +172,7 @@ def _shape(app: AppState, settings: Settings, ctx: SessionContext, ask: _Ask, wi
     record = _forward_record(ask.recorded, ask.incoming, ctx, p, ask.attempt, rules.k, sent, hashes, changed,
                              None if ask.splice else estimate)  # a splice's tokens are not in the estimate
     return _Shaped(p, rules, offered, estimate, hashes, record, orjson.dumps(payload.body) if changed else ask.raw,
-                   tally(p, messages, ask.incoming.hashes, app.counter))
+                   tally(p, messages, ask.incoming.hashes, app.counter, estimate, budgeted))
 
 
 def _rules(app: AppState, settings: Settings, ctx: SessionContext, ask: _Ask, window: int) -> Rules:

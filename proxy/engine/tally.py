@@ -31,8 +31,10 @@ class Tally:
     """This request's new decisions, by kind."""
 
 
-def tally(p: Projection, messages: Sequence[dict[str, Any]], hashes: Sequence[str],
-          counter: MessageCounter) -> Tally:
+def tally(p: Projection, messages: Sequence[dict[str, Any]], hashes: Sequence[str], counter: MessageCounter,
+          sent: int, budgeted: int) -> Tally:
+    """``sent``: the estimate of what goes upstream (the proxy's own tools or note only if listed); ``budgeted``:
+    what the projection's estimate holds for them, listed or not (none of it is the agent's)."""
     state = p.state
     removed = [0] * len(state.counts)
     for i, count in enumerate(state.counts):
@@ -41,7 +43,7 @@ def tally(p: Projection, messages: Sequence[dict[str, Any]], hashes: Sequence[st
     cuts: dict[str, int] = {}
     for d in p.new:
         cuts[d.kind] = cuts.get(d.kind, 0) + 1
-    return Tally(p.report.estimate + sum(removed), p.report.estimate, _freed(p.new, state.ids, removed), cuts)
+    return Tally(p.report.estimate - budgeted + sum(removed), sent, _freed(p.new, state.ids, removed), cuts)
 
 
 def _freed(new: Sequence[Decision], ids: Sequence[str], removed: Sequence[int]) -> dict[str, int]:
