@@ -148,13 +148,23 @@ def baseline_proxy(tmp: Path, targets: Targets, args: argparse.Namespace) -> Ite
         yield None
         return
     port = free_port()
-    env = _proxy_environ(args.proxy_env) | {"PYTHONPATH": str(args.baseline.absolute())}
-    proc = _spawn(_proxy_command("ctxproxy", f"{targets.direct}/v1", port, tmp / "baseline"), tmp / "base.log", env)
+    src = args.baseline.absolute()
+    env = _proxy_environ(args.proxy_env) | {"PYTHONPATH": str(src)}
+    command = _proxy_command("ctxproxy", f"{targets.direct}/v1", port, tmp / "baseline")
+    proc = _spawn([sys.executable, "-c", _cli_of(src), *command[1:]], tmp / "base.log", env)
     try:
         _wait_ready(proc, f"http://127.0.0.1:{port}/healthz", tmp / "base.log")
         yield f"http://127.0.0.1:{port}", proc.pid
     finally:
         _stop(proc)
+
+
+def _cli_of(src: Path) -> str:
+    """The source tree's own command line: ``ctxproxy.proxy.commands.cli`` since the relayout of issue #12,
+    ``proxy.cli`` before it (the console script would import the installed one, not SRC's)."""
+    module = "ctxproxy.proxy.commands.cli" if (src / "ctxproxy").is_dir() else "proxy.cli"
+    return (f"import sys; sys.path.insert(0, {str(src)!r}); sys.argv[0] = 'ctxproxy'; "  # before the cwd's tree
+            f"from {module} import main; sys.exit(main())")
 
 
 def _parser() -> argparse.ArgumentParser:
