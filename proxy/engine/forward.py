@@ -16,7 +16,7 @@ import httpx
 import orjson
 
 from ctxproxy.proxy.engine.exchange import Exchange
-from ctxproxy.proxy.engine.planning import Plan, plan_forward, what_takes_room
+from ctxproxy.proxy.engine.planning import Ask, Plan, plan_forward, what_takes_room
 from ctxproxy.proxy.engine.turn import Forward
 from ctxproxy.proxy.errors import ContextTooLarge, CtxError, UpstreamBrokeOff, UpstreamTimeout
 from ctxproxy.proxy.upstream.endpoint import client_headers
@@ -85,8 +85,9 @@ class Forwarder:
         x, splice = self.exchange, list(command.splice)
         for attempt in range(ATTEMPTS):
             assert x.context is not None
-            plan = await plan_forward(x.state, x.writer, x.context, x.recorded, x.body, self.raw, x.incoming,
-                                      x.attempt, x.incognito, splice, command.offer, self.compact)
+            ask = Ask(x.body, self.raw, x.incoming, x.recorded, x.attempt, x.incognito, splice, command.offer,
+                      self.compact)
+            plan = await plan_forward(x.state, x.writer, x.context, ask)
             x.estimate = 0 if splice else plan.estimate  # usage with a splice does not measure the estimate
             x.deferred = plan.deferred
             x.planned(plan.tally)

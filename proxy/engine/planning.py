@@ -55,7 +55,7 @@ from ctxproxy.proxy.tools.offer import person_asked, turn_in
 from ctxproxy.proxy.wire import ChatBody
 from ctxproxy.store import ForwardRecord, IncomingRequest, Journal, JournalWriter, OverflowBody, RecordedRequest
 
-__all__ = ["Plan", "plan_forward"]
+__all__ = ["Ask", "Plan", "plan_forward"]
 
 log = logging.getLogger("ctxproxy")
 INCOGNITO_STORAGE = "memory-only (incognito)"
@@ -76,18 +76,14 @@ class Plan:
     """The forward row, when it is to be journaled with its answer."""
 
 
-async def plan_forward(app: AppState, writer: JournalWriter, ctx: SessionContext, recorded: RecordedRequest,
-                       body: ChatBody, raw: bytes, incoming: IncomingRequest, attempt: int, incognito: bool,
-                       splice: list[dict[str, Any]] | None = None, offer: bool = True,
-                       compact: str | None = None) -> Plan:
-    """Project the request and journal the forward. ``splice``: this request's context-tool exchanges so far,
-    sent after the projection in the proxy's own follow-up rounds; ``offer=False``: the last round, without the
-    context tools. The projection of a large request runs on the worker (``proxy.engine.heavy``)."""
-    model = body.get("model")
+async def plan_forward(app: AppState, writer: JournalWriter, ctx: SessionContext, ask: Ask) -> Plan:
+    """Project the request and journal the forward. The projection of a large request runs on the worker
+    (``proxy.engine.heavy``)."""
+    recorded, incoming = ask.recorded, ask.incoming
+    model = ask.body.get("model")
     settings = app.settings.for_model(model)
     window = settings.ctx_window or (await app.windows.window_for(model)).tokens
     window = min(window, app.contexts.window_limits.get(model, window))
-    ask = _Ask(body, raw, incoming, recorded, attempt, incognito, list(splice or []), offer, compact)
     previous, ctx.state = ctx.state, None  # consumed by project(); only a journaled projection gives it back
     large = is_large(incoming.body_bytes, len(incoming.hashes))
     shaped = await app.offload.run(large, _shape, app, settings, ctx, ask, window, previous)
@@ -118,8 +114,10 @@ def _outfile_bodies(rules: Rules, p: Projection, bodies: Sequence[bytes]) -> lis
 
 
 @dataclass(frozen=True)
-class _Ask:
-    """One attempt of one request, as ``plan_forward`` was given it."""
+class Ask:
+    """One attempt of one request, as the forwarder asks ``plan_forward`` to plan it. ``splice``: this request's
+    context-tool exchanges so far, sent after the projection in the proxy's own follow-up rounds; ``offer=False``:
+    the last round, without the context tools; ``compact``: what the agent's own compaction prompt asked."""
 
     body: ChatBody
     raw: bytes
@@ -146,7 +144,7 @@ class _Shaped:
     tally: Tally
 
 
-def _shape(app: AppState, settings: Settings, ctx: SessionContext, ask: _Ask, window: int,
+def _shape(app: AppState, settings: Settings, ctx: SessionContext, ask: Ask, window: int,
            previous: State | None) -> _Shaped:
     """The outgoing request: rules, projection, notices, tools, bytes. No await: its cost grows with the request,
     so a large one's runs on the worker, under the session's lock (it updates the session's working context)."""
@@ -175,7 +173,7 @@ def _shape(app: AppState, settings: Settings, ctx: SessionContext, ask: _Ask, wi
                    tally(p, messages, ask.incoming.hashes, app.counter, estimate, budgeted))
 
 
-def _rules(app: AppState, settings: Settings, ctx: SessionContext, ask: _Ask, window: int) -> Rules:
+def _rules(app: AppState, settings: Settings, ctx: SessionContext, ask: Ask, window: int) -> Rules:
     """The budget, calibration, storage, tools' cost and text-protocol presets this attempt is projected under.
     What the context tools cost is budgeted whenever they may be offered: the budget must hold the moment they
     are, and the cuts must not shift when they start to be."""
