@@ -58,8 +58,13 @@ from tests.workloads import conversation  # noqa: E402
 WINDOWS = (32768, 131072)
 KINDS = ("new run", "fork", "next")
 AS_INSTALLED = ("import sys; sys.modules.update(dict.fromkeys(('pandas', 'numpy'), None)); "
-                "from ctxproxy.proxy.commands.cli import main; sys.exit(main())")
-"""``ctxproxy`` as a user's install runs it (``bench/harness.py``): sqlite-utils would import pandas if present."""
+                "from {cli} import main; sys.exit(main())")
+"""``ctxproxy`` as a user's install runs it (``bench/harness.py``): sqlite-utils would import pandas if present.
+``{cli}``: the tree's command line, ``ctxproxy.proxy.commands.cli`` (``proxy.cli`` before the relayout)."""
+
+
+def _cli_of(tree: str) -> str:
+    return "ctxproxy.proxy.commands.cli" if (Path(tree) / "ctxproxy").is_dir() else "proxy.cli"
 
 
 @dataclass
@@ -116,7 +121,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _tree(spec: str) -> tuple[str, str]:
     name, _, path = spec.partition("=")
-    if not path or not (Path(path) / "proxy" / "cli.py").is_file():
+    if not path or not any((Path(path) / "proxy" / cli).is_file() for cli in ("cli.py", "commands/cli.py")):
         sys.exit(f"--tree {spec}: expected NAME=DIR, DIR a ctxproxy source tree")
     return name, str(Path(path).resolve())
 
@@ -142,8 +147,8 @@ def _servers(tmp: Path, trees: list[tuple[str, str]], windows: list[int]) -> Ite
 
 def _proxy(procs: list[Any], tmp: Path, upstream: str, name: str, tree: str, window: int) -> Proxy:
     port, log = latency.free_port(), tmp / f"proxy-{name}-{window}.log"
-    command = [sys.executable, "-c", AS_INSTALLED, "serve", "--upstream", upstream, "--host", "127.0.0.1",
-               "--port", str(port), "--data-dir", str(tmp / f"data-{name}-{window}")]
+    command = [sys.executable, "-c", AS_INSTALLED.format(cli=_cli_of(tree)), "serve", "--upstream", upstream,
+               "--host", "127.0.0.1", "--port", str(port), "--data-dir", str(tmp / f"data-{name}-{window}")]
     env = latency._proxy_environ([f"CTXPROXY_CTX_WINDOW={window}", "CTXPROXY_LOG_LEVEL=warning",
                                   f"PYTHONPATH={tree}"])
     with log.open("wb") as out:  # run from the tree: ``python -c`` puts the working directory first on the path

@@ -55,4 +55,33 @@ def test_the_cache_keeps_at_most_max_bytes_besides_the_newest_list() -> None:
     for i in range(3):
         hasher.hash(str(i), [{"role": "user", "content": str(i) * 1000}])
     assert "big" not in hasher._last and len(hasher._last) == 3
-    assert hasher.retained_bytes == sum(entry.size for entry in hasher._last.values()) <= 10_000
+    assert hasher.retained_bytes == sum(e.size for lists in hasher._last.values() for e in lists) <= 10_000
+
+
+def _history(rounds: int, tag: str = "") -> list[dict[str, Any]]:
+    opening = [{"role": "system", "content": "agent"}, {"role": "user", "content": "task"}]
+    return opening + [{"role": "tool", "content": f"{tag}result {i} " + "x" * 200} for i in range(rounds)]
+
+
+def test_a_new_run_between_two_requests_of_a_long_one_does_not_make_it_hash_its_history_again() -> None:
+    """A new run with the same opening (or a fork) came between two requests of a long session: the next request
+    of that session used to find only the new run's short history under the opening, and hash its whole one."""
+    hasher = MessageHasher()
+    long = hasher.hash("opening", _history(300))
+    hasher.hash("opening", _history(2, tag="new run "))  # another run of the same agent, same opening
+    forked = [*_history(300)[:250], {"role": "tool", "content": "edited"}]  # a fork of the long one
+    again = hasher.hash("opening", forked)
+    assert all(a is b for a, b in zip(again.bodies[:250], long.bodies[:250], strict=True))  # reused, not redone
+    assert again.hashes == [content_hash(canonical_json(m)) for m in forked]
+    following = hasher.hash("opening", [*_history(301)])  # the long session goes on after its fork
+    assert following.bodies[300 - 1] is long.bodies[300 - 1]
+
+
+def test_a_conversation_keeps_a_few_lists_and_drops_those_it_extended() -> None:
+    hasher = MessageHasher(per_conversation=2)
+    for rounds in range(1, 6):  # each extends the last: one list kept
+        hasher.hash("k", _history(rounds))
+    assert len(hasher._last["k"]) == 1
+    for tag in ("a", "b", "c"):  # three different runs: the two newest kept
+        hasher.hash("k", _history(3, tag=tag))
+    assert [lists.messages[-1]["content"][:1] for lists in hasher._last["k"]] == ["c", "b"]

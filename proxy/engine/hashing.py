@@ -2,8 +2,9 @@
 
 An agent's request repeats the previous request's history and adds a few messages. Serialising and hashing the
 whole history (about 1.5 ms at 630 KB) on every request would make the proxy's cost grow with the session, so
-the last history seen per conversation is kept in memory: while a message equals (``==``) the one at the same
-position last time, its canonical body and hash are reused; only the rest is serialised and hashed.
+the last histories seen per conversation are kept in memory: while a message equals (``==``) the one at the same
+position in the kept history that shares the most with it, its canonical body and hash are reused; only the rest is
+serialised and hashed.
 
 ``==`` on decoded JSON treats ``1`` and ``1.0`` (and ``true`` and ``1``) as equal although their canonical JSON
 differs; a history that changes only that way keeps the earlier identity. Agents do not do this, and the
@@ -33,40 +34,50 @@ class HashedMessages:
 
 
 class MessageHasher:
-    """Canonical bodies and hashes of a message list, reusing the previous list's for its unchanged prefix.
+    """Canonical bodies and hashes of a message list, reusing a previous list's for its unchanged prefix.
 
-    It keeps the last list of ``conversations`` conversations, oldest dropped first, and no more than
-    ``max_bytes`` of canonical bodies besides the newest list: a 50 MB request would otherwise stay in memory
+    It keeps, per conversation (an opening, or a named session), the last list and up to ``per_conversation - 1``
+    earlier ones the last did not extend: a new run with the same opening sent between two requests of a long
+    session, or a fork, would otherwise make the next of them serialise and hash its whole history again (about
+    2.5 ms per MB). At most ``conversations`` conversations, oldest dropped first, and no more than ``max_bytes``
+    of canonical bodies besides the newest conversation's lists: a 50 MB request would otherwise stay in memory
     (twice: parsed and serialised) until 64 other conversations had come by, and 60 incognito conversations of
-    1 MB kept ~100 MB here for good, whatever their journal forgot. Safe to share between the event loop
-    and the worker that hashes large requests (``proxy.engine.heavy``).
+    1 MB kept ~100 MB here for good, whatever their journal forgot. Safe to share between the event loop and the
+    worker that hashes large requests (``proxy.engine.heavy``).
     """
 
-    def __init__(self, conversations: int = 64, max_bytes: int = 32 << 20) -> None:
-        self._last: OrderedDict[str, HashedMessages] = OrderedDict()
+    def __init__(self, conversations: int = 64, max_bytes: int = 32 << 20, per_conversation: int = 3) -> None:
+        self._last: OrderedDict[str, list[HashedMessages]] = OrderedDict()
         self._capacity = conversations
         self._max_bytes = max_bytes
+        self._per_conversation = per_conversation
         self._bytes = 0
         self._lock = threading.Lock()
 
     def hash(self, key: str, messages: Sequence[Any]) -> HashedMessages:
         with self._lock:
-            previous = self._last.pop(key, None)
-            self._bytes -= previous.size if previous else 0
-        same = _common_prefix(previous.messages, messages) if previous else 0
-        bodies = previous.bodies[:same] if previous else []
-        hashes = previous.hashes[:same] if previous else []
+            kept = self._last.pop(key, [])
+            self._bytes -= sum(entry.size for entry in kept)
+        shared = [_common_prefix(entry.messages, messages) for entry in kept]
+        best = max(range(len(kept)), key=shared.__getitem__, default=None)
+        same = shared[best] if best is not None else 0
+        bodies = kept[best].bodies[:same] if best is not None else []
+        hashes = kept[best].hashes[:same] if best is not None else []
         for message in messages[same:]:
             body = canonical_json(message)
             bodies.append(body)
             hashes.append(content_hash(body))
         result = HashedMessages(messages, bodies, hashes, sum(map(len, bodies)))
-        with self._lock:
-            self._last[key] = result
-            self._bytes += result.size
-            while len(self._last) > 1 and (len(self._last) > self._capacity or self._bytes > self._max_bytes):
-                self._bytes -= self._last.popitem(last=False)[1].size
+        earlier = [entry for entry, n in zip(kept, shared, strict=True) if n < len(entry.messages)]  # not extended
+        self._keep(key, [result, *earlier][: self._per_conversation])
         return result
+
+    def _keep(self, key: str, lists: list[HashedMessages]) -> None:
+        with self._lock:
+            self._last[key] = lists
+            self._bytes += sum(entry.size for entry in lists)
+            while len(self._last) > 1 and (len(self._last) > self._capacity or self._bytes > self._max_bytes):
+                self._bytes -= sum(entry.size for entry in self._last.popitem(last=False)[1])
 
     @property
     def retained_bytes(self) -> int:
