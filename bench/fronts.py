@@ -15,7 +15,7 @@ does for the chat route:
   (tools, system, messages: a tool list that changes, the context tools' offer, costs everything after it),
   tokens and pairs over their chat reading.
 
-Run: ``CTXPROXY_TRAJECTORIES=../shared/trajectories .venv/bin/python bench/fronts.py [--json FILE]``.
+Run: ``CTXPROXY_TRAJECTORIES=DIR .venv/bin/python bench/fronts.py [--json FILE]`` (DIR: the recorded trajectories).
 """
 
 from __future__ import annotations

@@ -398,7 +398,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write every number here")
     parser.add_argument("--proxy-env", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--conversation", type=Path, help="conversation-60 (and the latency table's 630 KB request) "
-                        "from this file, e.g. the peers' ../shared/bench/conversation-60.json (default: generated)")
+                        "from this file, e.g. the peers' PEERS/conversation-60.json (default: generated)")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stopped: still stop the servers it started
     env = args.proxy_env + (["CTXPROXY_NULL_CONTENT=empty"] if args.upstream == "llama" else [])

@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "rewrite.json")
     parser.add_argument("--conversation", type=Path, help="the 60-round workload from this file (default: generated "
-                        "by tests/workloads.py; the peers' is ../shared/bench/conversation-60.json)")
+                        "by tests/workloads.py; the peers' is PEERS/conversation-60.json)")
     args = parser.parse_args(argv)
     sixty = load_conversation(args.conversation)
     six_hundred = conversation(rounds=600)

@@ -84,13 +84,9 @@ class SpansMixin:
     def _span_body(self, overflow_id: str, sessions: Sequence[str] | None) -> dict[str, Any] | None:
         """A body rebuilt from the stored messages it is made of: the JSON array of them (a fold), or the one
         message's content (a result); None when no such span is in scope, or it does not hash to its id."""
-        sql = ("SELECT session_id, list_id, start, count, part, tool, call_id, bytes, created_at FROM overflow_spans"
-               " WHERE id = ?")
-        params: list[Any] = [overflow_id]
-        if sessions is not None:
-            sql += f" AND session_id IN ({','.join('?' * len(sessions))})"
-            params += sessions
-        row = self.conn.execute(sql + " LIMIT 1", params).fetchone()
+        row = self.conn.execute(*_first_in(
+            "SELECT session_id, list_id, start, count, part, tool, call_id, bytes, created_at FROM overflow_spans"
+            " WHERE id = ?", overflow_id, "session_id", sessions)).fetchone()
         if row is None:
             return None
         session_id, list_id, start, count, part, tool, call_id, nbytes, created_at = row
@@ -244,13 +240,9 @@ class CutsMixin(SpansMixin, OpsMixin):
     def overflow_body(self, overflow_id: str, session_id: str | None = None) -> dict[str, Any] | None:
         """A cut body, restorable byte for byte: for a session, only one cut in it or inherited by it."""
         sessions = [sid for sid, _ in self._ancestry(session_id)] if session_id else None
-        sql = ("SELECT o.session_id, o.tool, o.call_id, o.bytes, o.created_at, b.body FROM overflow o"
-               " JOIN blobs b ON b.hash = o.id WHERE o.id = ?")
-        params: list[Any] = [overflow_id]
-        if sessions is not None:
-            sql += f" AND o.session_id IN ({','.join('?' * len(sessions))})"
-            params += sessions
-        row = self.conn.execute(sql + " LIMIT 1", params).fetchone()
+        row = self.conn.execute(*_first_in(
+            "SELECT o.session_id, o.tool, o.call_id, o.bytes, o.created_at, b.body FROM overflow o"
+            " JOIN blobs b ON b.hash = o.id WHERE o.id = ?", overflow_id, "o.session_id", sessions)).fetchone()
         if row is None:
             return self._span_body(overflow_id, sessions)
         keys = ("session_id", "tool", "call_id", "bytes", "created_at", "body")
@@ -312,3 +304,11 @@ SELECT t.session_id, t.first_request, t.rounds,
   FROM turns t LEFT JOIN ops o ON o.session_id = t.session_id AND o.turn = t.turn
  ORDER BY t.last_seen DESC
 """
+
+
+def _first_in(sql: str, overflow_id: str, column: str, sessions: Sequence[str] | None) -> tuple[str, list[Any]]:
+    """``sql`` (one ``?``: the id) narrowed to the rows whose ``column`` is one of ``sessions`` (None: any), first
+    row only."""
+    if sessions is None:
+        return sql + " LIMIT 1", [overflow_id]
+    return f"{sql} AND {column} IN ({','.join('?' * len(sessions))}) LIMIT 1", [overflow_id, *sessions]

@@ -1,7 +1,7 @@
 """Runs ``llama_cpp.server`` with llama.cpp's extra buffer types off.
 
 This machine's CPU advertises AMX but the VM faults on it, so the server dies on its first completion unless the
-model loads without the extra (AMX) buffer types (``../shared/REAL_MODEL.md``). It runs under the cached
+model loads without the extra (AMX) buffer types (a fault seen on the test machines). It runs under the cached
 llama-cpp-python venv built by ``scripts/real-model``, not under the project's venv.
 """
 

@@ -56,10 +56,10 @@ from ctxproxy.proxy.edge.body import read_body
 from ctxproxy.proxy.edge.chat import chat_completions
 from ctxproxy.proxy.engine.forward import UPSTREAM_CODEC, UpstreamCodec
 from ctxproxy.proxy.engine.state import AppState
-from ctxproxy.proxy.errors import CtxError
+from ctxproxy.proxy.errors import BadRequest, CtxError
 from ctxproxy.proxy.observe.logs import note_refusal
 
-__all__ = ["CHAT_PATH", "ChatUpstream", "Decoded", "EncodedResponse", "Encoder", "Front", "serve"]
+__all__ = ["CHAT_PATH", "ChatUpstream", "Decoded", "EncodedResponse", "Encoder", "Front", "json_object", "serve"]
 
 CHAT_PATH = "/v1/chat/completions"
 """Where a translated forward goes: the upstream's chat route."""
@@ -101,6 +101,18 @@ class Front(Protocol):
     async def decode(self, raw: bytes, request: Request) -> Decoded: ...
     def encoder(self, decoded: Decoded) -> Encoder: ...
     def error(self, exc: CtxError) -> Response: ...
+
+
+def json_object(raw: bytes, expected: str) -> dict[str, Any]:
+    """A front's request body as a JSON object, or a 400 naming what it should hold (``expected``); the chat edge's
+    parser, with its limits on depth and integers, comes after on the decoded body."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"The request body is not valid JSON: {exc}.", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise BadRequest(f"The request body must be a JSON object with {expected}.", code="invalid_json")
+    return body
 
 
 async def serve(request: Request, front: Front) -> Response:

@@ -25,7 +25,7 @@ from ctxproxy.proxy.edge.fronts.anthropic.encode import envelope_message, error_
 from ctxproxy.proxy.edge.fronts.anthropic.native import native_chat
 from ctxproxy.proxy.edge.fronts.anthropic.stream import AnthropicStream
 from ctxproxy.proxy.edge.fronts.anthropic.upstream import AnthropicUpstream
-from ctxproxy.proxy.edge.fronts.codec import Decoded, Encoder, serve
+from ctxproxy.proxy.edge.fronts.codec import Decoded, Encoder, json_object, serve
 from ctxproxy.proxy.edge.fronts.projected import projected_tokens, session_of
 from ctxproxy.proxy.engine.state import AppState
 from ctxproxy.proxy.errors import BadRequest, CtxError
@@ -38,14 +38,7 @@ SESSION_HEADER = "x-claude-code-session-id"
 
 def parse_messages_body(raw: bytes) -> dict[str, Any]:
     """The body as a JSON object (the chat edge's parser, for its limits on depth and integers, comes after)."""
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"The request body is not valid JSON: {exc}.", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise BadRequest("The request body must be a JSON object with `model`, `messages` and `max_tokens`.",
-                         code="invalid_json")
-    return body
+    return json_object(raw, "`model`, `messages` and `max_tokens`")
 
 
 class AnthropicFront:

@@ -27,7 +27,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ctxproxy.proxy.edge.callers import incognito_requested
-from ctxproxy.proxy.edge.fronts.codec import Decoded, Encoder, serve
+from ctxproxy.proxy.edge.fronts.codec import Decoded, Encoder, json_object, serve
 from ctxproxy.proxy.edge.fronts.responses.decode import decode_request, input_items
 from ctxproxy.proxy.edge.fronts.responses.encode import Frame, encode_completion
 from ctxproxy.proxy.edge.fronts.responses.events import StreamEncoder
@@ -73,13 +73,7 @@ def _model(body: dict[str, Any]) -> str | None:
 
 
 def _parse(raw: bytes) -> dict[str, Any]:
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"The request body is not valid JSON: {exc}.", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise BadRequest("The request body must be a JSON object with `model` and `input`.", code="invalid_json")
-    return body
+    return json_object(raw, "`model` and `input`")
 
 
 async def _expanded(writer: JournalWriter, body: dict[str, Any]) -> list[Any]:
