@@ -158,3 +158,12 @@ def test_the_ddl_and_the_placeholders_translate_as_written() -> None:
     assert redacted("postgresql://u:p@h:5432/d") == "postgresql://u:***@h:5432/d"
     assert redacted("postgresql://u@h/d") == "postgresql://u@h/d"
     assert lock_key("s") == lock_key("s") != lock_key("t") and -2 ** 63 <= lock_key("s") < 2 ** 63
+
+
+def test_the_startup_line_names_the_database_without_its_password(tmp_path: Path) -> None:
+    from ctxproxy.proxy.observe.logs import startup_line
+
+    settings = load_settings(env={"CTXPROXY_DATA_DIR": str(tmp_path), "CTXPROXY_STORE": "postgresql://u:pw@db/j"})
+    text, fields = startup_line(settings)
+    assert "journal postgresql://u:***@db/j" in text and fields["store"] == "postgresql://u:***@db/j"
+    assert "u:pw@" not in text
