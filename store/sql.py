@@ -267,7 +267,8 @@ class PostgresConnection(Connection):
         self._tx: Any = None
 
     def _live(self) -> Any:
-        if self.raw.closed and self._depth == 0:
+        if (self.raw.closed or self.raw.broken) and self._depth == 0:
+            self.raw.close()
             self.raw = self._psycopg.connect(self.url, autocommit=True)
         return self.raw
 

@@ -17,7 +17,9 @@ import psycopg
 import pytest
 
 from ctxproxy.config import load_settings
+from ctxproxy.proxy.errors import StorageFull, storage_error
 from ctxproxy.store import Journal, JournalUnavailable, JournalWriter, ResponseRecord, open_journal
+from ctxproxy.store.failures import explain
 from ctxproxy.store.migrate import pg_ddl
 from ctxproxy.store.sql import lock_key, pg_sql, redacted
 from tests.conftest import app_client, chat
@@ -167,3 +169,38 @@ def test_the_startup_line_names_the_database_without_its_password(tmp_path: Path
     text, fields = startup_line(settings)
     assert "journal postgresql://u:***@db/j" in text and fields["store"] == "postgresql://u:***@db/j"
     assert "u:pw@" not in text
+
+
+def _drop_connections(url: str) -> None:
+    with psycopg.connect(url, autocommit=True) as admin:
+        admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = current_database()"
+                      " AND pid <> pg_backend_pid()")
+
+
+def test_a_connection_the_server_dropped_is_opened_again(postgres_url: str) -> None:
+    """A connection that died (the server restarted, a failover, an idle timeout) fails the statement that meets
+    it; the next one runs on a new connection. Behind the writer nobody sees it: its check for another process's
+    prune, which runs first, meets the dead connection."""
+    journal = Journal(postgres_url)
+    first = record(journal, incoming(run(0)[0]))
+    _drop_connections(postgres_url)
+    with pytest.raises(psycopg.OperationalError):
+        journal.sessions()
+    assert record(journal, incoming(run(1)[1], n=1)).session_id == first.session_id
+    writer = JournalWriter(journal)
+
+    async def go() -> None:
+        await writer.call(Journal.sessions)
+        _drop_connections(postgres_url)
+        assert (await writer.call(record, incoming(run(2)[2], n=2))).session_id == first.session_id
+
+    asyncio.run(go())
+    writer.close()
+
+
+def test_a_full_disk_on_the_server_is_storage_full() -> None:
+    """PostgreSQL's disk_full (SQLSTATE 53100) while serving is a 507, as SQLite's full disk is."""
+    problem = explain(psycopg.errors.DiskFull("could not extend file: No space left on device"),
+                      "postgresql://u:pw@db/j")
+    assert problem.kind == "full" and isinstance(storage_error(problem), StorageFull)
+    assert "postgresql://u:***@db/j" in problem.message and "pw@" not in problem.message
