@@ -8,17 +8,28 @@ database that cannot be used is one clear message naming the URL without its pas
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psycopg
 import pytest
 
 from ctxproxy.config import load_settings
+from ctxproxy.proxy.core import canonical_json, content_hash
 from ctxproxy.proxy.errors import StorageFull, storage_error
-from ctxproxy.store import Journal, JournalUnavailable, JournalWriter, ResponseRecord, open_journal
+from ctxproxy.store import (
+    ForwardRecord,
+    Journal,
+    JournalUnavailable,
+    JournalWriter,
+    OverflowBody,
+    ResponseRecord,
+    open_journal,
+)
 from ctxproxy.store.failures import explain
 from ctxproxy.store.migrate import pg_ddl
 from ctxproxy.store.sql import lock_key, pg_sql, redacted
@@ -204,3 +215,67 @@ def test_a_full_disk_on_the_server_is_storage_full() -> None:
                       "postgresql://u:pw@db/j")
     assert problem.kind == "full" and isinstance(storage_error(problem), StorageFull)
     assert "postgresql://u:***@db/j" in problem.message and "pw@" not in problem.message
+
+
+def _journal_a_day(journal: Journal) -> dict[str, Any]:
+    """Two runs of one opening (a fork), answers with usage, a projected forward with a cut, a context op, an
+    unanswered request: then every read the operator surface makes."""
+    requests = run(4, result="x" * 50)
+    recorded = []
+    for i, msgs in enumerate(requests):
+        rec = journal.record_request(incoming(msgs, n=i))
+        journal.record_response(ResponseRecord(rec.request_id, 0, "ok", 200, "{}", {"prompt_tokens": 100 + i,
+                                               "completion_tokens": 7}, 1.5, 9.25, f"2026-01-01T00:00:{i:02d}"))
+        recorded.append(rec)
+    last, stub = recorded[-1], {"role": "tool", "tool_call_id": "c0", "content": "[overflow id=abc]"}
+    sent = [*requests[-1][:3], stub, *requests[-1][4:]]
+    bodies = [canonical_json(m) for m in sent]
+    decision = {"kind": "spill", "target": "tool:c0", "message_hash": "h", "replacement": "[overflow id=abc]",
+                "overflow_id": "abc", "until": "", "count": 0, "source": "auto"}
+    journal.record_forward(ForwardRecord(last.request_id, 0, last.session_id, "2026-01-01T00:01:00",
+                                         incoming(requests[-1]).params_hash, verbatim=False, length=len(sent),
+                                         base_list_id=recorded[2].list_id, base_len=3,
+                                         added_hashes=[content_hash(b) for b in bodies[3:]], added_bodies=bodies[3:],
+                                         decisions=[decision], overflow=[OverflowBody("abc", "x" * 50, "sh", "c0")],
+                                         estimate=90, k=1.1, samples=2))
+    journal.record_context_op({"session_id": last.session_id, "request_id": last.request_id, "round": 1,
+                               "op": "pin", "ok": True, "arguments": "{}", "result": "ok", "handles": ["c0"],
+                               "tokens_freed": 3, "overflow_ids": ["abc"], "created_at": "2026-01-01T00:01:01"})
+    fork = journal.record_request(incoming([*requests[2][:3], {"role": "user", "content": "other"}], n=30))
+    sid = last.session_id
+    return {"sessions": journal.sessions(), "session": journal.session(sid), "journal": journal.session_journal(sid),
+            "request": journal.request(last.request_id), "forward": journal.forward(last.request_id),
+            "rounds": journal.session_rounds(sid), "cuts": journal.session_cuts(sid), "ops": journal.session_ops(sid),
+            "by_request": journal.cuts_by_request(sid), "scorecard": journal.scorecard(),
+            "decisions": journal.decisions(fork.session_id), "samples": journal.calibration_samples(sid, "m"),
+            "body": journal.overflow_body("abc", sid), "head": journal.head_messages(fork.session_id),
+            "children": journal.session_children(), "dry_prune": journal.prune("2026-01-01T00:00:03", dry_run=True),
+            "interrupted": journal.mark_interrupted("2026-01-02T00:00:00"), "fork": fork}
+
+
+def test_every_read_gives_the_same_answer_on_both_backends(tmp_path: Path, postgres_url: str) -> None:
+    """Same calls, same answers, value for value and type for type: SQLite and PostgreSQL are one store."""
+    lite, pg = Journal(tmp_path / "j.db"), Journal(postgres_url)
+    expected, got = _journal_a_day(lite), _journal_a_day(pg)
+    lite.close()
+    pg.close()
+    assert got["scorecard"] and got["decisions"] and got["samples"] and got["interrupted"] == 1
+    for key, value in expected.items():
+        assert got[key] == value, key
+        assert json.dumps(got[key], default=repr) == json.dumps(value, default=repr), key  # no Decimal, no bool
+
+
+def test_the_reading_commands_and_prune_work_on_the_database(postgres_url: str, tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    from ctxproxy.proxy.commands.cli import main
+
+    journal = Journal(postgres_url)
+    session = record(journal, incoming(run(1)[-1])).session_id
+    journal.close()
+    store = ["--data-dir", str(tmp_path), "--store", postgres_url]
+    assert main(["sessions", "--json", *store]) == 0
+    assert json.loads(capsys.readouterr().out)["sessions"][0]["id"] == session
+    assert main(["show", session, *store]) == 0 and main(["scorecard", *store]) == 0
+    assert main(["prune", "--older-than", "1d", "--vacuum", *store]) == 0
+    assert f"{session}\nRemoved 1 sessions" in capsys.readouterr().out
+    assert not (tmp_path / "journal.db").exists()
