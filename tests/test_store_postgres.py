@@ -31,7 +31,8 @@ from ctxproxy.store import (
     open_journal,
 )
 from ctxproxy.store.failures import explain
-from ctxproxy.store.migrate import pg_ddl
+from ctxproxy.store.migrate import applied, pg_ddl
+from ctxproxy.store.migrations import STEPS
 from ctxproxy.store.sql import lock_key, pg_sql, redacted
 from tests.conftest import app_client, chat
 from tests.fakes import FakeUpstream
@@ -279,3 +280,26 @@ def test_the_reading_commands_and_prune_work_on_the_database(postgres_url: str, 
     assert main(["prune", "--older-than", "1d", "--vacuum", *store]) == 0
     assert f"{session}\nRemoved 1 sessions" in capsys.readouterr().out
     assert not (tmp_path / "journal.db").exists()
+
+
+def test_replicas_starting_together_on_a_new_database_apply_each_step_once(postgres_server: PostgresServer) -> None:
+    url = postgres_server.empty_database()
+    start, opened, failed = threading.Barrier(4), [], []
+
+    def open_it() -> None:
+        start.wait()
+        try:
+            opened.append(Journal(url))
+        except psycopg.Error as exc:
+            failed.append(exc)
+
+    threads = [threading.Thread(target=open_it) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failed == [] and len(opened) == 4
+    assert applied(opened[0].conn) == [name for name, _ in STEPS]  # each once: the names are unique
+    for journal in opened:
+        journal.close()
+    postgres_server.drop(url)
