@@ -303,3 +303,16 @@ def test_replicas_starting_together_on_a_new_database_apply_each_step_once(postg
     for journal in opened:
         journal.close()
     postgres_server.drop(url)
+
+
+def test_the_doctor_checks_the_journals_database(postgres_url: str, tmp_path: Path) -> None:
+    from ctxproxy.proxy.commands.doctor import run_checks
+
+    def check(store: str) -> Any:
+        settings = load_settings(env={"CTXPROXY_DATA_DIR": str(tmp_path), "CTXPROXY_STORE": store,
+                                      "CTXPROXY_UPSTREAM": "http://127.0.0.1:1/v1"})
+        return next(c for c in run_checks(settings) if c.name == "journal database")
+
+    assert check(postgres_url).ok
+    refused = check("postgresql://u:pw@127.0.0.1:1/j")
+    assert not refused.ok and "postgresql://u:***@127.0.0.1:1/j cannot be reached" in refused.detail
