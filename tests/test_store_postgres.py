@@ -316,3 +316,30 @@ def test_the_doctor_checks_the_journals_database(postgres_url: str, tmp_path: Pa
     assert check(postgres_url).ok
     refused = check("postgresql://u:pw@127.0.0.1:1/j")
     assert not refused.ok and "postgresql://u:***@127.0.0.1:1/j cannot be reached" in refused.detail
+
+
+def test_an_answer_handed_in_before_the_next_request_is_journaled_before_it(postgres_url: str) -> None:
+    """The writer's threads run calls side by side; the answer to a session's request, handed in before the
+    session's next request (a non-streamed answer is journaled after the client has it), is committed before that
+    request is placed, else the next request finds its head unanswered and forks a parallel run. The answer is
+    held back here by a lock on its table, taken by another connection."""
+    writer = JournalWriter(Journal(postgres_url))
+    steps = run(1)
+
+    async def go() -> None:
+        first = await writer.call(Journal.record_request, incoming(steps[0], n=0))
+        with psycopg.connect(postgres_url) as blocker:
+            blocker.execute("LOCK TABLE responses IN SHARE MODE")  # inserts wait, reads do not
+            async with asyncio.TaskGroup() as tasks:
+                answer = tasks.create_task(writer.call(Journal.record_response, ResponseRecord(
+                    first.request_id, 0, "ok", 200, "{}", None, 1.0, 2.0, "t")))
+                await asyncio.sleep(0.2)
+                following = tasks.create_task(writer.call(Journal.record_request, incoming(steps[1], n=1)))
+                await asyncio.sleep(0.3)
+                blocker.rollback()
+        answer.result()
+        placed = following.result()
+        assert placed.session_id == first.session_id and not placed.forked
+
+    asyncio.run(go())
+    writer.close()
