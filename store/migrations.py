@@ -333,7 +333,7 @@ CREATE FUNCTION json_extract(text, text) RETURNS text LANGUAGE sql IMMUTABLE STR
 
 
 @step
-def m010_postgres_foreign_key_indexes(conn: Connection) -> None:
+def m011_postgres_foreign_key_indexes(conn: Connection) -> None:
     """PostgreSQL only: an index on each column that refers to another table's row. PostgreSQL checks a deleted
     row's referrers one row at a time, and without these by a full scan: a prune of 2 050 requests took 2.1 s
     (SQLite's prune checks the keys once, at the end, ``RetentionMixin.prune``). Placement never reads by them."""
