@@ -51,6 +51,7 @@ class Journal(PlacementMixin, ReadsMixin, CutsMixin, InspectMixin, RecoveryMixin
         # The request path uses the raw connection: sqlite-utils' execute/atomic wrappers (tracing, savepoint
         # nesting) cost ~0.1 ms a request and buy nothing for these few fixed statements.
         self.conn = conn
+        self.interrupted = {}
 
     def close(self) -> None:
         self.db.conn.close()
@@ -66,6 +67,7 @@ class Journal(PlacementMixin, ReadsMixin, CutsMixin, InspectMixin, RecoveryMixin
             self._insert_blob(req.params_hash, "params", req.params_body)
             request_id = self._insert_request(req, place.session.id, list_id)
             self._advance_head(place.session.id, list_id, req, digests.at(len(req.hashes)))
+        self.continued_interrupted(req.fingerprint if req.session_name is None else None, place.session.id)
         self.after_request()
         forked = place.created and place.parent_id is not None
         return RecordedRequest(request_id, place.session.id, place.parent_id, forked, len(req.hashes) - place.common,
@@ -86,6 +88,11 @@ class Journal(PlacementMixin, ReadsMixin, CutsMixin, InspectMixin, RecoveryMixin
                  json.dumps(rec.usage) if rec.usage else None,
                  rec.ttfb_ms, rec.total_ms, rec.finished_at],
             )
+
+    def mark_interrupted(self, now: str) -> int:
+        marked = super().mark_interrupted(now)
+        self.forget_interrupted()
+        return marked
 
     def after_request(self) -> None:
         """Runs after each journaled request, outside its transaction: nothing here; the incognito journal keeps

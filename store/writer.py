@@ -76,6 +76,7 @@ class JournalWriter:
             return  # the call itself will meet the same failure, and report it
         if self._data_version is not None and version != self._data_version:
             self.generation += 1
+            self.journal.forget_interrupted()
         self._data_version = version
 
     def _write_unwritten(self) -> None:
