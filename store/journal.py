@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import json
 import sqlite3
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlite_utils import Database
 
@@ -30,6 +31,8 @@ from ctxproxy.store.recovery import RecoveryMixin
 from ctxproxy.store.retention import RetentionMixin
 
 __all__ = ["IncomingRequest", "Journal", "RecordedRequest", "ResponseRecord", "prefix_digest"]
+
+T = TypeVar("T")
 
 
 class Journal(PlacementMixin, ReadsMixin, CutsMixin, InspectMixin, RecoveryMixin, RetentionMixin):
@@ -71,7 +74,18 @@ class Journal(PlacementMixin, ReadsMixin, CutsMixin, InspectMixin, RecoveryMixin
         self.after_request()
         forked = place.created and place.parent_id is not None
         return RecordedRequest(request_id, place.session.id, place.parent_id, forked, len(req.hashes) - place.common,
-                               list_id, place.common)
+                               list_id, place.common, place.created)
+
+    def record_request_and_read(self, req: IncomingRequest,
+                                read: Callable[[Journal, RecordedRequest], T]) -> tuple[RecordedRequest, T | None]:
+        """``record_request``, then ``read``: what the caller reads next about the request, in the same call on the
+        journal's thread (each call there costs the request path a thread hand-off). A failed read gives None,
+        for the caller to read again; the request is journaled either way."""
+        recorded = self.record_request(req)
+        try:
+            return recorded, read(self, recorded)
+        except sqlite3.Error:
+            return recorded, None
 
     def record_response(self, rec: ResponseRecord, forward: ForwardRecord | None = None) -> None:
         """The answer to one attempt; with ``forward``, the forward row it answers (a verbatim forward with nothing

@@ -144,9 +144,11 @@ class CountingWriter(JournalWriter):
     def __init__(self, journal: Journal) -> None:
         super().__init__(journal)
         self.hops = 0
+        self.names: list[str] = []
 
     async def call(self, method: Callable[..., T], *args: object) -> T:
         self.hops += 1
+        self.names.append(method.__name__)
         return await super().call(method, *args)
 
 
@@ -165,3 +167,22 @@ def test_a_session_s_context_is_read_back_in_one_hop(tmp_path: Path) -> None:
         writer.close()
     assert writer.hops == 1
     assert context.decisions == [] and context.calibration("m") == Calibration() and context.mirror is None
+
+
+def test_a_new_run_is_journaled_and_its_context_read_back_in_one_hop(tmp_path: Path) -> None:
+    """A request that opens a session (a new run, a fork: every request of the peers' benchmark) has no context
+    in memory: it is read back in the same call on the journal's thread as the request row, not one more."""
+    settings = load_settings(env={"CTXPROXY_DATA_DIR": str(tmp_path), "CTXPROXY_UPSTREAM": "http://u.test/v1",
+                                  "CTXPROXY_CTX_WINDOW": "8192"})
+    with app_client(settings, httpx.ASGITransport(app=FakeUpstream())) as client:
+        state: AppState = client.app.state.ctx  # type: ignore[attr-defined]
+        messages = history(20)
+        for k in range(1, 21):
+            _send(client, messages[:2 + 2 * k])
+        state.journal = writer = CountingWriter(state.journal.journal)
+        try:
+            for i in range(2):
+                _send(client, [*messages[:2], {"role": "user", "content": f"continue (nonce {i})"}])
+        finally:
+            writer.close()
+    assert "_read_back" not in writer.names and writer.names.count("record_request_and_read") == 2

@@ -23,6 +23,7 @@ from starlette.responses import Response
 from ctxproxy.proxy.core import canonical_json, content_hash, fingerprint
 from ctxproxy.proxy.edge.body import parse_chat_body, read_body, refuse_unwritable
 from ctxproxy.proxy.edge.callers import incognito_requested, requested_session, scoped_fingerprint
+from ctxproxy.proxy.engine.context import read_new_session
 from ctxproxy.proxy.engine.driver import drive
 from ctxproxy.proxy.engine.exchange import Exchange, now
 from ctxproxy.proxy.engine.heavy import check_message_count, is_heavy
@@ -44,10 +45,10 @@ async def chat_completions(request: Request) -> Response:
     incognito = incognito_requested(request) or state.settings.incognito
     raw = await read_body(request, state.settings.max_body_bytes, state.settings.client_body_timeout)
     body, incoming = await state.offload.run(is_heavy(raw), _admit, request, raw, state)
-    writer = state.journal_for(incognito)
+    writer, read = state.journal_for(incognito), read_new_session(body.get("model"))
     with anyio.CancelScope(shield=True):  # once begun, the request's row is written, so its answer row can follow
-        recorded = await writer.call(Journal.record_request, incoming)
-    exchange = Exchange(state, writer, recorded, request, body, incoming, incognito)
+        recorded, saved = await writer.call(Journal.record_request_and_read, incoming, read)
+    exchange = Exchange(state, writer, recorded, request, body, incoming, incognito, saved)
     try:
         await exchange.lock()
         return await drive(exchange, raw, compact_request(body))
