@@ -19,7 +19,6 @@ session's next request would fork it (``store.placement._continued``).
 from __future__ import annotations
 
 import asyncio
-import functools
 import sqlite3
 from collections import deque
 from collections.abc import Callable
@@ -53,8 +52,10 @@ class JournalWriter:
         its sessions (``proxy.engine.context``) is keyed by it, so nothing read before such a write is used after."""
 
     async def call(self, method: Callable[..., T], *args: object) -> T:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, functools.partial(self._guarded, method, *args))
+        # What ``loop.run_in_executor`` does, without its check that the callable is no coroutine function: on
+        # uvloop it runs on every call, and inspecting a ``partial`` that way was 1.4% of a small request's time.
+        future = self._executor.submit(self._guarded, method, *args)
+        return await asyncio.wrap_future(future, loop=asyncio.get_running_loop())
 
     def _guarded(self, method: Callable[..., T], *args: object) -> T:
         self._notice_other_writers()

@@ -15,10 +15,12 @@ from typing import Any, TypeVar
 
 import httpx
 import pytest
+from starlette.requests import Request
 from starlette.testclient import TestClient
 
 from ctxproxy.config import load_settings
 from ctxproxy.proxy.core.tokens import Calibration, MessageCounter, TextCounter
+from ctxproxy.proxy.edge.chat import url_path
 from ctxproxy.proxy.engine.context import SessionContexts
 from ctxproxy.proxy.engine.state import AppState, Warmup
 from ctxproxy.store import Journal, JournalWriter
@@ -186,3 +188,10 @@ def test_a_new_run_is_journaled_and_its_context_read_back_in_one_hop(tmp_path: P
         finally:
             writer.close()
     assert "_read_back" not in writer.names and writer.names.count("record_request_and_read") == 2
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/chat/completions/", "/v1/a?b#c\\d", "/v1/é ü"])
+def test_the_journaled_path_is_starlette_s_url_path(path: str) -> None:
+    scope = {"type": "http", "method": "POST", "path": path, "query_string": b"x=1", "root_path": "",
+             "headers": [(b"host", b"proxy.test:8080")], "server": ("127.0.0.1", 8080), "scheme": "http"}
+    assert url_path(Request(scope)) == Request(scope).url.path

@@ -82,7 +82,7 @@ def incoming_request(request: Request, raw: bytes, body: ChatBody, state: AppSta
     params = canonical_json({k: v for k, v in body.items() if k != "messages"})
     turn = turn_of(cast(list[dict[str, Any]], messages))
     return IncomingRequest(
-        received_at=now(), path=request.url.path, model=body.get("model"), stream=bool(body.get("stream")),
+        received_at=now(), path=url_path(request), model=body.get("model"), stream=bool(body.get("stream")),
         session_name=session_name, fingerprint=opening, hashes=hashed.hashes, bodies=hashed.bodies,
         params_hash=content_hash(params), params_body=params, headers=redact(request.headers.raw, state.own_headers),
         body_bytes=len(raw), turn=hashed.hashes[turn.start] if messages[turn.start].get("role") == "user" else "",
@@ -97,3 +97,10 @@ def _outcome_of(exc: BaseException) -> str:
     if isinstance(exc, CtxError):
         return {502: "unreachable", 504: "timeout"}.get(exc.status, "error")
     return "client_disconnected" if isinstance(exc, anyio.get_cancelled_exc_class()) else "error"
+
+
+def url_path(request: Request) -> str:
+    """``request.url.path`` without building the URL (parsing its host header and all: 1.7% of a small request):
+    the scope's path, escaped as Starlette's ``URL`` escapes it."""
+    path: str = request.scope["path"]
+    return path.replace("?", "%3F").replace("#", "%23").replace("\\", "%5C")
