@@ -19,6 +19,8 @@ from starlette.requests import Request
 from starlette.testclient import TestClient
 
 from ctxproxy.config import load_settings
+from ctxproxy.proxy.core.identity import message_hash
+from ctxproxy.proxy.core.project import _out_hash
 from ctxproxy.proxy.core.tokens import Calibration, MessageCounter, TextCounter
 from ctxproxy.proxy.edge.chat import url_path
 from ctxproxy.proxy.engine.context import SessionContexts
@@ -195,3 +197,15 @@ def test_the_journaled_path_is_starlette_s_url_path(path: str) -> None:
     scope = {"type": "http", "method": "POST", "path": path, "query_string": b"x=1", "root_path": "",
              "headers": [(b"host", b"proxy.test:8080")], "server": ("127.0.0.1", 8080), "scheme": "http"}
     assert url_path(Request(scope)) == Request(scope).url.path
+
+
+def test_a_stub_s_kept_hash_is_the_hash_of_the_stub() -> None:
+    """``project._out_hash`` keeps a stub's hash by (its message's hash, its content): what it returns must be
+    ``message_hash`` of the stub, kept or not, and anything but a new content is hashed afresh."""
+    message = {"role": "tool", "tool_call_id": "c1", "content": "x" * 5000}
+    h = message_hash(message)
+    for content in ("[spilled: 5000 chars]", "[spilled: 5000 chars]", "y" * 3000):
+        stub = {**message, "content": content}
+        assert _out_hash(stub, h, message) == message_hash(stub)
+    other = {**message, "tool_call_id": "c2", "content": "[spilled: 5000 chars]"}
+    assert _out_hash(other, h, message) == message_hash(other)  # not only its content changed: hashed
