@@ -229,17 +229,9 @@ class CutsMixin(SpansMixin, OpsMixin):
         return [(row[0], dict(zip(_DECISION_FIELDS, row[1:], strict=True))) for row in rows.fetchall()]
 
     def _ancestry(self, session_id: str) -> list[tuple[str, int | None]]:
-        """(session, decisions up to) from the oldest ancestor down to ``session_id`` (None: all of them)."""
-        chain: list[tuple[str, int | None]] = []
-        current: str | None = session_id
-        upto: int | None = None
-        while current is not None and len(chain) < 64:
-            row = self.conn.execute("SELECT parent_id, inherit_upto FROM sessions WHERE id = ?", [current]).fetchone()
-            chain.append((current, upto))
-            if row is None or row[1] is None:
-                break
-            current, upto = row
-        return list(reversed(chain))
+        """(session, decisions up to) from the oldest ancestor down to ``session_id`` (None: all of them); at
+        most 64, in one statement (runs forking runs make long chains: one SELECT each was on every new run's path)."""
+        return [(str(sid), upto) for sid, upto in self.conn.execute(_ANCESTRY, [session_id]).fetchall()]
 
     def overflow_body(self, overflow_id: str, session_id: str | None = None) -> dict[str, Any] | None:
         """A cut body, restorable byte for byte: for a session, only one cut in it or inherited by it."""
@@ -279,6 +271,20 @@ def _score(row: dict[str, Any]) -> dict[str, Any]:
     if any(ops.values()):
         out["context_ops"] = ops
     return out
+
+
+_ANCESTRY = """
+WITH RECURSIVE up(id, upto, parent_id, inherit_upto, depth) AS (
+    SELECT q.id, CAST(NULL AS BIGINT), s.parent_id, s.inherit_upto, 0
+      FROM (SELECT CAST(? AS TEXT) AS id) q LEFT JOIN sessions s ON s.id = q.id
+    UNION ALL
+    SELECT u.parent_id, u.inherit_upto, s.parent_id, s.inherit_upto, u.depth + 1
+      FROM up u LEFT JOIN sessions s ON s.id = u.parent_id
+     WHERE u.inherit_upto IS NOT NULL AND u.parent_id IS NOT NULL AND u.depth < 63
+)
+SELECT id, upto FROM up ORDER BY depth DESC
+"""
+"""A session and its ancestors, each with the last decision its child inherits from it (the session: NULL)."""
 
 
 _SCORECARD = """

@@ -15,8 +15,9 @@ wherever they are defined.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ctxproxy.store.cuts import CutsMixin, ForwardRecord
 from ctxproxy.store.inspect import InspectMixin
@@ -31,6 +32,8 @@ from ctxproxy.store.retention import RetentionMixin
 from ctxproxy.store.sql import Location, connect, is_postgres
 
 __all__ = ["IncomingRequest", "Journal", "RecordedRequest", "ResponseRecord", "prefix_digest"]
+
+T = TypeVar("T")
 
 
 class Journal(PlacementMixin, ReadsMixin, CutsMixin, InspectMixin, RecoveryMixin, RetentionMixin):
@@ -50,6 +53,7 @@ class Journal(PlacementMixin, ReadsMixin, CutsMixin, InspectMixin, RecoveryMixin
             except BaseException:
                 self.conn.close()
                 raise
+        self.interrupted: dict[str, tuple[str, ...]] = {}
 
     def close(self) -> None:
         self.conn.close()
@@ -71,10 +75,22 @@ class Journal(PlacementMixin, ReadsMixin, CutsMixin, InspectMixin, RecoveryMixin
             self._insert_blob(req.params_hash, "params", req.params_body)
             request_id = self._insert_request(req, place.session.id, list_id)
             self._advance_head(place.session.id, list_id, req, digests.at(len(req.hashes)))
+        self.continued_interrupted(req.fingerprint if req.session_name is None else None, place.session.id)
         self.after_request()
         forked = place.created and place.parent_id is not None
         return RecordedRequest(request_id, place.session.id, place.parent_id, forked, len(req.hashes) - place.common,
-                               list_id, place.common)
+                               list_id, place.common, place.created)
+
+    def record_request_and_read(self, req: IncomingRequest,
+                                read: Callable[[Journal, RecordedRequest], T]) -> tuple[RecordedRequest, T | None]:
+        """``record_request``, then ``read``: what the caller reads next about the request, in the same call on the
+        journal's thread (each call there costs the request path a thread hand-off). A failed read gives None,
+        for the caller to read again; the request is journaled either way."""
+        recorded = self.record_request(req)
+        try:
+            return recorded, read(self, recorded)
+        except self.conn.Error:
+            return recorded, None
 
     def record_response(self, rec: ResponseRecord, forward: ForwardRecord | None = None) -> None:
         """The answer to one attempt; with ``forward``, the forward row it answers (a verbatim forward with nothing
@@ -85,6 +101,11 @@ class Journal(PlacementMixin, ReadsMixin, CutsMixin, InspectMixin, RecoveryMixin
         with self.conn:
             self.write_forward(forward)
             self._insert_response(rec)
+
+    def mark_interrupted(self, now: str) -> int:
+        marked = super().mark_interrupted(now)
+        self.forget_interrupted()
+        return marked
 
     def after_request(self) -> None:
         """Runs after each journaled request, outside its transaction: nothing here; the incognito journal keeps

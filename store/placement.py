@@ -6,15 +6,19 @@ message). A fingerprinted request continues the session whose head (its last mes
 request's messages; if none is, it opens a child of the same-fingerprint session it shares the most messages
 with. A prefix is checked by a digest over the message hashes, so no earlier list is loaded: a head by its own
 digest, a shorter shared prefix by the prefix index (``store.prefixes``), a binary search of indexed SELECTs.
+
+Placement reads only what it needs of the opening's sessions, however many there are (a benchmark that sends new
+text each time makes one per request): the heads whose digest the request starts with, the 8 most recent (a new
+run's parent), their count (a new id), and the ones whose last request was interrupted, read once per opening.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from ctxproxy.store.prefixes import PrefixDigests, common_prefix, list_digest
+from ctxproxy.store.prefixes import PrefixDigests, common_prefix, holder, list_digest
 from ctxproxy.store.records import IncomingRequest, prefix_digest
 from ctxproxy.store.recovery import ANSWERED, INTERRUPTED
 from ctxproxy.store.sql import Connection
@@ -33,8 +37,6 @@ class Head:
     updated_at: str
     pending: int = 0
     """1 while the head's own request has no answer yet: nothing can continue it before that answer exists."""
-    interrupted: int = 0
-    """1 when the head's own request was in flight when the proxy died (``store.recovery``)."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,8 @@ class Placement:
 
 class PlacementMixin:
     conn: Connection
+    interrupted: dict[str, tuple[str, ...]]
+    """Per opening (fingerprint), its sessions whose last request was interrupted (``_interrupted_sessions``)."""
 
     if TYPE_CHECKING:  # provided by Journal (store.reads)
         def message_hashes(self, list_id: int) -> list[str]: ...
@@ -61,12 +65,13 @@ class PlacementMixin:
             if head is None:
                 return self._open(req, req.session_name, parent=None, shared=0, fingerprint=None)
             return Placement(head, head.list_id, self._common_with(head, digests), False, None)
-        candidates = self._heads_by_fingerprint(req.fingerprint)
-        head = _continued(candidates, digests, self._answered_heads(candidates))
+        extended = self._heads_extended(req.fingerprint, digests)
+        head = _continued(extended, digests, self._answered_heads(req.fingerprint))
         if head is not None:
             return Placement(head, head.list_id, head.length, False, None)
-        parent, shared = self._closest(candidates[-_FORK_CANDIDATES:], digests)
-        return self._open(req, self._new_id(req.fingerprint, len(candidates)), parent, shared, req.fingerprint)
+        parent, shared = self._closest(self._recent_heads(req.fingerprint), digests)
+        return self._open(req, self._new_id(req.fingerprint, self._siblings(req.fingerprint)), parent, shared,
+                          req.fingerprint)
 
     def _open(self, req: IncomingRequest, session_id: str, parent: Head | None, shared: int,
               fingerprint: str | None) -> Placement:
@@ -80,7 +85,7 @@ class PlacementMixin:
             self.conn.execute("UPDATE sessions SET inherit_upto = (SELECT COALESCE(MAX(id), 0) FROM decisions"
                               " WHERE session_id = ?) WHERE id = ?", [parent.id, session_id])
         head = Head(session_id, None, 0, prefix_digest([]), req.received_at)
-        base = parent.list_id if parent and shared else None
+        base = holder(self.conn, parent.list_id, shared) if parent and parent.list_id is not None and shared else None
         return Placement(head, base, shared if base else 0, True, parent.id if parent else None)
 
     def _new_id(self, fingerprint: str, siblings: int) -> str:
@@ -123,34 +128,95 @@ class PlacementMixin:
         ).fetchone()
         return Head(*row) if row else None
 
-    def _heads_by_fingerprint(self, fingerprint: str) -> list[Head]:
-        rows = self.conn.execute(
-            "SELECT h.id, h.head_list_id, h.head_len, h.head_digest, h.updated_at,"
-            f" NOT {ANSWERED.format(request='h.last')},"
-            f" EXISTS (SELECT 1 FROM responses p WHERE p.request_id = h.last AND p.outcome = '{INTERRUPTED}')"
-            " FROM (SELECT s.*, (SELECT MAX(r.id) FROM requests r WHERE r.session_id = s.id) AS last"
-            "       FROM sessions s WHERE s.fingerprint = ?) h ORDER BY h.updated_at, h.id", [fingerprint]
-        ).fetchall()
-        return [Head(*row) for row in rows]
+    def _heads_extended(self, fingerprint: str, digests: PrefixDigests) -> list[Head]:
+        """The opening's sessions whose head the request starts with (equal digests at the head's length), oldest
+        first, with ``pending``. Only the heads' distinct lengths are read for every session of the opening."""
+        lengths = [int(n) for (n,) in self.conn.execute(
+            "SELECT DISTINCT head_len FROM sessions WHERE fingerprint = ?", [fingerprint]) if n <= len(digests)]
+        wanted = sorted({digests.at(n) for n in lengths})
+        rows: list[tuple[Any, ...]] = []
+        for start in range(0, len(wanted), _CHUNK):
+            chunk = wanted[start:start + _CHUNK]
+            rows += self.conn.execute(f"{_EXTENDED} AND head_digest IN ({','.join('?' * len(chunk))})",
+                                      [fingerprint, *chunk]).fetchall()
+        return [Head(*row) for row in sorted(rows, key=lambda r: (r[4], r[0]))]
 
-    def _answered_heads(self, candidates: Sequence[Head]) -> list[Head]:
+    def _recent_heads(self, fingerprint: str) -> list[Head]:
+        """The opening's most recently active sessions, oldest first: where a new run looks for its parent."""
+        rows = self.conn.execute(
+            "SELECT id, head_list_id, head_len, head_digest, updated_at FROM sessions WHERE fingerprint = ?"
+            " ORDER BY updated_at DESC, id DESC LIMIT ?", [fingerprint, _FORK_CANDIDATES]).fetchall()
+        return [Head(*row) for row in reversed(rows)]
+
+    def _siblings(self, fingerprint: str) -> int:
+        row = self.conn.execute("SELECT COUNT(*) FROM sessions WHERE fingerprint = ?", [fingerprint]).fetchone()
+        return int(row[0])
+
+    def _answered_heads(self, fingerprint: str) -> list[Head]:
         """For a session whose last request was interrupted: its history as of its last answered request, which
         the client's next step after the crash may extend instead of retrying the lost one."""
         out: list[Head] = []
-        for head in (h for h in candidates if h.interrupted):
-            row = self.conn.execute(
-                "SELECT r.list_id, r.received_at, l.length FROM requests r JOIN message_lists l ON l.id = r.list_id"
-                f" WHERE r.session_id = ? AND {ANSWERED.format(request='r.id')} AND NOT EXISTS (SELECT 1 FROM"
-                f" responses p WHERE p.request_id = r.id AND p.outcome = '{INTERRUPTED}') ORDER BY r.id DESC LIMIT 1",
-                [head.id]).fetchone()
+        for session_id in self._interrupted_sessions(fingerprint):
+            row = self.conn.execute(_LAST_ANSWERED, [session_id, session_id]).fetchone()
             if row is not None:
                 digest = list_digest(self.conn, int(row[0]), int(row[2]), self.message_hashes)
-                out.append(Head(head.id, int(row[0]), int(row[2]), digest, row[1]))
+                out.append(Head(session_id, int(row[0]), int(row[2]), digest, row[1]))
         return out
+
+    def _interrupted_sessions(self, fingerprint: str) -> tuple[str, ...]:
+        """The opening's sessions whose last request was interrupted, oldest first: read once per opening, then
+        kept (only a start marks requests interrupted, and a session stops being one with its next request;
+        ``_answered_heads`` checks each again). ``forget_interrupted`` drops what is kept."""
+        if self.conn.dialect == "postgresql":  # other replicas mark and continue them: nothing kept here is sure
+            return tuple(str(r[0]) for r in self.conn.execute(_INTERRUPTED_HEADS, [fingerprint]))
+        known = self.interrupted.get(fingerprint)
+        if known is None:
+            known = tuple(str(r[0]) for r in self.conn.execute(_INTERRUPTED_HEADS, [fingerprint]))
+            if len(self.interrupted) >= _OPENINGS_KEPT:
+                self.interrupted.pop(next(iter(self.interrupted)))
+            self.interrupted[fingerprint] = known
+        return known
+
+    def continued_interrupted(self, fingerprint: str | None, session_id: str) -> None:
+        """After a committed request in ``session_id``: its last request is no longer the interrupted one."""
+        known = self.interrupted.get(fingerprint) if fingerprint is not None else None
+        if known and session_id in known:
+            self.interrupted[fingerprint] = tuple(s for s in known if s != session_id)  # type: ignore[index]
+
+    def forget_interrupted(self) -> None:
+        """Requests were marked interrupted, or another process wrote the journal: read them again when asked."""
+        self.interrupted.clear()
 
 
 _FORK_CANDIDATES = 8
 """A new run's parent is looked for among the most recently active sessions of its opening only."""
+
+_CHUNK = 500
+"""Digests per ``IN (...)``: well under any database's limit on parameters of one statement."""
+
+_OPENINGS_KEPT = 4096
+"""Openings whose interrupted sessions are kept (``_interrupted_sessions``); beyond, the oldest is read again."""
+
+_EXTENDED = ("SELECT h.id, h.head_list_id, h.head_len, h.head_digest, h.updated_at,"
+             f" NOT {ANSWERED.format(request='(SELECT MAX(r.id) FROM requests r WHERE r.session_id = h.id)')}"
+             " FROM sessions h WHERE h.fingerprint = ?")
+"""The heads of an opening's sessions with ``pending`` (the head's own request unanswered), to narrow by digest."""
+
+_LAST_REQUEST = "(SELECT MAX(r.id) FROM requests r WHERE r.session_id = {session})"
+
+_INTERRUPTED = ("EXISTS (SELECT 1 FROM responses p WHERE p.request_id = {request}"
+                f" AND p.outcome = '{INTERRUPTED}')")
+
+_INTERRUPTED_HEADS = (
+    "SELECT s.id FROM sessions s WHERE s.fingerprint = ?"
+    f" AND {_INTERRUPTED.format(request=_LAST_REQUEST.format(session='s.id'))} ORDER BY s.updated_at, s.id")
+"""The sessions of an opening whose last request was interrupted (``store.recovery``)."""
+
+_LAST_ANSWERED = (
+    "SELECT r.list_id, r.received_at, l.length FROM requests r JOIN message_lists l ON l.id = r.list_id"
+    f" WHERE r.session_id = ? AND {ANSWERED.format(request='r.id')} AND NOT {_INTERRUPTED.format(request='r.id')}"
+    f" AND {_INTERRUPTED.format(request=_LAST_REQUEST.format(session='?'))} ORDER BY r.id DESC LIMIT 1")
+"""A session's last answered request, when its last request was interrupted (else no row)."""
 
 
 def _continued(candidates: Sequence[Head], hashes: PrefixDigests, answered: Sequence[Head] = ()) -> Head | None:

@@ -26,7 +26,7 @@ from itertools import accumulate
 
 from ctxproxy.store.sql import Connection
 
-__all__ = ["PrefixDigests", "common_prefix", "index_list", "list_digest"]
+__all__ = ["PrefixDigests", "common_prefix", "holder", "index_list", "list_digest"]
 
 
 class PrefixDigests:
@@ -104,6 +104,20 @@ def list_digest(conn: Connection, list_id: int, n: int, rebuild: Callable[[int],
             return str(digest) if digest is not None else PrefixDigests(rebuild(current)).at(n)
         current = base_id
     return hashlib.sha256(b"").hexdigest()
+
+
+def holder(conn: Connection, list_id: int, n: int) -> int:
+    """The list that holds the first ``n`` messages of request list ``list_id`` in its own segment: ``list_id``
+    itself, or the base its segment took them from, and so on down. A fork is delta-encoded against it rather than
+    against its parent's list: each new run of an opening would otherwise add one hop to every later lookup
+    below its fork point (runs forking runs that forked, 100 deep after 800 new runs)."""
+    current = list_id
+    while True:
+        row = conn.execute("SELECT r.base_id, r.base_len FROM message_lists l JOIN message_lists r ON r.id = l.segment"
+                           " WHERE l.id = ?", [current]).fetchone()
+        if row is None or row[0] is None or n > row[1]:
+            return current
+        current = int(row[0])
 
 
 _DIGEST_AT = """

@@ -49,6 +49,8 @@ class RecordedRequest:
     list_id: int
     seen: int = 0
     """How many leading messages the session (or the session it forked from) already had."""
+    created: bool = False
+    """The request opened its session (a new run, a fork, a new name): nothing of it is known in memory yet."""
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ctxproxy.proxy.core import canonical_json, content_hash
-from ctxproxy.proxy.engine.hashing import MessageHasher
+from ctxproxy.proxy.engine.hashing import MessageHasher, _common_prefix
 
 message = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "tool"]),
                                  "content": st.one_of(st.none(), st.text(max_size=20))})
@@ -85,3 +85,13 @@ def test_a_conversation_keeps_a_few_lists_and_drops_those_it_extended() -> None:
     for tag in ("a", "b", "c"):  # three different runs: the two newest kept
         hasher.hash("k", _history(3, tag=tag))
     assert [lists.messages[-1]["content"][:1] for lists in hasher._last["k"]] == ["c", "b"]
+
+
+def test_the_shared_prefix_is_found_wherever_the_lists_part() -> None:
+    """The history with a new last message (the peers' benchmark) is compared in C; any other parting point too."""
+    base = [{"role": "user", "content": str(i)} for i in range(6)]
+    for cut in range(7):
+        other = [*base[:cut], *({"role": "user", "content": f"new {i}"} for i in range(cut, 6))]
+        assert _common_prefix(base, other) == cut
+        assert _common_prefix(base, other[:-1]) == min(cut, 5)
+    assert _common_prefix([], base) == 0

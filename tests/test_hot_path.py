@@ -15,10 +15,14 @@ from typing import Any, TypeVar
 
 import httpx
 import pytest
+from starlette.requests import Request
 from starlette.testclient import TestClient
 
 from ctxproxy.config import load_settings
+from ctxproxy.proxy.core.identity import message_hash
+from ctxproxy.proxy.core.project import _out_hash
 from ctxproxy.proxy.core.tokens import Calibration, MessageCounter, TextCounter
+from ctxproxy.proxy.edge.chat import url_path
 from ctxproxy.proxy.engine.context import SessionContexts
 from ctxproxy.proxy.engine.state import AppState, Warmup
 from ctxproxy.store import Journal, JournalWriter
@@ -68,8 +72,8 @@ def small_window(tmp_path: Path) -> Iterator[tuple[TestClient, CountingText]]:
         yield client, state.counter.text_counter  # type: ignore[misc]
 
 
-def _send(client: TestClient, messages: list[dict[str, Any]]) -> None:
-    response = client.post("/v1/chat/completions", json={"model": "fake-model", "messages": messages})
+def _send(client: TestClient, messages: list[dict[str, Any]], **fields: Any) -> None:
+    response = client.post("/v1/chat/completions", json={"model": "fake-model", "messages": messages, **fields})
     assert response.status_code == 200, response.text
 
 
@@ -82,6 +86,30 @@ def test_a_request_with_new_text_counts_only_its_new_message(small_window: tuple
     text.texts.clear()
     for i in (1, 2):  # each forks the last: its projection is recomputed, its stubs must come from the cache
         _send(client, [*messages, {"role": "user", "content": f"continue (nonce {i})"}])
+    assert text.texts == ["continue (nonce 1)", "continue (nonce 2)"]
+
+
+SH_TOOL = {"type": "function", "function": {"name": "sh", "description": "run a shell command",
+                                           "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}}}}
+
+
+@pytest.mark.parametrize("fenced", [False, True])
+def test_the_proxy_s_own_texts_are_counted_once_not_per_request(small_window: tuple[TestClient, CountingText],
+                                                                 fenced: bool) -> None:
+    """What the schema of ``read_overflow`` (listed once a session holds a stub) or the fenced route's note
+    cost never changes: counted again on each request, it was 6% of a small new-text request's time."""
+    client, text = small_window
+    messages = history(20)
+    if fenced:  # an agent that calls its tools in text blocks: the fenced route, told the syntax in a note
+        messages = [{"role": "user" if m["role"] == "tool" else m["role"], "content": m["content"] or
+                     f"THOUGHT: look again\n\n```bash\nls -{k}\n```"} for k, m in enumerate(messages)]
+    tools = {} if fenced else {"tools": [SH_TOOL]}
+    for k in range(1, 21):
+        _send(client, messages[:2 + 2 * k], **tools)
+    _send(client, [*messages[:2], {"role": "user", "content": "continue (nonce 0)"}], **tools)
+    text.texts.clear()
+    for i in (1, 2):  # the peers' small request: a new run of the opening, which inherits the long run's cuts
+        _send(client, [*messages[:2], {"role": "user", "content": f"continue (nonce {i})"}], **tools)
     assert text.texts == ["continue (nonce 1)", "continue (nonce 2)"]
 
 
@@ -120,9 +148,11 @@ class CountingWriter(JournalWriter):
     def __init__(self, journal: Journal) -> None:
         super().__init__(journal)
         self.hops = 0
+        self.names: list[str] = []
 
     async def call(self, method: Callable[..., T], *args: object) -> T:
         self.hops += 1
+        self.names.append(method.__name__)
         return await super().call(method, *args)
 
 
@@ -141,3 +171,41 @@ def test_a_session_s_context_is_read_back_in_one_hop(tmp_path: Path) -> None:
         writer.close()
     assert writer.hops == 1
     assert context.decisions == [] and context.calibration("m") == Calibration() and context.mirror is None
+
+
+def test_a_new_run_is_journaled_and_its_context_read_back_in_one_hop(tmp_path: Path) -> None:
+    """A request that opens a session (a new run, a fork: every request of the peers' benchmark) has no context
+    in memory: it is read back in the same call on the journal's thread as the request row, not one more."""
+    settings = load_settings(env={"CTXPROXY_DATA_DIR": str(tmp_path), "CTXPROXY_UPSTREAM": "http://u.test/v1",
+                                  "CTXPROXY_CTX_WINDOW": "8192"})
+    with app_client(settings, httpx.ASGITransport(app=FakeUpstream())) as client:
+        state: AppState = client.app.state.ctx  # type: ignore[attr-defined]
+        messages = history(20)
+        for k in range(1, 21):
+            _send(client, messages[:2 + 2 * k])
+        state.journal = writer = CountingWriter(state.journal.journal)
+        try:
+            for i in range(2):
+                _send(client, [*messages[:2], {"role": "user", "content": f"continue (nonce {i})"}])
+        finally:
+            writer.close()
+    assert "_read_back" not in writer.names and writer.names.count("record_request_and_read") == 2
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/chat/completions/", "/v1/a?b#c\\d", "/v1/é ü"])
+def test_the_journaled_path_is_starlette_s_url_path(path: str) -> None:
+    scope = {"type": "http", "method": "POST", "path": path, "query_string": b"x=1", "root_path": "",
+             "headers": [(b"host", b"proxy.test:8080")], "server": ("127.0.0.1", 8080), "scheme": "http"}
+    assert url_path(Request(scope)) == Request(scope).url.path
+
+
+def test_a_stub_s_kept_hash_is_the_hash_of_the_stub() -> None:
+    """``project._out_hash`` keeps a stub's hash by (its message's hash, its content): what it returns must be
+    ``message_hash`` of the stub, kept or not, and anything but a new content is hashed afresh."""
+    message = {"role": "tool", "tool_call_id": "c1", "content": "x" * 5000}
+    h = message_hash(message)
+    for content in ("[spilled: 5000 chars]", "[spilled: 5000 chars]", "y" * 3000):
+        stub = {**message, "content": content}
+        assert _out_hash(stub, h, message) == message_hash(stub)
+    other = {**message, "tool_call_id": "c2", "content": "[spilled: 5000 chars]"}
+    assert _out_hash(other, h, message) == message_hash(other)  # not only its content changed: hashed

@@ -23,6 +23,7 @@ from ctxproxy.store import (
     ResponseRecord,
     keep_response,
     kept_response,
+    placement,
 )
 from ctxproxy.store.migrate import applied
 from ctxproxy.store.migrations import STEPS
@@ -304,3 +305,27 @@ def test_nul_and_every_other_character_are_kept_exactly(journal: Journal) -> Non
     (op,) = journal.session_ops(rec.session_id)
     assert op["result"] == op["arguments"] == odd and op["handles"] == [odd]
     assert journal.head_messages(rec.session_id) == [{"role": "user", "content": odd}]
+
+
+def test_a_read_after_the_request_that_fails_leaves_the_request_journaled(journal: Journal) -> None:
+    """``record_request_and_read``: the request row is committed first; a failed read gives None (the caller reads
+    again), never a lost row."""
+    def failing(_: Journal, __: RecordedRequest) -> None:
+        raise journal.conn.OperationalError("no such table: nowhere")
+
+    rec, read = journal.record_request_and_read(incoming(run(1)[1]), failing)
+    assert read is None and journal.request(rec.request_id) is not None
+
+
+def test_interrupted_sessions_are_kept_for_a_bounded_number_of_openings(journal: Journal,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(placement, "_OPENINGS_KEPT", 2)
+    first = {}
+    for opening in ("a", "b", "c"):
+        first[opening] = record(journal, incoming(run(1, opening=opening)[0]))
+        journal.record_request(incoming(run(1, opening=opening)[1], n=1))  # in flight when the proxy dies
+    journal.mark_interrupted("2026-01-02T00:00:00")
+    for n, opening in enumerate(("a", "b", "c")):  # "c" pushes "a" out
+        retry = [*run(0, opening=opening)[0], {"role": "user", "content": f"again {n}"}]
+        rec = record(journal, incoming(retry, n=2 + n))
+        assert rec.session_id == first[opening].session_id and len(journal.interrupted) <= 2

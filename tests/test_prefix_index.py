@@ -7,17 +7,21 @@ sessions, unanswered requests) the index must choose exactly what the walk chose
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ctxproxy.store import Journal, RecordedRequest, ResponseRecord, prefix_digest
-from ctxproxy.store.placement import Head
+from ctxproxy.store import IncomingRequest, Journal, RecordedRequest, ResponseRecord, prefix_digest
+from ctxproxy.store.placement import Head, Placement, _continued
 from ctxproxy.store.prefixes import PrefixDigests
+from ctxproxy.store.recovery import ANSWERED
 from ctxproxy.store.sql import SqliteConnection
+from ctxproxy.store.writer import JournalWriter
 from tests.test_journal import incoming, run
 
 
@@ -31,6 +35,42 @@ class ChainWalk(Journal):
         stored = self.message_hashes(head.list_id) if head.list_id is not None else []
         return next((i for i, (a, b) in enumerate(zip(stored, hashes, strict=False)) if a != b),
                     min(len(stored), len(hashes)))
+
+
+class ScanAll(Journal):
+    """Placement of a fingerprinted request as it was before it read only what it needs: every session of the
+    opening, each with its last request's state, compared in Python, and a fork delta-encoded on its parent's list."""
+
+    def _place(self, req: IncomingRequest, digests: PrefixDigests) -> Placement:
+        if req.session_name is not None:
+            return super()._place(req, digests)
+        rows = self.conn.execute(
+            "SELECT h.id, h.head_list_id, h.head_len, h.head_digest, h.updated_at,"
+            f" NOT {ANSWERED.format(request='h.last')},"
+            " EXISTS (SELECT 1 FROM responses p WHERE p.request_id = h.last AND p.outcome = 'interrupted')"
+            " FROM (SELECT s.*, (SELECT MAX(r.id) FROM requests r WHERE r.session_id = s.id) AS last"
+            "       FROM sessions s WHERE s.fingerprint = ?) h ORDER BY h.updated_at, h.id", [req.fingerprint]
+        ).fetchall()
+        candidates = [Head(*row[:6]) for row in rows]
+        answered = [a for row in rows if row[6] for a in self._last_answered(row[0])]
+        head = _continued(candidates, digests, answered)
+        if head is not None:
+            return Placement(head, head.list_id, head.length, False, None)
+        parent, shared = self._closest(candidates[-8:], digests)
+        placed = self._open(req, self._new_id(req.fingerprint, len(candidates)), parent, shared, req.fingerprint)
+        base = parent.list_id if parent and shared else None
+        return replace(placed, base_list_id=base)
+
+    def _last_answered(self, session_id: str) -> list[Head]:
+        row = self.conn.execute(
+            "SELECT r.list_id, r.received_at, l.length FROM requests r JOIN message_lists l ON l.id = r.list_id"
+            f" WHERE r.session_id = ? AND {ANSWERED.format(request='r.id')} AND NOT EXISTS (SELECT 1 FROM"
+            " responses p WHERE p.request_id = r.id AND p.outcome = 'interrupted') ORDER BY r.id DESC LIMIT 1",
+            [session_id]).fetchone()
+        if row is None:
+            return []
+        digest = PrefixDigests(self.message_hashes(int(row[0]))).at(int(row[2]))
+        return [Head(session_id, int(row[0]), int(row[2]), digest, row[1])]
 
 
 def _answer(journal: Journal, rec: RecordedRequest) -> None:
@@ -65,6 +105,85 @@ def test_the_index_places_every_request_where_the_chain_walk_did(plan: list[tupl
         if answered:
             _answer(index, got)
             _answer(walk, expected)
+
+
+# As ``steps``, and whether the proxy dies after the step (requests in flight are marked interrupted at its start).
+crashing = st.lists(st.tuples(st.integers(0, 3), st.integers(0, 5), st.lists(st.integers(0, 2), max_size=4),
+                              st.booleans(), st.integers(0, 4)), min_size=1, max_size=30)
+
+
+@settings(max_examples=120, deadline=None)
+@given(crashing)
+def test_placement_reading_only_what_it_needs_places_every_request_where_scanning_every_session_did(
+        plan: list[tuple[int, int, list[int], bool, int]]) -> None:
+    journal, scan = Journal(None), ScanAll(None)
+    opening: list[dict[str, Any]] = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    histories = [list(opening) for _ in range(4)]
+    for serial, (which, cut, grow, answered, crash) in enumerate(plan):
+        history = histories[which][: max(2, len(histories[which]) - cut)]
+        history += [{"role": "assistant" if (len(history) + k) % 2 else "user", "content": f"m{g}"}
+                    for k, g in enumerate(grow)]
+        histories[which] = history
+        req = incoming(history, n=serial % 60)
+        got, expected = journal.record_request(req), scan.record_request(req)
+        assert _placed(got) == _placed(expected)
+        assert journal.request(got.request_id)["messages"] == history  # type: ignore[index]
+        if answered:
+            _answer(journal, got)
+            _answer(scan, expected)
+        if crash == 0:
+            assert journal.mark_interrupted("t") == scan.mark_interrupted("t")
+
+
+def _new_runs(journal: Journal, opening: list[dict[str, Any]], start: int, count: int) -> RecordedRequest:
+    """``count`` new runs of the opening, each its own first step (the peers' benchmark: new text each time)."""
+    rec = None
+    for i in range(start, start + count):
+        rec = journal.record_request(incoming([*opening, {"role": "user", "content": f"continue {i}"}], n=i % 60))
+        _answer(journal, rec)
+    assert rec is not None
+    return rec
+
+
+def test_new_runs_of_one_opening_cost_no_more_statements_as_they_accumulate(tmp_path: Path) -> None:
+    """Each new run forks the last ones; a fork of a fork was delta-encoded on its parent's list and inherited
+    its parent's ancestors, so each lookup below the fork point (and each read of its decisions) walked one hop
+    more per eight runs."""
+    journal = Journal(tmp_path / "j.db")
+    opening = _long_run(journal, 30)[0]
+    counts = []
+    for start, count in ((0, 10), (10, 80)):
+        _new_runs(journal, opening, start, count - 1)
+        statements = _statements(journal)
+        rec = _new_runs(journal, opening, start + count - 1, 1)
+        journal.decision_chain(rec.session_id)
+        assert isinstance(journal.conn, SqliteConnection)
+        journal.conn.raw.set_trace_callback(None)
+        counts.append(len(statements))
+        assert rec.forked and rec.seen == 2
+    assert counts[1] == counts[0]
+
+
+def test_a_request_another_process_marked_interrupted_is_continued_from_its_last_answer(tmp_path: Path) -> None:
+    """The opening's interrupted sessions are read once and kept; a server started on the same journal (it
+    marks what was in flight) must make this one read them again."""
+    steps = run(3)
+    journal = Journal(tmp_path / "j.db")
+    writer = JournalWriter(journal)
+
+    async def steps_of_a_run() -> tuple[RecordedRequest, RecordedRequest]:
+        first = await writer.call(Journal.record_request, incoming(steps[1], n=0))
+        _answer(journal, first)
+        await writer.call(Journal.record_request, incoming(steps[2], n=1))  # in flight when the other one starts
+        other = Journal(tmp_path / "j.db")
+        other.mark_interrupted("2026-01-02T00:00:00")
+        other.close()
+        retry = [*steps[1], {"role": "user", "content": "the server went away; try something else"}]
+        return first, await writer.call(Journal.record_request, incoming(retry, n=2))
+
+    first, after = asyncio.run(steps_of_a_run())
+    writer.close()
+    assert after.session_id == first.session_id and not after.forked
 
 
 def _statements(journal: Journal) -> list[str]:

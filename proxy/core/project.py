@@ -168,13 +168,39 @@ def _ingest(state: State, i: int, messages: Sequence[dict[str, Any]], message_ha
         if result is not None:
             state.fenced[i] = result
             out = _cut_segments(state, mid, message, message_hash, result, rules, new, writes, spill=i >= seen)
-    out_hash = message_hash if out is message else _hash(out)
+    out_hash = message_hash if out is message else _out_hash(out, message_hash, message)
     count = counter.count(out, out_hash)  # a stub's count is cached by its identity too: never recounted
     state.out.append(out)
     state.out_hashes.append(out_hash)
     state.cut += out is not message
     state.counts.append(count)
     state.total += count
+
+
+_OUT_HASHES: dict[tuple[str, str], str] = {}
+"""The hash of a message's stub by (the message's hash, the stub's content): every projection recomputed from the
+decisions (a fork, a new run, each request of the peers' benchmark) rebuilt and hashed every stub again (5% of a
+630 KB new-text request). Cleared whole when full: a plain dict, safe on the loop and the worker alike. Only
+short contents (stubs, markers) are kept, so it holds at most a few MB."""
+
+_OUT_HASHES_KEPT = 8192
+_OUT_CONTENT_CHARS = 2048
+
+
+def _out_hash(out: dict[str, Any], message_hash: str, message: dict[str, Any]) -> str:
+    """``message_hash(out)``, where ``out`` is ``message`` with a new content (a stub) and nothing else changed:
+    the pair of hashes says it all. Anything else is hashed."""
+    content = out.get("content")
+    if not isinstance(content, str) or len(content) > _OUT_CONTENT_CHARS or out.keys() != message.keys() or any(
+            out[k] is not message[k] for k in out if k != "content"):
+        return _hash(out)
+    key = (message_hash, content)
+    known = _OUT_HASHES.get(key)
+    if known is None:
+        if len(_OUT_HASHES) >= _OUT_HASHES_KEPT:
+            _OUT_HASHES.clear()
+        known = _OUT_HASHES[key] = _hash(out)
+    return known
 
 
 def _cut_tool_result(state: State, i: int, message: dict[str, Any], message_hash: str, rules: Rules,

@@ -129,7 +129,6 @@ def _lifespan(settings: Settings, transport: httpx.AsyncBaseTransport | None
               ) -> Callable[[Starlette], AbstractAsyncContextManager[None]]:
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        warmup = Warmup.start(WARM)  # on a thread, while the server starts and takes requests
         journal = JournalWriter(open_journal(settings.journal_location, settings.journal_sync, check=True),
                                 storage_error)
         text, fields = startup_line(settings)
@@ -142,6 +141,9 @@ def _lifespan(settings: Settings, transport: httpx.AsyncBaseTransport | None
         upstream = Upstream(settings.upstream, transport or AiohttpTransport(), settings.upstream_connect_timeout,
                             settings.upstream_timeout)
         windows = WindowDetector(upstream, ctx_window=0)  # a configured window is applied per model, in planning
+        # On a thread, while the server takes connections. Started last: begun with the lifespan, its imports took
+        # the GIL from the journal's opening, and a start was ready later by as much (issue #13).
+        warmup = Warmup.start(WARM)
         app.state.ctx = AppState(settings, upstream, journal, incognito, windows, warmup=warmup,
                                  own_headers=frozenset({settings.session_header.lower()}))
         try:

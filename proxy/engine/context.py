@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from bisect import bisect_right
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -28,13 +29,14 @@ from ctxproxy.store import (
     CalibrationInForce,
     Journal,
     JournalWriter,
+    RecordedRequest,
     SessionState,
     calibration_in_force,
     record_session_state,
     session_state,
 )
 
-__all__ = ["SessionContext", "SessionContexts"]
+__all__ = ["Saved", "SessionContext", "SessionContexts", "read_new_session"]
 
 SHARED_DECISIONS = 64
 """Ancestors' decision sets kept for their forks: the decisions themselves are shared with the sessions' contexts."""
@@ -125,9 +127,11 @@ class SessionContexts:
         self.window_limits: dict[str | None, int] = {}
         """Windows the upstream proved smaller than configured or detected (it refused a prompt as too long)."""
 
-    async def get(self, writer: JournalWriter, session_id: str, model: str | None) -> SessionContext:
+    async def get(self, writer: JournalWriter, session_id: str, model: str | None,
+                  saved: Saved | None = None) -> SessionContext:
+        """``saved``: the session as read back with its request (``read_new_session``), used if none is kept."""
         key = (id(writer), writer.generation, session_id)  # a prune may have removed what an older one holds
-        context = self._items.pop(key, None) or await self._load(writer, session_id, model)
+        context = self._items.pop(key, None) or await self._load(writer, session_id, model, saved)
         self._items[key] = context
         if len(self._items) > self._capacity:
             self._items.popitem(last=False)
@@ -154,8 +158,10 @@ class SessionContexts:
             self._shared.popitem(last=False)
         return shared.decisions[:bisect_right(shared.ids, upto)]
 
-    async def _load(self, writer: JournalWriter, session_id: str, model: str | None) -> SessionContext:
-        saved = await writer.call(_read_back, session_id, model)  # one hop to the journal's thread, not five
+    async def _load(self, writer: JournalWriter, session_id: str, model: str | None,
+                    saved: Saved | None) -> SessionContext:
+        if saved is None:
+            saved = await writer.call(_read_back, session_id, model)  # one hop to the journal's thread, not five
         decisions: list[Decision] = []
         for ancestor, upto in saved.ancestors:
             decisions += await self._inherited(writer, ancestor, upto)
@@ -165,7 +171,7 @@ class SessionContexts:
         context.resume(saved.state)
         return context
 
-    def _calibration(self, saved: _Saved, model: str | None) -> Calibration:
+    def _calibration(self, saved: Saved, model: str | None) -> Calibration:
         """The session's calibration: the one its latest forward was sent under, and what its answer taught. A
         session with no forward yet starts from the latest calibration of the model, across sessions; one whose
         forwards were journaled without their sample count, from its latest answers."""
@@ -180,7 +186,7 @@ class SessionContexts:
 
 
 @dataclass(frozen=True)
-class _Saved:
+class Saved:
     """What the journal keeps of a session, read back in one call on its thread: every new session (a fork, a
     new run) is loaded, and each hop to that thread costs a wake-up and a GIL hand-off, ~0.1 ms on a busy core."""
 
@@ -194,9 +200,18 @@ class _Saved:
     state: SessionState
 
 
-def _read_back(journal: Journal, session_id: str, model: str | None) -> _Saved:
+def read_new_session(model: str | None) -> Callable[[Journal, RecordedRequest], Saved | None]:
+    """For ``Journal.record_request_and_read``: a session the request opened, read back in the same call on the
+    journal's thread as its request row (a new run or a fork, e.g. every request of the peers' benchmark, saves a
+    hop). Only a new session: one the proxy already knows may be in memory, ahead of the journal."""
+    def read(journal: Journal, recorded: RecordedRequest) -> Saved | None:
+        return _read_back(journal, recorded.session_id, model) if recorded.created else None
+    return read
+
+
+def _read_back(journal: Journal, session_id: str, model: str | None) -> Saved:
     force = calibration_in_force(journal, session_id, model)
     samples = journal.calibration_samples(session_id, model) if force is None else []
     ancestors, own = journal.decision_chain(session_id)
-    return _Saved(ancestors, own, force, samples, journal.mirror_revisions(session_id),
+    return Saved(ancestors, own, force, samples, journal.mirror_revisions(session_id),
                   session_state(journal, session_id))

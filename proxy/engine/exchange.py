@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 
 from starlette.requests import Request
 
-from ctxproxy.proxy.engine.context import SessionContext
+from ctxproxy.proxy.engine.context import Saved, SessionContext
 from ctxproxy.proxy.engine.state import AppState
 from ctxproxy.proxy.engine.tally import Tally
 from ctxproxy.proxy.observe.logs import log, request_line
@@ -36,8 +36,10 @@ class Exchange:
     """One request's state across its round trips upstream; its answer is journaled once, by ``finish``."""
 
     def __init__(self, state: AppState, writer: JournalWriter, recorded: RecordedRequest, request: Request,
-                 body: ChatBody, incoming: IncomingRequest, incognito: bool) -> None:
+                 body: ChatBody, incoming: IncomingRequest, incognito: bool, saved: Saved | None = None) -> None:
         self.state, self.writer, self.recorded, self.request = state, writer, recorded, request
+        self.saved = saved
+        """The new session as read back with the request row (``read_new_session``), until the context is loaded."""
         self.body, self.incoming, self.incognito = body, incoming, incognito
         self.model = body.get("model")
         self.started = time.perf_counter()
@@ -93,7 +95,8 @@ class Exchange:
         self._locked = True
 
     async def load_context(self) -> SessionContext:
-        self.context = await self.state.contexts.get(self.writer, self.recorded.session_id, self.model)
+        saved, self.saved = self.saved, None
+        self.context = await self.state.contexts.get(self.writer, self.recorded.session_id, self.model, saved)
         return self.context
 
     async def record(self, outcome: str, status: int, body: str | None, usage: dict[str, object] | None) -> None:

@@ -89,4 +89,6 @@ def _common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
     n = min(len(a), len(b))
     if a[:n] == b[:n]:  # the usual case, compared in C
         return n
+    if n and a[:n - 1] == b[:n - 1]:  # a new last message (the same history with new text): in C too
+        return n - 1
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), n)

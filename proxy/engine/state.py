@@ -10,7 +10,7 @@ import ctypes
 import importlib
 import threading
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -140,7 +140,7 @@ class AppState:
     metrics: Metrics = field(default_factory=Metrics)
     offload: Offload = field(default_factory=Offload)
     own_headers: frozenset[str] = frozenset()
-    _context_tools_tokens: int | None = None
+    _fixed: dict[str, tuple[MessageCounter, int]] = field(default_factory=dict)
 
     @property
     def counter(self) -> MessageCounter:
@@ -149,17 +149,24 @@ class AppState:
 
     def context_tools_tokens(self) -> int:
         """What the context tools' schemas cost when offered (counted once)."""
-        if self._context_tools_tokens is None:
-            self._context_tools_tokens = self.counter.count_text(canonical_json(list(CONTEXT_TOOLS)).decode())
-        return self._context_tools_tokens
+        return self._fixed_tokens("tools", lambda: canonical_json(list(CONTEXT_TOOLS)).decode())
 
     def fenced_note_tokens(self) -> int:
         """What the fenced route's note with the context blocks' syntax costs (its stand-in for the schemas)."""
-        return self.counter.count_text(NOTE)
+        return self._fixed_tokens("note", lambda: NOTE)
 
     def read_tool_tokens(self) -> int:
         """What ``read_overflow``'s schema costs, listed alone once the session holds a stub."""
-        return self.counter.count_text(canonical_json([READ_TOOL]).decode())
+        return self._fixed_tokens("read", lambda: canonical_json([READ_TOOL]).decode())
+
+    def _fixed_tokens(self, name: str, text: Callable[[], str]) -> int:
+        """Tokens of a text of the proxy's own, counted once per counter: every request of a session with a stub,
+        or on the fenced route, asks (the schema of ``read_overflow`` was 6% of a small request's time)."""
+        counter = self.counter
+        cached = self._fixed.get(name)
+        if cached is None or cached[0] is not counter:
+            cached = self._fixed[name] = (counter, counter.count_text(text()))
+        return cached[1]
 
     def journal_for(self, incognito: bool) -> JournalWriter:
         if not (incognito or self.settings.incognito):
