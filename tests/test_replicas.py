@@ -187,3 +187,31 @@ def _mirror_run(root: Path, apps: int) -> tuple[list[bytes], str]:
         for body in bodies[2:]:
             _ok(clients[0], body)
         return [r.body for r in fake.chats], mirror.read_text()
+
+
+def test_a_new_session_on_another_app_starts_from_the_calibration_the_first_learnt(tmp_path: Path) -> None:
+    """A new session starts from the model's latest calibration, whichever session taught it: read from the
+    store, so the app that serves it need not be the one that learnt it."""
+    assert _calibration_run(tmp_path / "two", apps=2) == _calibration_run(tmp_path / "one", apps=1)
+
+
+def _calibration_run(root: Path, apps: int) -> list[float]:
+    env = ENV | {"CTXPROXY_DATA_DIR": str(root), "CTXPROXY_CTX_WINDOW": "4096", "CTXPROXY_SPILL_CHARS": "100000"}
+    fake = FakeUpstream()
+    with ExitStack() as stack:
+        clients = [stack.enter_context(app_client(load_settings(env=env), httpx.ASGITransport(app=fake)))
+                   for _ in range(apps)]
+        msgs: list[dict[str, Any]] = [{"role": "system", "content": "You are an agent."},
+                                      {"role": "user", "content": "Fix the bug."}]
+        for k in range(1, 4):
+            msgs = msgs + _round(k, f"line {k} of output\n" * 40)
+            _ok(clients[0], {"model": "m", "messages": msgs})
+        _ok(clients[-1], {"model": "m", "messages": [{"role": "system", "content": "Another agent."},
+                                                     {"role": "user", "content": "Start over."}]})
+    conn = sqlite3.connect(root / "journal.db")
+    try:
+        ratios = [float(k) for (k,) in conn.execute("SELECT k FROM forwards ORDER BY request_id, attempt")]
+    finally:
+        conn.close()
+    assert len(set(ratios)) > 1  # it learnt something
+    return ratios
