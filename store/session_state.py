@@ -78,7 +78,8 @@ def _record_mirror(journal: Journal, session_id: str, text: str) -> int:
     tail = _MIRROR_TAIL if text.endswith(_MIRROR_TAIL) else ""
     pieces = [*text[: len(text) - len(tail)].split(MIRROR_SEPARATOR), tail]
     hashes = [hashlib.sha256(p.encode()).hexdigest() for p in pieces]
-    journal.conn.executemany("INSERT OR IGNORE INTO blobs (hash, kind, body, chars) VALUES (?, 'mirror', ?, ?)",
+    journal.conn.executemany("INSERT INTO blobs (hash, kind, body, chars) VALUES (?, 'mirror', ?, ?)"
+                             " ON CONFLICT DO NOTHING",
                              [(h, p, len(p)) for h, p in zip(hashes, pieces, strict=True)])
     row = journal.conn.execute("SELECT mirror_list FROM session_state WHERE session_id = ? AND mirror_list IS NOT"
                                " NULL ORDER BY id DESC LIMIT 1", [session_id]).fetchone()
@@ -89,9 +90,8 @@ def _record_mirror(journal: Journal, session_id: str, text: str) -> int:
                     min(len(before), len(hashes)))
         base_id = int(row[0]) if same and depth < _MAX_DEPTH else None
     same = same if base_id is not None else 0
-    cursor = journal.conn.execute("INSERT INTO message_lists (base_id, base_len, added, length) VALUES (?, ?, ?, ?)",
-                                  [base_id, same, json.dumps(hashes[same:]), len(hashes)])
-    return int(cursor.lastrowid or 0)
+    return journal.conn.insert("INSERT INTO message_lists (base_id, base_len, added, length) VALUES (?, ?, ?, ?)",
+                               [base_id, same, json.dumps(hashes[same:]), len(hashes)])
 
 
 def _mirror_hashes(journal: Journal, list_id: int) -> tuple[list[str], int]:
@@ -132,14 +132,14 @@ class CalibrationInForce:
 
 def calibration_in_force(journal: Journal, session_id: str, model: str | None) -> CalibrationInForce | None:
     """None when the session has no such forward (or only ones journaled before the sample count was)."""
-    return _in_force(journal.conn.execute(_FORCE.format(where="r.session_id = ? AND r.model IS ?"),
+    return _in_force(journal.conn.execute(_FORCE.format(where="r.session_id = ? AND r.model IS NOT DISTINCT FROM ?"),
                                           [session_id, model]).fetchone())
 
 
 def latest_calibration(journal: Journal, model: str | None) -> CalibrationInForce | None:
     """The calibration of the latest forward for ``model`` in any session, and what its answer taught: where a new
     session starts, whichever process serves it (replicas share it through the store, not their memory)."""
-    return _in_force(journal.conn.execute(_FORCE.format(where="r.model IS ?"), [model]).fetchone())
+    return _in_force(journal.conn.execute(_FORCE.format(where="r.model IS NOT DISTINCT FROM ?"), [model]).fetchone())
 
 
 _FORCE = ("SELECT f.k, f.samples, f.estimate, p.prompt_tokens, p.outcome FROM requests r"

@@ -65,11 +65,12 @@ def _read_back(fake: FakeUpstream) -> Reply:
 RUNS: dict[str, Callable[[], Scenario]] = {**SCENARIOS, "tools": _tools}
 
 
-def _run(root: Path, scenario: Scenario, apps: int, pattern: Callable[[int], int]) -> list[bytes]:
+def _run(root: Path, scenario: Scenario, apps: int, pattern: Callable[[int], int], store: str = "") -> list[bytes]:
     """Every upstream chat request of the run, request ``i`` served by app ``pattern(i)`` of ``apps`` apps
-    sharing one data dir (one journal file, one mirror directory)."""
+    sharing one data dir (one journal file, one mirror directory) or, with ``store``, one PostgreSQL database."""
     shutil.rmtree(root, ignore_errors=True)
-    env = scenario.env | {"CTXPROXY_DATA_DIR": str(root / "data"), "CTXPROXY_MIRROR_DIR": str(root / "ws")}
+    env = scenario.env | {"CTXPROXY_DATA_DIR": str(root / "data"), "CTXPROXY_MIRROR_DIR": str(root / "ws"),
+                          "CTXPROXY_STORE": store}
     fake = FakeUpstream()
     with ExitStack() as stack:
         clients = [stack.enter_context(app_client(load_settings(env=env), httpx.ASGITransport(app=fake)))
@@ -91,7 +92,7 @@ def _script(fake: FakeUpstream, replies: list[Any]) -> None:
 @pytest.fixture(autouse=True)
 def no_data_version(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """PostgreSQL has no ``data_version``: the per-session claim alone must keep the apps right."""
-    monkeypatch.setattr(JournalWriter, "_notice_other_writers", lambda self: None)
+    monkeypatch.setattr(JournalWriter, "_notice_other_writers", lambda *_: None)
     yield
 
 
@@ -120,8 +121,15 @@ def test_two_apps_on_one_journal_send_what_one_app_sends(root: Path, name: str, 
     assert _run(root, RUNS[name](), 2, PATTERNS[pattern]) == _one_app(root, name)
 
 
+@pytest.mark.parametrize("name", list(RUNS))
+def test_two_apps_on_one_postgresql_database_send_what_one_app_sends(root: Path, name: str,
+                                                                    postgres_url: str) -> None:
+    """The same, the journal in PostgreSQL: the apps' locks are its advisory locks (``store.locks``)."""
+    assert _run(root, RUNS[name](), 2, PATTERNS["alternate"], postgres_url) == _one_app(root, name)
+
+
 def test_the_tools_run_exercises_what_it_is_meant_to(root: Path) -> None:
-    sent = b"\n".join(_one_app(root, "tools")).decode()
+    sent = b"\n".join(_run(root, _tools(), 1, lambda i: 0)).decode()
     for marker in ("[folded id=", "[overflow id=", "call_8: nothing useful", "Applied since your last request",
                    "line 4 of output 4"):
         assert marker in sent, marker

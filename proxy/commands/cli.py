@@ -13,10 +13,11 @@ runs (the journal and sqlite-utils, the server stack, the tokenizer), so ``ctxpr
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -62,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ctxproxy.store.failures import storage_errors
 
     try:
-        with storage_errors(_journal_path(settings)):
+        with storage_errors(settings.journal_location):
             code = int(args.run(settings, args))
         sys.stdout.flush()  # here, where a closed pipe can still be caught, not at the interpreter's exit
         return code
@@ -80,10 +81,6 @@ def _quiet_pipe() -> int:
     os.dup2(devnull, sys.stdout.fileno())
     os.close(devnull)
     return 0
-
-
-def _journal_path(settings: Settings) -> Path:
-    return settings.data_path / "journal.db"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -124,6 +121,8 @@ def _command(commands: Any, name: str, help: str, run: Any) -> argparse.Argument
     cmd: argparse.ArgumentParser = commands.add_parser(name, help=help, description=help)
     cmd.add_argument("--config", help="TOML settings file (env CTXPROXY_CONFIG)")
     cmd.add_argument("--data-dir", dest="data_dir", help="journal directory (env CTXPROXY_DATA_DIR)")
+    cmd.add_argument("--store", help="the journal's PostgreSQL URL (env CTXPROXY_STORE; default: SQLite in the "
+                                     "data dir)")
     if name != "serve":
         cmd.add_argument("--json", action="store_true", help="print JSON instead of a table")
     cmd.set_defaults(run=run)
@@ -131,7 +130,7 @@ def _command(commands: Any, name: str, help: str, run: Any) -> argparse.Argument
 
 
 def _flags(args: argparse.Namespace) -> dict[str, Any]:
-    return {k: getattr(args, k, None) for k in ("upstream", "host", "port", "data_dir")}
+    return {k: getattr(args, k, None) for k in ("upstream", "host", "port", "data_dir", "store")}
 
 
 def _serve(settings: Settings, args: argparse.Namespace) -> int:
@@ -142,7 +141,7 @@ def _serve(settings: Settings, args: argparse.Namespace) -> int:
     from ctxproxy.proxy.observe.logs import configure_logging
     from ctxproxy.store import open_journal
 
-    open_journal(_journal_path(settings), settings.journal_sync, check=True).close()  # refused here: no traceback
+    open_journal(settings.journal_location, settings.journal_sync, check=True).close()  # refused here: no traceback
     taken = port_taken(settings.host, settings.port)
     if taken:
         print(f"ctxproxy: {taken}", file=sys.stderr)
@@ -189,20 +188,34 @@ def _replay(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
+def _with_journal(command: Callable[[Journal, Settings, argparse.Namespace], int]
+                  ) -> Callable[[Settings, argparse.Namespace], int]:
+    """A reading command: given the journal, closed after it (a PostgreSQL connection is not left to the exit)."""
+    @functools.wraps(command)
+    def run(settings: Settings, args: argparse.Namespace) -> int:
+        journal = _open_journal(settings)
+        if journal is None:
+            return 1
+        try:
+            return command(journal, settings, args)
+        finally:
+            journal.close()
+
+    return run
+
+
 def _open_journal(settings: Settings) -> Journal | None:
     from ctxproxy.store import open_journal
 
-    path = _journal_path(settings)
-    if not path.exists():
-        print(f"No journal at {path} yet: start `ctxproxy serve` and send it a request.", file=sys.stderr)
+    location = settings.journal_location
+    if isinstance(location, Path) and not location.exists():
+        print(f"No journal at {location} yet: start `ctxproxy serve` and send it a request.", file=sys.stderr)
         return None
-    return open_journal(path, settings.journal_sync)
+    return open_journal(location, settings.journal_sync)
 
 
-def _sessions(settings: Settings, args: argparse.Namespace) -> int:
-    journal = _open_journal(settings)
-    if journal is None:
-        return 1
+@_with_journal
+def _sessions(journal: Journal, settings: Settings, args: argparse.Namespace) -> int:
     rows = journal.sessions()
     print(json.dumps({"sessions": rows}, indent=2) if args.json  # the shape of GET /ctx/sessions
           else render_table(rows, _SESSION_COLUMNS))
@@ -221,12 +234,10 @@ def _doctor(settings: Settings, args: argparse.Namespace) -> int:
     return 0 if all(c.ok for c in checks) else 1
 
 
-def _scorecard(settings: Settings, args: argparse.Namespace) -> int:
+@_with_journal
+def _scorecard(journal: Journal, settings: Settings, args: argparse.Namespace) -> int:
     from ctxproxy.proxy.observe.metrics import aggregate
 
-    journal = _open_journal(settings)
-    if journal is None:
-        return 1
     rows = journal.scorecard()
     if args.json:
         print(json.dumps({"rows": rows, "aggregate": aggregate(rows)}, indent=2))
@@ -249,10 +260,8 @@ def _duration(text: str) -> timedelta:
     return timedelta(seconds=int(number) * _UNITS[unit])
 
 
-def _prune(settings: Settings, args: argparse.Namespace) -> int:
-    journal = _open_journal(settings)
-    if journal is None:
-        return 1
+@_with_journal
+def _prune(journal: Journal, settings: Settings, args: argparse.Namespace) -> int:
     cutoff = (datetime.now(UTC) - args.older_than).isoformat(timespec="milliseconds")
     report = journal.prune(cutoff, dry_run=args.dry_run)
     if args.vacuum and not args.dry_run:
@@ -268,10 +277,8 @@ def _prune(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
-def _show(settings: Settings, args: argparse.Namespace) -> int:
-    journal = _open_journal(settings)
-    if journal is None:
-        return 1
+@_with_journal
+def _show(journal: Journal, settings: Settings, args: argparse.Namespace) -> int:
     session = journal.session(args.session_id)
     if session is None:
         print(f"No session {args.session_id!r}; `ctxproxy sessions` lists them.", file=sys.stderr)

@@ -29,7 +29,7 @@ from ctxproxy.proxy import __version__
 from ctxproxy.proxy.edge.body import read_body
 from ctxproxy.proxy.edge.callers import bearer_matches, require_admin, require_metrics
 from ctxproxy.proxy.engine.responses import FinallyResponse
-from ctxproxy.proxy.engine.state import AppState, Warmup, give_back_freed_memory
+from ctxproxy.proxy.engine.state import AppState, SessionLocks, Warmup, give_back_freed_memory
 from ctxproxy.proxy.errors import (
     BadRequest,
     CtxError,
@@ -44,7 +44,7 @@ from ctxproxy.proxy.upstream.endpoint import Upstream, client_headers, response_
 from ctxproxy.proxy.upstream.loop import VIA_HEADER, refuse_loop
 from ctxproxy.proxy.upstream.transport import AiohttpTransport
 from ctxproxy.proxy.upstream.window import WindowDetector
-from ctxproxy.store import Journal, JournalWriter, MemoryJournal, open_journal
+from ctxproxy.store import Journal, JournalWriter, MemoryJournal, open_journal, session_locks
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -130,7 +130,7 @@ def _lifespan(settings: Settings, transport: httpx.AsyncBaseTransport | None
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         warmup = Warmup.start(WARM)  # on a thread, while the server starts and takes requests
-        journal = JournalWriter(open_journal(settings.data_path / "journal.db", settings.journal_sync, check=True),
+        journal = JournalWriter(open_journal(settings.journal_location, settings.journal_sync, check=True),
                                 storage_error)
         text, fields = startup_line(settings)
         log.info(text, extra={"ctx": fields})
@@ -143,6 +143,7 @@ def _lifespan(settings: Settings, transport: httpx.AsyncBaseTransport | None
                             settings.upstream_timeout)
         windows = WindowDetector(upstream, ctx_window=0)  # a configured window is applied per model, in planning
         app.state.ctx = AppState(settings, upstream, journal, incognito, windows, warmup=warmup,
+                                 locks=SessionLocks(session_locks(settings.store)),
                                  own_headers=frozenset({settings.session_header.lower()}))
         try:
             async with asyncio.TaskGroup() as background:
@@ -153,6 +154,7 @@ def _lifespan(settings: Settings, transport: httpx.AsyncBaseTransport | None
                     trimmer.cancel()
         finally:
             await upstream.aclose()
+            app.state.ctx.locks.close()
             journal.close()
             incognito.close()
 
