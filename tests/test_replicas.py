@@ -16,6 +16,7 @@ import re
 import shutil
 import sqlite3
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -223,3 +224,45 @@ def _calibration_run(root: Path, apps: int) -> list[float]:
         conn.close()
     assert len(set(ratios)) > 1  # it learnt something
     return ratios
+
+
+class _Overlaps(FakeUpstream):
+    """Counts the chat requests it holds at once (each app calls it from its own thread and event loop)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = self.most = 0
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not scope["path"].endswith("/chat/completions"):
+            await super().__call__(scope, receive, send)
+            return
+        self.now += 1
+        self.most = max(self.most, self.now)
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.now -= 1
+
+
+def test_two_apps_on_postgresql_handle_one_sessions_requests_one_at_a_time(postgres_url: str, tmp_path: Path) -> None:
+    """Requests of one session sent to both apps at once: the second waits for the first's session lock, held in
+    PostgreSQL; another session's request goes through meanwhile."""
+    env = ENV | {"CTXPROXY_DATA_DIR": str(tmp_path), "CTXPROXY_STORE": postgres_url}
+    fake = _Overlaps()
+    for _ in range(4):
+        fake.enqueue(Reply(body=completion("slow"), delay=0.4))
+    body = {"model": "m", "messages": [{"role": "user", "content": "Fix the bug."}]}
+    with ExitStack() as stack:
+        apps = [stack.enter_context(app_client(load_settings(env=env), httpx.ASGITransport(app=fake)))
+                for _ in range(2)]
+
+        def send(app: int, session: str) -> int:
+            return apps[app].post("/v1/chat/completions", json=body, headers={"X-Session-Id": session}).status_code
+
+        with ThreadPoolExecutor(2) as pool:
+            assert list(pool.map(send, [0, 1], ["one", "one"])) == [200, 200]
+        assert fake.most == 1
+        with ThreadPoolExecutor(2) as pool:
+            assert list(pool.map(send, [0, 1], ["one", "two"])) == [200, 200]
+        assert fake.most == 2  # two sessions: side by side
