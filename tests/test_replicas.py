@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 import shutil
 import sqlite3
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
@@ -26,9 +27,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from ctxproxy.config import load_settings
-from ctxproxy.store import JournalWriter
+from ctxproxy.store import Journal, JournalWriter, claim
 from tests.conftest import app_client
 from tests.fakes import FakeUpstream, Reply, completion, tool_answer
+from tests.test_journal import incoming
 from tests.test_session_state import ENV, SCENARIOS, TOOLS, Scenario, Step, _round
 
 Scripted = Reply | Callable[[FakeUpstream], Reply]
@@ -163,8 +165,8 @@ def test_an_operators_pin_on_one_app_is_honoured_by_the_other(tmp_path: Path) ->
             assert fake.last_chat.body.decode().count("line 1 of output") == 90  # pinned: whole, whatever app
 
 
-def _ok(client: TestClient, body: dict[str, Any]) -> httpx.Response:
-    answer = client.post("/v1/chat/completions", json=body)
+def _ok(client: TestClient, body: dict[str, Any], session: str | None = None) -> httpx.Response:
+    answer = client.post("/v1/chat/completions", json=body, headers={"X-Session-Id": session} if session else {})
     assert answer.status_code == 200, answer.text
     return answer
 
@@ -266,3 +268,50 @@ def test_two_apps_on_postgresql_handle_one_sessions_requests_one_at_a_time(postg
         with ThreadPoolExecutor(2) as pool:
             assert list(pool.map(send, [0, 1], ["one", "two"])) == [200, 200]
         assert fake.most == 2  # two sessions: side by side
+
+
+def test_a_request_whose_process_died_holding_the_lock_is_marked_interrupted_by_the_next_holder(
+        tmp_path: Path) -> None:
+    """A process took the session's lock (its claim is journaled) and died before the answer: the next request to
+    hold the lock, on any process, gives it its final ``interrupted`` row, as a restart would."""
+    env = ENV | {"CTXPROXY_DATA_DIR": str(tmp_path)}
+    body = {"model": "m", "messages": [{"role": "user", "content": "Fix the bug."}]}
+    fake = FakeUpstream()
+    with app_client(load_settings(env=env), httpx.ASGITransport(app=fake)) as client:
+        _ok(client, {**body})
+        journal = Journal(tmp_path / "journal.db")  # the process that dies: it records, claims, and is gone
+        try:
+            dead = journal.record_request(incoming(body["messages"], "named", n=1))
+            claim(journal, "named", dead.request_id)
+        finally:
+            journal.close()
+        _ok(client, {**body, "messages": [*body["messages"], {"role": "assistant", "content": "ok"},
+                                           {"role": "user", "content": "Go on."}]}, session="named")
+    conn = sqlite3.connect(tmp_path / "journal.db")
+    try:
+        rows = conn.execute("SELECT outcome, status FROM responses WHERE request_id = ?", [dead.request_id]).fetchall()
+    finally:
+        conn.close()
+    assert rows == [("interrupted", 0)]
+
+
+def test_a_replica_starting_on_postgresql_leaves_the_others_requests_in_flight_alone(
+        postgres_url: str, tmp_path: Path) -> None:
+    """A restart marks what a crash left in flight; on a shared store another replica's requests in flight are
+    not that: a replica starting meanwhile leaves them, and their answers are journaled as they come."""
+    env = ENV | {"CTXPROXY_DATA_DIR": str(tmp_path), "CTXPROXY_STORE": postgres_url}
+    fake = FakeUpstream()
+    fake.enqueue(Reply(body=completion("slow"), delay=1.0))
+    body = {"model": "m", "messages": [{"role": "user", "content": "Fix the bug."}]}
+    with app_client(load_settings(env=env), httpx.ASGITransport(app=fake)) as first, ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(first.post, "/v1/chat/completions", json=body)
+        while not fake.chats:  # the request is upstream
+            time.sleep(0.01)
+        with app_client(load_settings(env=env), httpx.ASGITransport(app=fake)):
+            pass  # another replica starts (and stops)
+        assert answer.result().status_code == 200
+    import psycopg  # the postgresql extra's
+
+    with psycopg.connect(postgres_url) as conn:
+        outcomes = [r[0] for r in conn.execute("SELECT outcome FROM responses ORDER BY id")]
+    assert outcomes == ["ok"]
