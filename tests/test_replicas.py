@@ -315,3 +315,27 @@ def test_a_replica_starting_on_postgresql_leaves_the_others_requests_in_flight_a
     with psycopg.connect(postgres_url) as conn:
         outcomes = [r[0] for r in conn.execute("SELECT outcome FROM responses ORDER BY id")]
     assert outcomes == ["ok"]
+
+
+@pytest.mark.parametrize("incognito", [False, True])
+def test_a_kept_response_chains_on_another_app_unless_incognito(tmp_path: Path, incognito: bool) -> None:
+    """The Responses API's kept responses are in the store: a ``previous_response_id`` made on one replica resolves
+    on another. An incognito one lives in its process's memory: another replica does not know it, and says so."""
+    env = ENV | {"CTXPROXY_DATA_DIR": str(tmp_path)}
+    headers = {"X-Ctx-Incognito": "1"} if incognito else {}
+    fake = FakeUpstream()
+    with ExitStack() as stack:
+        a, b = (stack.enter_context(app_client(load_settings(env=env), httpx.ASGITransport(app=fake)))
+                for _ in range(2))
+        fake.enqueue(Reply(body=completion("Paris.")))
+        first = a.post("/v1/responses", json={"model": "m", "input": "Capital of France?"}, headers=headers).json()
+        fake.enqueue(Reply(body=completion("About 2 million.")))
+        second = b.post("/v1/responses", json={"model": "m", "input": "Population?",
+                                               "previous_response_id": first["id"]}, headers=headers)
+    if incognito:
+        assert second.status_code == 400 and second.json()["error"]["code"] == "previous_response_not_found"
+        assert "replica" in second.json()["error"]["message"]
+        return
+    assert second.status_code == 200, second.text
+    assert [m["content"] for m in fake.last_chat.json()["messages"]] == [
+        "Capital of France?", "Paris.", "Population?"]
