@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -216,3 +217,38 @@ def test_a_held_session_lock_does_not_hold_up_journaling_the_sessions_next_reque
             journal.close()
 
     assert asyncio.run(hold_and_record()) > 0
+
+
+def _drop_lock_connections(dsn: str) -> None:
+    """The server ends every lock connection (a failover, an idle timeout), and they are gone when this returns."""
+    import psycopg
+
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                      " WHERE application_name = 'ctxproxy-locks'")
+        while admin.execute("SELECT count(*) FROM pg_stat_activity"
+                            " WHERE application_name = 'ctxproxy-locks'").fetchone() != (0,):
+            time.sleep(0.01)
+
+
+def test_locks_in_flight_when_the_connection_broke_are_taken_back_on_the_new_one(pg: str) -> None:
+    async def run() -> list[int]:
+        locks = AdvisoryLocks(pg)
+        try:
+            await locks.acquire("in-flight")
+            _drop_lock_connections(pg)  # the server freed "in-flight" with it
+            with pytest.raises(LockUnavailable):
+                await locks.acquire("next")
+            await locks.acquire("next")  # a new connection: "in-flight" is taken back first
+            held = [_held(pg)]
+            locks.release("in-flight")
+            locks.release("next")
+            await locks.acquire("after")
+            _drop_lock_connections(pg)
+            locks.release("after")  # its unlock finds the connection gone: nothing left to free
+            held.append(_held(pg))
+            return held
+        finally:
+            locks.close()
+
+    assert asyncio.run(run()) == [2, 0]
