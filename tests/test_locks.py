@@ -151,7 +151,6 @@ async def _take_after_kill(pg: str, holder: subprocess.Popen[str]) -> bool:
 
 
 def test_a_broken_lock_connection_refuses_the_request_then_reconnects(pg: str) -> None:
-    import psycopg
 
     async def run() -> str:
         locks = SessionLocks(AdvisoryLocks(pg))
@@ -160,12 +159,7 @@ def test_a_broken_lock_connection_refuses_the_request_then_reconnects(pg: str) -
             locks.release("s")
             while _held(pg):  # the unlock has run (it is not awaited)
                 await asyncio.sleep(0.01)
-            with psycopg.connect(pg, autocommit=True) as admin:  # the server drops the lock connection
-                admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
-                              " WHERE application_name = 'ctxproxy-locks'")
-                while admin.execute("SELECT count(*) FROM pg_stat_activity"  # it exits after the call returns
-                                    " WHERE application_name = 'ctxproxy-locks'").fetchone() != (0,):
-                    await asyncio.sleep(0.01)
+            _drop_lock_connections(pg)
             with pytest.raises(StorageError) as refused:
                 await locks.acquire("s")
             await locks.acquire("s")  # the next one reconnects
