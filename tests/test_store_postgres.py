@@ -31,7 +31,8 @@ from ctxproxy.store import (
     open_journal,
 )
 from ctxproxy.store.failures import explain
-from ctxproxy.store.migrate import pg_ddl
+from ctxproxy.store.migrate import applied, pg_ddl
+from ctxproxy.store.migrations import STEPS
 from ctxproxy.store.sql import lock_key, pg_sql, redacted
 from tests.conftest import app_client, chat
 from tests.fakes import FakeUpstream
@@ -279,3 +280,66 @@ def test_the_reading_commands_and_prune_work_on_the_database(postgres_url: str, 
     assert main(["prune", "--older-than", "1d", "--vacuum", *store]) == 0
     assert f"{session}\nRemoved 1 sessions" in capsys.readouterr().out
     assert not (tmp_path / "journal.db").exists()
+
+
+def test_replicas_starting_together_on_a_new_database_apply_each_step_once(postgres_server: PostgresServer) -> None:
+    url = postgres_server.empty_database()
+    start, opened, failed = threading.Barrier(4), [], []
+
+    def open_it() -> None:
+        start.wait()
+        try:
+            opened.append(Journal(url))
+        except psycopg.Error as exc:
+            failed.append(exc)
+
+    threads = [threading.Thread(target=open_it) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failed == [] and len(opened) == 4
+    assert applied(opened[0].conn) == [name for name, _ in STEPS]  # each once: the names are unique
+    for journal in opened:
+        journal.close()
+    postgres_server.drop(url)
+
+
+def test_the_doctor_checks_the_journals_database(postgres_url: str, tmp_path: Path) -> None:
+    from ctxproxy.proxy.commands.doctor import run_checks
+
+    def check(store: str) -> Any:
+        settings = load_settings(env={"CTXPROXY_DATA_DIR": str(tmp_path), "CTXPROXY_STORE": store,
+                                      "CTXPROXY_UPSTREAM": "http://127.0.0.1:1/v1"})
+        return next(c for c in run_checks(settings) if c.name == "journal database")
+
+    assert check(postgres_url).ok
+    refused = check("postgresql://u:pw@127.0.0.1:1/j")
+    assert not refused.ok and "postgresql://u:***@127.0.0.1:1/j cannot be reached" in refused.detail
+
+
+def test_an_answer_handed_in_before_the_next_request_is_journaled_before_it(postgres_url: str) -> None:
+    """The writer's threads run calls side by side; the answer to a session's request, handed in before the
+    session's next request (a non-streamed answer is journaled after the client has it), is committed before that
+    request is placed, else the next request finds its head unanswered and forks a parallel run. The answer is
+    held back here by a lock on its table, taken by another connection."""
+    writer = JournalWriter(Journal(postgres_url))
+    steps = run(1)
+
+    async def go() -> None:
+        first = await writer.call(Journal.record_request, incoming(steps[0], n=0))
+        with psycopg.connect(postgres_url) as blocker:
+            blocker.execute("LOCK TABLE responses IN SHARE MODE")  # inserts wait, reads do not
+            async with asyncio.TaskGroup() as tasks:
+                answer = tasks.create_task(writer.call(Journal.record_response, ResponseRecord(
+                    first.request_id, 0, "ok", 200, "{}", None, 1.0, 2.0, "t")))
+                await asyncio.sleep(0.2)
+                following = tasks.create_task(writer.call(Journal.record_request, incoming(steps[1], n=1)))
+                await asyncio.sleep(0.3)
+                blocker.rollback()
+        answer.result()
+        placed = following.result()
+        assert placed.session_id == first.session_id and not placed.forked
+
+    asyncio.run(go())
+    writer.close()
