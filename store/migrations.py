@@ -333,6 +333,17 @@ CREATE FUNCTION json_extract(text, text) RETURNS text LANGUAGE sql IMMUTABLE STR
 
 
 @step
+def m010_session_claims(conn: Connection) -> None:
+    ddl(conn, """
+        -- The request that last held the session's lock (store.claims): a process whose memory of the session
+        -- was filled while handling another request, of another process, reads the session back. NULL: nobody
+        -- since an operator's change (or ever).
+        ALTER TABLE sessions ADD COLUMN claimed_by INTEGER;
+        """
+    )
+
+
+@step
 def m011_postgres_foreign_key_indexes(conn: Connection) -> None:
     """PostgreSQL only: an index on each column that refers to another table's row. PostgreSQL checks a deleted
     row's referrers one row at a time, and without these by a full scan: a prune of 2 050 requests took 2.1 s

@@ -29,7 +29,7 @@ from ctxproxy.proxy import __version__
 from ctxproxy.proxy.edge.body import read_body
 from ctxproxy.proxy.edge.callers import bearer_matches, require_admin, require_metrics
 from ctxproxy.proxy.engine.responses import FinallyResponse
-from ctxproxy.proxy.engine.state import AppState, Warmup, give_back_freed_memory
+from ctxproxy.proxy.engine.state import AppState, SessionLocks, Warmup, give_back_freed_memory
 from ctxproxy.proxy.errors import (
     BadRequest,
     CtxError,
@@ -44,7 +44,7 @@ from ctxproxy.proxy.upstream.endpoint import Upstream, client_headers, response_
 from ctxproxy.proxy.upstream.loop import VIA_HEADER, refuse_loop
 from ctxproxy.proxy.upstream.transport import AiohttpTransport
 from ctxproxy.proxy.upstream.window import WindowDetector
-from ctxproxy.store import Journal, JournalWriter, MemoryJournal, open_journal
+from ctxproxy.store import Journal, JournalWriter, MemoryJournal, open_journal, session_locks
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -133,9 +133,10 @@ def _lifespan(settings: Settings, transport: httpx.AsyncBaseTransport | None
                                 storage_error)
         text, fields = startup_line(settings)
         log.info(text, extra={"ctx": fields})
-        marked = await journal.call(Journal.mark_interrupted, datetime.now(UTC).isoformat(timespec="milliseconds"))
-        if marked:
-            log.warning("%d requests were in flight when ctxproxy last stopped: journaled as interrupted", marked)
+        if not settings.store:  # shared (replicas): others' requests in flight are not interrupted (store.claims)
+            marked = await journal.call(Journal.mark_interrupted, datetime.now(UTC).isoformat(timespec="milliseconds"))
+            if marked:
+                log.warning("%d requests were in flight when ctxproxy last stopped: journaled as interrupted", marked)
         incognito = JournalWriter(MemoryJournal(settings.incognito_max_bytes, settings.incognito_max_age),
                                   storage_error)
         upstream = Upstream(settings.upstream, transport or AiohttpTransport(), settings.upstream_connect_timeout,
@@ -145,6 +146,7 @@ def _lifespan(settings: Settings, transport: httpx.AsyncBaseTransport | None
         # the GIL from the journal's opening, and a start was ready later by as much (issue #13).
         warmup = Warmup.start(WARM)
         app.state.ctx = AppState(settings, upstream, journal, incognito, windows, warmup=warmup,
+                                 locks=SessionLocks(session_locks(settings.store)),
                                  own_headers=frozenset({settings.session_header.lower()}))
         try:
             async with asyncio.TaskGroup() as background:
@@ -155,6 +157,7 @@ def _lifespan(settings: Settings, transport: httpx.AsyncBaseTransport | None
                     trimmer.cancel()
         finally:
             await upstream.aclose()
+            app.state.ctx.locks.close()
             journal.close()
             incognito.close()
 

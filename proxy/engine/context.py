@@ -6,8 +6,11 @@ the next forward's delta in the journal). All of it can be rebuilt from the jour
 evicted session) the decisions and calibration samples are read back, and the first projection recomputes from
 the decisions, which gives the same bytes. What the decisions do not imply (the turn the context tools are offered
 in, the reminder given, confirmations not yet told, the live mirror) is journaled whenever a request changes it
-(``SessionContext.journal_state``, ``store.session_state``) and read back with them. When another process wrote
-the journal (``ctxproxy prune``), every session is read back again (``JournalWriter.generation``).
+(``SessionContext.journal_state``, ``store.session_state``) and read back with them. Several processes may share
+the store (replicas, ``ctxproxy prune``): a request claims its session under the session's lock
+(``store.claims``), and what this process remembers of it is used only if the request before was this process's
+own with that memory; otherwise the session is read back. The decisions a fork inherits from its ancestor are
+shared until a prune (``JournalWriter.generation``): nothing else ever changes them.
 """
 
 from __future__ import annotations
@@ -32,8 +35,11 @@ from ctxproxy.store import (
     RecordedRequest,
     SessionState,
     calibration_in_force,
+    claim,
+    latest_calibration,
     record_session_state,
     session_state,
+    unclaim,
 )
 
 __all__ = ["Saved", "SessionContext", "SessionContexts", "read_new_session"]
@@ -70,6 +76,8 @@ class SessionContext:
     """What the model's context tools did, told to it as one system line in its next request."""
     journaled: SessionState = field(default_factory=SessionState, compare=False)
     """The working state as last journaled (or read back): a request that leaves it as it was writes nothing."""
+    claimed: int | None = field(default=None, compare=False)
+    """The request of this process that last held the session's lock with this context (``store.claims``)."""
 
     def calibration(self, model: str | None) -> Calibration:
         return self.calibrations.get(model, Calibration())
@@ -100,6 +108,22 @@ class SessionContext:
         self.journaled = state
 
 
+def _refresh_mirror(stale: SessionContext, fresh: SessionContext) -> None:
+    """Another process wrote the mirror since this one did (replicas each on a disk of its own): the file here
+    still holds what this process wrote then, which would pass for the model's draft. It is rewritten from the
+    journaled text. A file that is neither (the model's draft) is left as it is."""
+    path, text = fresh.mirror, fresh.mirror_document
+    if path is None or text is None or fresh.mirror_written is None or stale.mirror_document is None:
+        return
+    try:
+        here = path.read_text() if path.exists() else None
+    except OSError:
+        return
+    if here is None or (here != text and here == stale.mirror_document):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
 def _entries(document: str) -> dict[str, str]:
     """The mirror's entries as it gave them (identity → text), read back from its text (``mirror_document``)."""
     return {str(e["id"]): content_text(e.get("content")) for e in json.loads(document)["messages"]}
@@ -118,7 +142,7 @@ class SessionContexts:
     """A bounded LRU of session contexts; a session's lock is held whenever its context is used."""
 
     def __init__(self, capacity: int = 256) -> None:
-        self._items: OrderedDict[tuple[int, int, str], SessionContext] = OrderedDict()
+        self._items: OrderedDict[tuple[int, str], SessionContext] = OrderedDict()
         self._capacity = capacity
         self._shared: OrderedDict[tuple[int, int, str], _Shared] = OrderedDict()
         """Ancestors' decisions up to a fork (``_inherited``), least recently used first."""
@@ -128,10 +152,21 @@ class SessionContexts:
         """Windows the upstream proved smaller than configured or detected (it refused a prompt as too long)."""
 
     async def get(self, writer: JournalWriter, session_id: str, model: str | None,
-                  saved: Saved | None = None) -> SessionContext:
-        """``saved``: the session as read back with its request (``read_new_session``), used if none is kept."""
-        key = (id(writer), writer.generation, session_id)  # a prune may have removed what an older one holds
-        context = self._items.pop(key, None) or await self._load(writer, session_id, model, saved)
+                  request_id: int | None = None, saved: Saved | None = None) -> SessionContext:
+        """The session's context, for ``request_id`` holding the session's lock. What this process remembers is
+        used only while no other process handled the session since (``store.claims``): otherwise it is read back,
+        as after a restart. Without ``request_id`` (nothing claims the session) what is remembered is used.
+        ``saved``: the session as read back with its request (``read_new_session``), used if none is kept."""
+        key = (id(writer), session_id)
+        context = self._items.pop(key, None)
+        if context is None:
+            context = await self._load(writer, session_id, model, request_id, saved)  # claimed in the same call
+        elif request_id is not None:
+            previous = await writer.call(claim, session_id, request_id)
+            if context.claimed != previous:
+                stale, context = context, await self._load(writer, session_id, model)
+                _refresh_mirror(stale, context)
+        context.claimed = request_id if request_id is not None else context.claimed
         self._items[key] = context
         if len(self._items) > self._capacity:
             self._items.popitem(last=False)
@@ -139,8 +174,13 @@ class SessionContexts:
 
     def drop(self, writer: JournalWriter, session_id: str) -> None:
         """Forget a session's working state (and the decisions its forks share); the next request reloads it."""
-        self._items.pop((id(writer), writer.generation, session_id), None)
+        self._items.pop((id(writer), session_id), None)
         self._shared.pop((id(writer), writer.generation, session_id), None)
+
+    async def changed(self, writer: JournalWriter, session_id: str) -> None:
+        """The session changed outside a request (an operator's pin or cut): every process reads it back."""
+        self.drop(writer, session_id)
+        await writer.call(unclaim, session_id)
 
     async def _inherited(self, writer: JournalWriter, ancestor: str, upto: int) -> list[Decision]:
         """An ancestor's decisions up to a fork, each read once and shared by every session forked from it (a new
@@ -158,10 +198,18 @@ class SessionContexts:
             self._shared.popitem(last=False)
         return shared.decisions[:bisect_right(shared.ids, upto)]
 
+    @staticmethod
+    async def _claimed_elsewhere(writer: JournalWriter, session_id: str, request_id: int) -> bool:
+        """Claims a session this request opened; whether another request claimed it first (it holds it now)."""
+        return await writer.call(claim, session_id, request_id) is not None
+
     async def _load(self, writer: JournalWriter, session_id: str, model: str | None,
-                    saved: Saved | None) -> SessionContext:
+                    request_id: int | None = None, saved: Saved | None = None) -> SessionContext:
+        if saved is not None and request_id is not None and await self._claimed_elsewhere(writer, session_id,
+                                                                                           request_id):
+            saved, request_id = None, None  # the new session was handled elsewhere since it was read: read again
         if saved is None:
-            saved = await writer.call(_read_back, session_id, model)  # one hop to the journal's thread, not five
+            saved = await writer.call(_read_back, session_id, model, request_id)  # one hop to the journal, not six
         decisions: list[Decision] = []
         for ancestor, upto in saved.ancestors:
             decisions += await self._inherited(writer, ancestor, upto)
@@ -179,7 +227,10 @@ class SessionContexts:
         if force is not None:
             calibration = Calibration(force.k, force.samples)
             return calibration.observe(*force.learnt) if force.learnt else calibration
-        calibration = self.models.get(model, Calibration())
+        latest = saved.latest
+        calibration = self.models.get(model, Calibration()) if latest is None else Calibration(latest.k, latest.samples)
+        if latest is not None and latest.learnt:
+            calibration = calibration.observe(*latest.learnt)
         for estimate, actual in saved.samples:
             calibration = calibration.observe(estimate, actual)
         return calibration
@@ -195,6 +246,8 @@ class Saved:
     decisions: list[dict[str, Any]]
     """Its own decisions."""
     force: CalibrationInForce | None
+    latest: CalibrationInForce | None
+    """Without a forward of its own: the model's latest calibration, any session's (``latest_calibration``)."""
     samples: list[tuple[int, int]]
     revisions: int
     state: SessionState
@@ -205,13 +258,16 @@ def read_new_session(model: str | None) -> Callable[[Journal, RecordedRequest], 
     journal's thread as its request row (a new run or a fork, e.g. every request of the peers' benchmark, saves a
     hop). Only a new session: one the proxy already knows may be in memory, ahead of the journal."""
     def read(journal: Journal, recorded: RecordedRequest) -> Saved | None:
-        return _read_back(journal, recorded.session_id, model) if recorded.created else None
+        return _read_back(journal, recorded.session_id, model, None) if recorded.created else None
     return read
 
 
-def _read_back(journal: Journal, session_id: str, model: str | None) -> Saved:
+def _read_back(journal: Journal, session_id: str, model: str | None, request_id: int | None) -> Saved:
+    if request_id is not None:
+        claim(journal, session_id, request_id)
     force = calibration_in_force(journal, session_id, model)
+    latest = latest_calibration(journal, model) if force is None else None
     samples = journal.calibration_samples(session_id, model) if force is None else []
     ancestors, own = journal.decision_chain(session_id)
-    return Saved(ancestors, own, force, samples, journal.mirror_revisions(session_id),
+    return Saved(ancestors, own, force, latest, samples, journal.mirror_revisions(session_id),
                   session_state(journal, session_id))
