@@ -35,10 +35,44 @@ from starlette.types import Receive, Scope, Send
 from tests.fakes import FakeUpstream, Reply, serve_in_thread, stream_chunks
 from tests.real.upstream import stop
 from tests.test_recovery import HoldingUpstream, _free_port
-from tests.test_replicas import RUNS, Scenario, _script
+from tests.test_session_state import SCENARIOS, Scenario
 
 pytestmark = pytest.mark.e2e
 CTXPROXY = str(Path(sys.executable).with_name("ctxproxy"))
+RUNS = SCENARIOS
+
+
+def _script(fake: FakeUpstream, replies: list[Reply]) -> None:
+    for reply in replies:
+        fake.enqueue(reply)
+
+
+@pytest.fixture(scope="module")
+def postgres_server() -> Iterator[str]:
+    """A throwaway PostgreSQL server for this module (interim: bench/postgres.py's)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import postgres
+
+    try:
+        postgres.binary("initdb")
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+    with postgres.throwaway_postgres() as url:
+        yield url
+
+
+@pytest.fixture
+def postgres_database(postgres_server: str) -> Callable[[], str]:
+    """A new, empty database on the server at each call: its URL."""
+    import psycopg
+
+    def create() -> str:
+        name = f"t{time.monotonic_ns()}"
+        with psycopg.connect(postgres_server, autocommit=True) as conn:
+            conn.execute(f"CREATE DATABASE {name}")
+        return postgres_server.rpartition("/")[0] + "/" + name
+
+    return create
 
 
 @dataclass
