@@ -309,3 +309,15 @@ def m008_kept_responses(db: Database) -> None:
         );
         """
     )
+
+
+@migrations()
+def m009_session_claims(db: Database) -> None:
+    db.executescript(
+        """
+        -- The request that last held the session's lock (store.claims): a process whose memory of the session
+        -- was filled while handling another request, of another process, reads the session back. NULL: nobody
+        -- since an operator's change (or ever).
+        ALTER TABLE sessions ADD COLUMN claimed_by INTEGER;
+        """
+    )

@@ -131,6 +131,6 @@ async def _journal(state: AppState, session_id: str, decision: Decision, bodies:
     await state.locks.acquire(session_id)
     try:
         await state.journal.call(Journal.add_decisions, session_id, [asdict(decision)], now, None, bodies)
-        state.contexts.drop(state.journal, session_id)
+        await state.contexts.changed(state.journal, session_id)
     finally:
         state.locks.release(session_id)

@@ -144,7 +144,7 @@ async def _change_pin(state: AppState, session_id: str, pin: PinRequest, kind: s
     await state.locks.acquire(session_id)
     try:
         await state.journal.call(Journal.add_decisions, session_id, [decision], _now())
-        state.contexts.drop(state.journal, session_id)
+        await state.contexts.changed(state.journal, session_id)
     finally:
         state.locks.release(session_id)
     return {"session_id": session_id, "pins": sorted(await _pins(state, session_id))}

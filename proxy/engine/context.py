@@ -6,8 +6,12 @@ the next forward's delta in the journal). All of it can be rebuilt from the jour
 evicted session) the decisions and calibration samples are read back, and the first projection recomputes from
 the decisions, which gives the same bytes. What the decisions do not imply (the turn the context tools are offered
 in, the reminder given, confirmations not yet told, the live mirror) is journaled whenever a request changes it
-(``SessionContext.journal_state``, ``store.session_state``) and read back with them. When another process wrote
-the journal (``ctxproxy prune``), every session is read back again (``JournalWriter.generation``).
+(``SessionContext.journal_state``, ``store.session_state``) and read back with them. Several processes may share
+the store (replicas, ``ctxproxy prune``): a request claims its session under the session's lock
+(``store.claims``), and what this process remembers of it is used only if the request before was this process's
+own with that memory; otherwise the session is read back. The decisions a fork inherits from its ancestor are
+shared until another process wrote the SQLite journal (``JournalWriter.generation``): they never change but by a
+prune.
 """
 
 from __future__ import annotations
@@ -30,8 +34,10 @@ from ctxproxy.store import (
     JournalWriter,
     SessionState,
     calibration_in_force,
+    claim,
     record_session_state,
     session_state,
+    unclaim,
 )
 
 __all__ = ["SessionContext", "SessionContexts"]
@@ -68,6 +74,8 @@ class SessionContext:
     """What the model's context tools did, told to it as one system line in its next request."""
     journaled: SessionState = field(default_factory=SessionState, compare=False)
     """The working state as last journaled (or read back): a request that leaves it as it was writes nothing."""
+    claimed: int | None = field(default=None, compare=False)
+    """The request of this process that last held the session's lock with this context (``store.claims``)."""
 
     def calibration(self, model: str | None) -> Calibration:
         return self.calibrations.get(model, Calibration())
@@ -98,6 +106,22 @@ class SessionContext:
         self.journaled = state
 
 
+def _refresh_mirror(stale: SessionContext, fresh: SessionContext) -> None:
+    """Another process wrote the mirror since this one did (replicas each on a disk of its own): the file here
+    still holds what this process wrote then, which would pass for the model's draft. It is rewritten from the
+    journaled text. A file that is neither (the model's draft) is left as it is."""
+    path, text = fresh.mirror, fresh.mirror_document
+    if path is None or text is None or fresh.mirror_written is None or stale.mirror_document is None:
+        return
+    try:
+        here = path.read_text() if path.exists() else None
+    except OSError:
+        return
+    if here is None or (here != text and here == stale.mirror_document):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
 def _entries(document: str) -> dict[str, str]:
     """The mirror's entries as it gave them (identity → text), read back from its text (``mirror_document``)."""
     return {str(e["id"]): content_text(e.get("content")) for e in json.loads(document)["messages"]}
@@ -116,7 +140,7 @@ class SessionContexts:
     """A bounded LRU of session contexts; a session's lock is held whenever its context is used."""
 
     def __init__(self, capacity: int = 256) -> None:
-        self._items: OrderedDict[tuple[int, int, str], SessionContext] = OrderedDict()
+        self._items: OrderedDict[tuple[int, str], SessionContext] = OrderedDict()
         self._capacity = capacity
         self._shared: OrderedDict[tuple[int, int, str], _Shared] = OrderedDict()
         """Ancestors' decisions up to a fork (``_inherited``), least recently used first."""
@@ -125,9 +149,20 @@ class SessionContexts:
         self.window_limits: dict[str | None, int] = {}
         """Windows the upstream proved smaller than configured or detected (it refused a prompt as too long)."""
 
-    async def get(self, writer: JournalWriter, session_id: str, model: str | None) -> SessionContext:
-        key = (id(writer), writer.generation, session_id)  # a prune may have removed what an older one holds
-        context = self._items.pop(key, None) or await self._load(writer, session_id, model)
+    async def get(self, writer: JournalWriter, session_id: str, model: str | None,
+                  request_id: int | None = None) -> SessionContext:
+        """The session's context, for ``request_id`` holding the session's lock. What this process remembers is
+        used only while no other process handled the session since (``store.claims``): otherwise it is read back,
+        as after a restart. Without ``request_id`` (nothing claims the session) what is remembered is used."""
+        key = (id(writer), session_id)
+        cached = self._items.pop(key, None)
+        if request_id is not None:
+            previous = await writer.call(claim, session_id, request_id)
+            if cached is not None and cached.claimed != previous:
+                _refresh_mirror(cached, context := await self._load(writer, session_id, model))
+                cached = context
+        context = cached or await self._load(writer, session_id, model)
+        context.claimed = request_id if request_id is not None else context.claimed
         self._items[key] = context
         if len(self._items) > self._capacity:
             self._items.popitem(last=False)
@@ -135,8 +170,13 @@ class SessionContexts:
 
     def drop(self, writer: JournalWriter, session_id: str) -> None:
         """Forget a session's working state (and the decisions its forks share); the next request reloads it."""
-        self._items.pop((id(writer), writer.generation, session_id), None)
+        self._items.pop((id(writer), session_id), None)
         self._shared.pop((id(writer), writer.generation, session_id), None)
+
+    async def changed(self, writer: JournalWriter, session_id: str) -> None:
+        """The session changed outside a request (an operator's pin or cut): every process reads it back."""
+        self.drop(writer, session_id)
+        await writer.call(unclaim, session_id)
 
     async def _inherited(self, writer: JournalWriter, ancestor: str, upto: int) -> list[Decision]:
         """An ancestor's decisions up to a fork, each read once and shared by every session forked from it (a new

@@ -93,7 +93,8 @@ class Exchange:
         self._locked = True
 
     async def load_context(self) -> SessionContext:
-        self.context = await self.state.contexts.get(self.writer, self.recorded.session_id, self.model)
+        self.context = await self.state.contexts.get(self.writer, self.recorded.session_id, self.model,
+                                                     self.recorded.request_id)
         return self.context
 
     async def record(self, outcome: str, status: int, body: str | None, usage: dict[str, object] | None) -> None:

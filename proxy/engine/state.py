@@ -9,7 +9,6 @@ import asyncio
 import ctypes
 import importlib
 import threading
-from collections import defaultdict
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -20,13 +19,14 @@ from ctxproxy.proxy.core.tokens import MessageCounter
 from ctxproxy.proxy.engine.context import SessionContexts
 from ctxproxy.proxy.engine.hashing import MessageHasher
 from ctxproxy.proxy.engine.heavy import Offload
+from ctxproxy.proxy.errors import StorageError
 from ctxproxy.proxy.observe.events import EventBus
 from ctxproxy.proxy.observe.metrics import Metrics
 from ctxproxy.proxy.tools.blocks import NOTE
 from ctxproxy.proxy.tools.schemas import CONTEXT_TOOLS, READ_TOOL
 from ctxproxy.proxy.upstream.endpoint import Upstream
 from ctxproxy.proxy.upstream.window import WindowDetector
-from ctxproxy.store import JournalWriter, MemoryJournal
+from ctxproxy.store import JournalWriter, LocalLocks, LockUnavailable, MemoryJournal, SessionLocking
 
 __all__ = ["AppState", "SessionLocks", "Warmup", "give_back_freed_memory"]
 
@@ -95,34 +95,28 @@ def give_back_freed_memory() -> None:
 class SessionLocks:
     """One lock per session, so a session's requests are handled one at a time; different sessions run freely.
 
-    A lock lives only while some request holds or waits for it: the table never grows with old sessions.
+    The backend is the store's (``store.locks``): this process's own for SQLite, PostgreSQL's advisory locks, which
+    hold across replicas, for a PostgreSQL store. A lock server that cannot be reached refuses the request (503):
+    a request never runs without its lock.
     """
 
-    def __init__(self) -> None:
-        self._locks: dict[str, asyncio.Lock] = {}
-        self._users: defaultdict[str, int] = defaultdict(int)
+    def __init__(self, backend: SessionLocking | None = None) -> None:
+        self._backend = backend or LocalLocks()
 
     async def acquire(self, session_id: str) -> None:
-        lock = self._locks.setdefault(session_id, asyncio.Lock())
-        self._users[session_id] += 1
         try:
-            await lock.acquire()
-        except BaseException:
-            self._forget(session_id)
-            raise
+            await self._backend.acquire(session_id)
+        except LockUnavailable as exc:
+            raise StorageError(str(exc)) from exc
 
     def release(self, session_id: str) -> None:
-        self._locks[session_id].release()
-        self._forget(session_id)
+        self._backend.release(session_id)
 
-    def _forget(self, session_id: str) -> None:
-        self._users[session_id] -= 1
-        if self._users[session_id] == 0:
-            del self._users[session_id]
-            del self._locks[session_id]
+    def close(self) -> None:
+        self._backend.close()
 
     def __len__(self) -> int:
-        return len(self._locks)
+        return len(self._backend)
 
 
 @dataclass

@@ -1,0 +1,37 @@
+"""Which request last held a session's lock: how a process knows that what it remembers of a session is stale.
+
+A process keeps what it knows of a session between two of its requests (``proxy.engine.context``: decisions,
+calibration, the offer, confirmations, the mirror). With several processes on one store (replicas behind a load
+balancer, ``ctxproxy prune`` beside a server), another one may have handled the session in between. Each request,
+under the session's lock and before it uses that memory, ``claim`` s the session: it writes its own request id in
+``sessions.claimed_by`` and gets back the one there before. If that is the request this process handled last, no
+other process touched the session since; anything else (another process's request, NULL after an operator's
+change, no row at all after a prune) means: read the session back, as after a restart.
+
+The claim is written when the lock is taken, not when the answer is journaled: a process killed mid-request has
+claimed the session before it wrote any of that request's rows, so whatever it left is seen. And it is the
+request's id, not a counter: a request journaled before another's handling but handled after it is still told
+apart. One primary-key read and one primary-key write, in one transaction.
+
+Plain functions over a ``Journal`` (``writer.call(claim, ...)``), so the Journal class stays as is.
+"""
+
+from __future__ import annotations
+
+from ctxproxy.store.journal import Journal
+
+__all__ = ["claim", "unclaim"]
+
+
+def claim(journal: Journal, session_id: str, request_id: int) -> int | None:
+    """Mark ``request_id`` as the session's current holder; returns the previous one (None: none, or no row)."""
+    with journal.conn:
+        row = journal.conn.execute("SELECT claimed_by FROM sessions WHERE id = ?", [session_id]).fetchone()
+        journal.conn.execute("UPDATE sessions SET claimed_by = ? WHERE id = ?", [request_id, session_id])
+    return None if row is None or row[0] is None else int(row[0])
+
+
+def unclaim(journal: Journal, session_id: str) -> None:
+    """Something changed the session outside a request (an operator's pin or drop): every process reads it back."""
+    with journal.conn:
+        journal.conn.execute("UPDATE sessions SET claimed_by = NULL WHERE id = ?", [session_id])
