@@ -23,6 +23,7 @@ __all__ = [
     "parse_optional_secret",
     "parse_presets",
     "parse_regex",
+    "parse_store",
     "parse_str",
     "parse_str_list",
     "parse_url",
@@ -128,6 +129,15 @@ def parse_url(value: Any) -> str:
     parts = urlsplit(text)
     if parts.scheme not in ("http", "https") or not parts.netloc:
         raise ValueError("expected an http(s) URL such as http://127.0.0.1:8080/v1")
+    return text
+
+
+def parse_store(value: Any) -> str:
+    """"" (SQLite in the data dir) or a PostgreSQL URL."""
+    text = parse_str(value).strip()
+    if text and not text.startswith(("postgresql://", "postgres://")):
+        raise ValueError('expected "" (SQLite at <data_dir>/journal.db) or a postgresql://user:password@host:port/'
+                         "database URL")
     return text
 
 

@@ -34,6 +34,7 @@ from ctxproxy.config.parsers import (
     parse_optional_secret,
     parse_presets,
     parse_regex,
+    parse_store,
     parse_str,
     parse_str_list,
     parse_url,
@@ -80,6 +81,9 @@ class Settings:
     host: str = _opt("127.0.0.1", parse_str, "address to bind; anything but loopback requires admin_token")
     port: int = _opt(4141, parse_int(0, 65535), "port to bind (0 = any free port)")
     data_dir: str = _opt("", parse_str, 'journal and overflow directory; "" = $XDG_DATA_HOME/ctxproxy')
+    store: str = _opt("", parse_store, 'where the journal lives: "" = SQLite at <data_dir>/journal.db; a '
+                      "postgresql://user:password@host:port/database URL = PostgreSQL, which several replicas "
+                      "share (needs the postgresql extra)")
     admin_token: Secret | None = _opt(None, parse_optional_secret, "bearer token for /ctx/*, /metrics, healthz "
                                          "details (required off loopback)")
     session_header: str = _opt("X-Session-Id", parse_str, "request header that names the session explicitly")
@@ -170,13 +174,18 @@ class Settings:
         return Path(home) / "ctxproxy"
 
     @property
+    def journal_location(self) -> Path | str:
+        """The journal's file (SQLite) or ``postgresql://`` URL (``store``)."""
+        return self.store or self.data_path / "journal.db"
+
+    @property
     def is_loopback(self) -> bool:
         return self.host in ("127.0.0.1", "localhost", "::1") or self.host.startswith("127.")
 
 
 SETTABLE = {f.name: f for f in dataclasses.fields(Settings) if not f.metadata.get("internal")}
 SERVER_KEYS = frozenset({
-    "upstream", "host", "port", "data_dir", "admin_token", "session_header", "incognito", "max_body_bytes",
+    "upstream", "host", "port", "data_dir", "store", "admin_token", "session_header", "incognito", "max_body_bytes",
     "upstream_connect_timeout", "upstream_timeout", "journal_sync", "log_level", "access_log",
     "log_format", "metrics_token", "session_scope", "incognito_max_bytes", "incognito_max_age", "client_header_timeout",
     "client_body_timeout", "max_connections",
@@ -197,7 +206,7 @@ def _parse(key: str, value: Any, where: str) -> Any:
     try:
         return SETTABLE[key].metadata["parse"](value)
     except ValueError as exc:
-        shown = "**********" if SETTABLE[key].metadata["parse"] is parse_optional_secret else repr(value)
+        shown = "**********" if SETTABLE[key].metadata["parse"] in (parse_optional_secret, parse_store) else repr(value)
         raise SettingsError(f"Setting {key!r} = {shown} (from {where}) is not valid. Hint: {exc}") from None
 
 

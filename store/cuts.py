@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sqlite3
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from ctxproxy.store.sql import Connection
 
 __all__ = ["CutsMixin", "ForwardRecord", "OverflowBody", "SpansMixin"]
 
@@ -65,7 +66,7 @@ class SpansMixin:
     """Cut bodies the journal holds already, as spans of the cutting request's own message list: written in O(1),
     whatever they cover, and rebuilt on read from the stored message bodies."""
 
-    conn: sqlite3.Connection
+    conn: Connection
 
     if TYPE_CHECKING:  # provided by Journal
         def message_hashes(self, list_id: int) -> list[str]: ...
@@ -76,8 +77,8 @@ class SpansMixin:
         if row is None:
             raise ValueError(f"a cut names messages of request {request_id}, which the journal does not hold")
         self.conn.executemany(
-            "INSERT OR IGNORE INTO overflow_spans (session_id, id, list_id, start, count, part, tool, call_id, bytes,"
-            " created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "INSERT INTO overflow_spans (session_id, id, list_id, start, count, part, tool, call_id, bytes, created_at)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
             [(session_id, b.overflow_id, row[0], b.span[0], b.span[1] - b.span[0], b.part, b.tool, b.call_id, b.size,
               created_at) for b in spans if b.span is not None])
 
@@ -111,7 +112,7 @@ class SpansMixin:
 class OpsMixin:
     """The model's context-tool calls as the journal keeps them, and the scorecard read from them."""
 
-    conn: sqlite3.Connection
+    conn: Connection
 
     def record_context_op(self, op: Mapping[str, Any]) -> None:
         """One context-tool call the proxy executed (``op``: the columns of ``context_ops`` but ``id``)."""
@@ -140,7 +141,7 @@ class OpsMixin:
 
 
 class CutsMixin(SpansMixin, OpsMixin):
-    conn: sqlite3.Connection
+    conn: Connection
 
     if TYPE_CHECKING:  # provided by Journal
         def message_hashes(self, list_id: int) -> list[str]: ...
@@ -186,11 +187,12 @@ class CutsMixin(SpansMixin, OpsMixin):
         if spans:  # the journal holds these bodies already: named, not stored again
             self._insert_spans(session_id, spans, created_at, request_id)
             bodies = [b for b in bodies if b.span is None or request_id is None]
-        self.conn.executemany("INSERT OR IGNORE INTO blobs (hash, kind, body, chars) VALUES (?, 'overflow', ?, ?)",
+        self.conn.executemany("INSERT INTO blobs (hash, kind, body, chars) VALUES (?, 'overflow', ?, ?)"
+                              " ON CONFLICT DO NOTHING",
                               [(b.overflow_id, b.body, len(b.body)) for b in bodies])
         self.conn.executemany(
-            "INSERT OR IGNORE INTO overflow (session_id, id, tool, call_id, bytes, created_at)"
-            " VALUES (?, ?, ?, ?, ?, ?)",
+            "INSERT INTO overflow (session_id, id, tool, call_id, bytes, created_at) VALUES (?, ?, ?, ?, ?, ?)"
+            " ON CONFLICT DO NOTHING",
             [(session_id, b.overflow_id, b.tool, b.call_id, len(b.body.encode()), created_at) for b in bodies])
 
     def _forward_list(self, rec: ForwardRecord) -> int:
@@ -198,13 +200,12 @@ class CutsMixin(SpansMixin, OpsMixin):
             row = self.conn.execute("SELECT list_id FROM requests WHERE id = ?", [rec.request_id]).fetchone()
             return int(row[0])
         self.conn.executemany(
-            "INSERT OR IGNORE INTO blobs (hash, kind, body, chars) VALUES (?, 'message', ?, ?)",
+            "INSERT INTO blobs (hash, kind, body, chars) VALUES (?, 'message', ?, ?) ON CONFLICT DO NOTHING",
             [(h, b.decode(), len(b)) for h, b in zip(rec.added_hashes, rec.added_bodies, strict=True)])
-        cursor = self.conn.execute(
+        return self.conn.insert(
             "INSERT INTO message_lists (base_id, base_len, added, length) VALUES (?, ?, ?, ?)",
             [rec.base_list_id if rec.base_len else None, rec.base_len, json.dumps(list(rec.added_hashes)),
              rec.length])
-        return int(cursor.lastrowid or 0)
 
     # --- reads ------------------------------------------------------------------------------------------------
     def decisions(self, session_id: str) -> list[dict[str, Any]]:
@@ -220,8 +221,11 @@ class CutsMixin(SpansMixin, OpsMixin):
 
     def decisions_upto(self, session_id: str, upto: int | None, after: int = 0) -> list[tuple[int, dict[str, Any]]]:
         """(id, row) of a session's own decisions after decision ``after``, up to decision ``upto`` (None: all)."""
-        rows = self.conn.execute(f"SELECT id, {', '.join(_DECISION_FIELDS)} FROM decisions WHERE session_id = ?"
-                                 " AND id > ? AND (?3 IS NULL OR id <= ?3) ORDER BY id", [session_id, after, upto])
+        sql = f"SELECT id, {', '.join(_DECISION_FIELDS)} FROM decisions WHERE session_id = ? AND id > ?"
+        params: list[Any] = [session_id, after]
+        if upto is not None:
+            sql, params = sql + " AND id <= ?", [*params, upto]
+        rows = self.conn.execute(sql + " ORDER BY id", params)
         return [(row[0], dict(zip(_DECISION_FIELDS, row[1:], strict=True))) for row in rows.fetchall()]
 
     def _ancestry(self, session_id: str) -> list[tuple[str, int | None]]:
@@ -261,7 +265,7 @@ class CutsMixin(SpansMixin, OpsMixin):
         rows = self.conn.execute(
             "SELECT f.estimate, p.prompt_tokens FROM forwards f JOIN requests r ON r.id = f.request_id"
             " JOIN responses p ON p.request_id = f.request_id AND p.attempt = f.attempt"
-            " WHERE r.session_id = ? AND r.model IS ? AND f.estimate > 0 AND p.prompt_tokens > 0"
+            " WHERE r.session_id = ? AND r.model IS NOT DISTINCT FROM ? AND f.estimate > 0 AND p.prompt_tokens > 0"
             " ORDER BY f.id DESC LIMIT ?", [session_id, model, limit]).fetchall()
         return [(int(e), int(p)) for e, p in reversed(rows)]
 
@@ -285,20 +289,28 @@ WITH turns AS (
     SELECT r.session_id, r.turn, r.id,
            (SELECT COUNT(*) FROM json_each((SELECT added FROM message_lists WHERE id = r.list_id)) j
               JOIN blobs b ON b.hash = j.value WHERE json_extract(b.body, '$.role') = 'tool') AS tool_results,
-           (SELECT COALESCE(SUM(p.prompt_tokens), 0) FROM responses p WHERE p.request_id = r.id) AS input_tokens,
-           (SELECT COALESCE(SUM(p.completion_tokens), 0) FROM responses p WHERE p.request_id = r.id) AS output_tokens
+           (SELECT CAST(COALESCE(SUM(p.prompt_tokens), 0) AS BIGINT) FROM responses p WHERE p.request_id = r.id)
+               AS input_tokens,
+           (SELECT CAST(COALESCE(SUM(p.completion_tokens), 0) AS BIGINT) FROM responses p WHERE p.request_id = r.id)
+               AS output_tokens
       FROM requests r
 ), ops AS (
     SELECT r.session_id, r.turn,
-           SUM(c.op = 'status') AS status, SUM(c.op = 'pin' AND c.ok) AS pins, SUM(c.op = 'unpin' AND c.ok) AS unpins,
-           SUM(c.op = 'drop' AND c.ok) AS drops, SUM(c.op = 'note' AND c.ok) AS notes,
-           SUM(c.tokens_freed) AS tokens_freed
+           CAST(SUM(CASE WHEN c.op = 'status' THEN 1 ELSE 0 END) AS BIGINT) AS status,
+           CAST(SUM(CASE WHEN c.op = 'pin' AND c.ok = 1 THEN 1 ELSE 0 END) AS BIGINT) AS pins,
+           CAST(SUM(CASE WHEN c.op = 'unpin' AND c.ok = 1 THEN 1 ELSE 0 END) AS BIGINT) AS unpins,
+           CAST(SUM(CASE WHEN c.op = 'drop' AND c.ok = 1 THEN 1 ELSE 0 END) AS BIGINT) AS drops,
+           CAST(SUM(CASE WHEN c.op = 'note' AND c.ok = 1 THEN 1 ELSE 0 END) AS BIGINT) AS notes,
+           CAST(SUM(c.tokens_freed) AS BIGINT) AS tokens_freed
       FROM context_ops c JOIN requests r ON r.id = c.request_id GROUP BY r.session_id, r.turn
 )
 SELECT t.session_id, t.first_request, t.rounds,
-       (SELECT SUM(q.tool_results) FROM per_request q WHERE q.session_id = t.session_id AND q.turn = t.turn),
-       (SELECT SUM(q.input_tokens) FROM per_request q WHERE q.session_id = t.session_id AND q.turn = t.turn),
-       (SELECT SUM(q.output_tokens) FROM per_request q WHERE q.session_id = t.session_id AND q.turn = t.turn),
+       (SELECT CAST(SUM(q.tool_results) AS BIGINT) FROM per_request q
+         WHERE q.session_id = t.session_id AND q.turn = t.turn),
+       (SELECT CAST(SUM(q.input_tokens) AS BIGINT) FROM per_request q
+         WHERE q.session_id = t.session_id AND q.turn = t.turn),
+       (SELECT CAST(SUM(q.output_tokens) AS BIGINT) FROM per_request q
+         WHERE q.session_id = t.session_id AND q.turn = t.turn),
        COALESCE(o.status, 0), COALESCE(o.pins, 0), COALESCE(o.unpins, 0), COALESCE(o.drops, 0),
        COALESCE(o.notes, 0), COALESCE(o.tokens_freed, 0)
   FROM turns t LEFT JOIN ops o ON o.session_id = t.session_id AND o.turn = t.turn

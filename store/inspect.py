@@ -10,15 +10,16 @@ costs O(total hashes) here, not O(R²) walks down the delta chain.
 from __future__ import annotations
 
 import json
-import sqlite3
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
+
+from ctxproxy.store.sql import Connection
 
 __all__ = ["InspectMixin"]
 
 
 class InspectMixin:
-    conn: sqlite3.Connection
+    conn: Connection
 
     if TYPE_CHECKING:  # provided by Journal
         def message_hashes(self, list_id: int) -> list[str]: ...

@@ -1,8 +1,10 @@
 """The append-only journal: every request, what went upstream and what came back, per session.
 
-``Journal`` is synchronous and owns one SQLite connection (WAL). It exposes verbs, not SQL: ``record_request``
-(which also resolves the session), ``record_response``, and the reads the operator surface needs. All writes of a
-process go through one ``Journal`` driven by one thread (see ``store.writer``), so there is exactly one writer.
+``Journal`` is synchronous and owns one connection (``store.sql``): a SQLite file (WAL), or a PostgreSQL database
+shared by several proxy processes. It exposes verbs, not SQL: ``record_request``
+(which also resolves the session), ``record_response``, and the reads the operator surface needs. The calls of a
+process go through ``store.writer``: one thread on SQLite (one writer), a few on PostgreSQL, each with its own
+``Journal``.
 
 The class is assembled from cohesive parts on the same connection: the session placement (``store.placement``:
 which session a request continues or forks), the reads (``store.reads``; the inspector's: ``store.inspect``), the
@@ -13,52 +15,55 @@ wherever they are defined.
 from __future__ import annotations
 
 import json
-import sqlite3
 from pathlib import Path
 from typing import Any
 
-from sqlite_utils import Database
-
 from ctxproxy.store.cuts import CutsMixin, ForwardRecord
 from ctxproxy.store.inspect import InspectMixin
-from ctxproxy.store.migrations import migrations
+from ctxproxy.store.migrate import apply
+from ctxproxy.store.migrations import STEPS
 from ctxproxy.store.placement import Placement, PlacementMixin
 from ctxproxy.store.prefixes import PrefixDigests, index_list
 from ctxproxy.store.reads import ReadsMixin
 from ctxproxy.store.records import IncomingRequest, RecordedRequest, ResponseRecord, prefix_digest
 from ctxproxy.store.recovery import RecoveryMixin
 from ctxproxy.store.retention import RetentionMixin
+from ctxproxy.store.sql import Location, connect, is_postgres
 
 __all__ = ["IncomingRequest", "Journal", "RecordedRequest", "ResponseRecord", "prefix_digest"]
 
 
 class Journal(PlacementMixin, ReadsMixin, CutsMixin, InspectMixin, RecoveryMixin, RetentionMixin):
-    """One SQLite database. ``path=None`` keeps everything in memory (incognito: nothing touches the disk)."""
+    """One database at ``location`` (``store.sql.Location``): a SQLite file, a ``postgresql://`` URL, or None (SQLite
+    in memory, incognito: nothing touches the disk). ``migrate=False``: the schema is known to be current (another
+    connection of the same process migrated it)."""
 
-    def __init__(self, path: Path | None, sync: str = "normal") -> None:
-        self.path = path
-        if path is None:
-            conn = sqlite3.connect(":memory:", check_same_thread=False)
-            conn.execute("PRAGMA auto_vacuum=INCREMENTAL")  # before any table: lets store.memory give pages back
-        else:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            conn = sqlite3.connect(str(path), check_same_thread=False, timeout=10)
-            conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute(f"PRAGMA synchronous={'FULL' if sync == 'full' else 'NORMAL'}")
-        conn.execute("PRAGMA foreign_keys=ON")
-        self.db = Database(conn, execute_plugins=False)
-        migrations.apply(self.db)
-        # The request path uses the raw connection: sqlite-utils' execute/atomic wrappers (tracing, savepoint
-        # nesting) cost ~0.1 ms a request and buy nothing for these few fixed statements.
-        self.conn = conn
+    def __init__(self, location: Location, sync: str = "normal", *, migrate: bool = True) -> None:
+        self.location = location
+        self.path = None if location is None or is_postgres(location) else Path(location)
+        """The SQLite file (None in memory or on PostgreSQL)."""
+        self.sync = sync
+        self.conn = connect(location, sync)
+        if migrate:
+            try:
+                apply(self.conn, STEPS)
+            except BaseException:
+                self.conn.close()
+                raise
 
     def close(self) -> None:
-        self.db.conn.close()
+        self.conn.close()
+
+    def reopen(self) -> Journal:
+        """Another connection to the same database (a writer thread's own, ``store.writer``)."""
+        return Journal(self.location, self.sync, migrate=False)
 
     # --- writes -------------------------------------------------------------------------------------------------
     def record_request(self, req: IncomingRequest) -> RecordedRequest:
         """Resolve the session and journal the request, in one transaction (its forwards follow, ``record_forward``)."""
-        with self.conn:  # one transaction: committed on success, rolled back on any error
+        # One transaction, committed on success, rolled back on any error; and no other process places a request
+        # of this session (its name or opening) until it ends.
+        with self.conn.transaction(lock=req.session_name or req.fingerprint):
             digests = PrefixDigests(req.hashes)
             place = self._place(req, digests)
             list_id = self._insert_list(req, place)
@@ -93,30 +98,28 @@ class Journal(PlacementMixin, ReadsMixin, CutsMixin, InspectMixin, RecoveryMixin
 
     # --- inserts ------------------------------------------------------------------------------------------------
     def _insert_blob(self, digest: str, kind: str, body: bytes) -> None:
-        # INSERT OR IGNORE: content-addressed, so a body seen before (any session) is already there.
-        self.conn.execute("INSERT OR IGNORE INTO blobs (hash, kind, body, chars) VALUES (?, ?, ?, ?)",
-                        [digest, kind, body.decode(), len(body)])
+        # ON CONFLICT DO NOTHING: content-addressed, so a body seen before (any session) is already there.
+        self.conn.execute("INSERT INTO blobs (hash, kind, body, chars) VALUES (?, ?, ?, ?) ON CONFLICT DO NOTHING",
+                          [digest, kind, body.decode(), len(body)])
 
     def _insert_list(self, req: IncomingRequest, place: Placement) -> int:
         added = req.hashes[place.common:]
         self.conn.executemany(
-            "INSERT OR IGNORE INTO blobs (hash, kind, body, chars) VALUES (?, 'message', ?, ?)",
+            "INSERT INTO blobs (hash, kind, body, chars) VALUES (?, 'message', ?, ?) ON CONFLICT DO NOTHING",
             [(h, b.decode(), len(b)) for h, b in zip(added, req.bodies[place.common:], strict=True)],
         )
-        cursor = self.conn.execute(
+        return self.conn.insert(
             "INSERT INTO message_lists (base_id, base_len, added, length) VALUES (?, ?, ?, ?)",
             [place.base_list_id if place.common else None, place.common, json.dumps(list(added)), len(req.hashes)],
         )
-        return int(cursor.lastrowid or 0)
 
     def _insert_request(self, req: IncomingRequest, session_id: str, list_id: int) -> int:
-        cursor = self.conn.execute(
+        return self.conn.insert(
             "INSERT INTO requests (session_id, received_at, path, model, stream, list_id, params_hash, headers,"
             " body_bytes, turn) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             [session_id, req.received_at, req.path, req.model, int(req.stream), list_id, req.params_hash,
              json.dumps(dict(req.headers)), req.body_bytes, req.turn],
         )
-        return int(cursor.lastrowid or 0)
 
 
 def _int_or_none(value: Any) -> int | None:

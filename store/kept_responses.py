@@ -20,7 +20,8 @@ __all__ = ["keep_response", "kept_response"]
 def keep_response(journal: Journal, response_id: str, items: list[Any], created_at: str) -> None:
     """Keep the conversation ``items`` (inputs then outputs) as response ``response_id``; a repeat is ignored."""
     with journal.conn:
-        journal.conn.execute("INSERT OR IGNORE INTO kept_responses (id, items, created_at) VALUES (?, ?, ?)",
+        journal.conn.execute("INSERT INTO kept_responses (id, items, created_at) VALUES (?, ?, ?)"
+                             " ON CONFLICT DO NOTHING",
                              (response_id, json.dumps(items, ensure_ascii=False), created_at))
 
 

@@ -1,4 +1,4 @@
-"""The journal's schema, as sqlite-utils migrations applied when a ``Journal`` is opened.
+"""The journal's schema: one ordered list of named steps, applied when a ``Journal`` is opened, on either backend.
 
 The journal is append-only: every table but ``sessions`` only ever receives inserts (the one exception is the
 operator's ``ctxproxy prune``, ``store.retention``, which deletes idle sessions whole). A request a crash left
@@ -6,29 +6,35 @@ unanswered gets one more ``responses`` row, outcome ``interrupted`` and status 0
 bodies and request parameters are content-addressed (stored once, whatever the number of requests that carry
 them) and each request's message list is delta-encoded against the session's previous list, so a session of R
 rounds costs O(total bytes), not O(R²).
+
+The same steps build a SQLite file and a PostgreSQL database (``store.migrate`` runs them and translates the DDL);
+a step may be Python (``m006`` indexes the lists already journaled), run the same on both.
 """
 
 from __future__ import annotations
 
 import json
-import sqlite3
 from collections import OrderedDict
 
-from sqlite_utils import Database
-from sqlite_utils.migrations import Migrations
-
+from ctxproxy.store.migrate import Step, ddl
 from ctxproxy.store.prefixes import PrefixDigests, index_list
 from ctxproxy.store.reads import chain_hashes
+from ctxproxy.store.sql import Connection
 
-__all__ = ["migrations"]
+__all__ = ["STEPS"]
 
-migrations = Migrations("ctxproxy")
+STEPS: list[tuple[str, Step]] = []
+"""Every step, in the order they apply (``store.migrate.apply``)."""
 
 
-@migrations()
-def m001_journal(db: Database) -> None:
-    db.executescript(
-        """
+def step(fn: Step) -> Step:
+    STEPS.append((fn.__name__, fn))
+    return fn
+
+
+@step
+def m001_journal(conn: Connection) -> None:
+    ddl(conn, """
         -- Content-addressed bodies: one chat message, or the request parameters other than `messages`
         -- (model, tools, sampling fields...). hash = sha256 of the canonical JSON in `body`.
         CREATE TABLE blobs (
@@ -113,10 +119,9 @@ def m001_journal(db: Database) -> None:
     )
 
 
-@migrations()
-def m002_decisions_and_overflow(db: Database) -> None:
-    db.executescript(
-        """
+@step
+def m002_decisions_and_overflow(conn: Connection) -> None:
+    ddl(conn, """
         -- Every decision the projection (or the operator, or the model) made, in order. Re-applied to every request
         -- of the session by message identity; never updated, never deleted (an unpin is a new row).
         CREATE TABLE decisions (
@@ -157,10 +162,9 @@ def m002_decisions_and_overflow(db: Database) -> None:
     )
 
 
-@migrations()
-def m003_context_ops(db: Database) -> None:
-    db.executescript(
-        """
+@step
+def m003_context_ops(conn: Connection) -> None:
+    ddl(conn, """
         -- Every context-tool call the proxy executed for the model, with what actually happened. The calls and
         -- their results never reach the agent; this is where they are kept.
         CREATE TABLE context_ops (
@@ -182,10 +186,9 @@ def m003_context_ops(db: Database) -> None:
     )
 
 
-@migrations()
-def m004_request_turns(db: Database) -> None:
-    db.executescript(
-        """
+@step
+def m004_request_turns(conn: Connection) -> None:
+    ddl(conn, """
         -- The turn a request belongs to: the hash of the person's latest message in it ('' when none). The
         -- scorecard counts tokens and context ops per turn.
         ALTER TABLE requests ADD COLUMN turn TEXT NOT NULL DEFAULT '';
@@ -194,10 +197,9 @@ def m004_request_turns(db: Database) -> None:
     )
 
 
-@migrations()
-def m005_session_state(db: Database) -> None:
-    db.executescript(
-        """
+@step
+def m005_session_state(conn: Connection) -> None:
+    ddl(conn, """
         -- What a session's working state held after a request changed it (the offer, the reminder, the
         -- confirmations not yet told to the model, the live mirror), so a restart or an evicted session resumes
         -- with the same tool list and system lines. Append-only: the newest row of a session is its state.
@@ -225,10 +227,9 @@ def m005_session_state(db: Database) -> None:
     )
 
 
-@migrations()
-def m006_prefix_index(db: Database) -> None:
-    db.executescript(
-        """
+@step
+def m006_prefix_index(conn: Connection) -> None:
+    ddl(conn, """
         -- The segment of a request's message list (store.prefixes): the first list of a run of lists each
         -- extending the previous whole, whose prefix digests are kept together. NULL for a forward's list.
         ALTER TABLE message_lists ADD COLUMN segment INTEGER;
@@ -244,10 +245,10 @@ def m006_prefix_index(db: Database) -> None:
         ) WITHOUT ROWID;
         """
     )
-    _index_journaled_lists(db.conn)
+    _index_journaled_lists(conn)
 
 
-def _index_journaled_lists(conn: sqlite3.Connection) -> None:
+def _index_journaled_lists(conn: Connection) -> None:
     """Index every request's list already journaled, oldest first (a base before the lists built on it). A list's
     base is usually the one just indexed, so the last few are kept rebuilt; any other is rebuilt from its chain."""
     rows = conn.execute("SELECT id, base_id, base_len, added FROM message_lists"
@@ -262,10 +263,9 @@ def _index_journaled_lists(conn: sqlite3.Connection) -> None:
             recent.popitem(last=False)
 
 
-@migrations()
-def m007_overflow_spans_and_mirror_lists(db: Database) -> None:
-    db.executescript(
-        """
+@step
+def m007_overflow_spans_and_mirror_lists(conn: Connection) -> None:
+    ddl(conn, """
         -- A cut body the journal holds already, named by its place in the cutting request's own message list
         -- rather than stored again: a fold (part 'messages': '[' + the span's message bodies joined by ',' + ']')
         -- or a tool result spilled or elided (part 'content': the one message's content). Before, each fold stored
@@ -294,10 +294,9 @@ def m007_overflow_spans_and_mirror_lists(db: Database) -> None:
     )
 
 
-@migrations()
-def m008_kept_responses(db: Database) -> None:
-    db.executescript(
-        """
+@step
+def m008_kept_responses(conn: Connection) -> None:
+    ddl(conn, """
         -- The Responses API's stored responses (``store: true``, its default): a later request naming one in
         -- `previous_response_id` continues from it, so the proxy expands the chain to the whole conversation
         -- before the projection. Insert-only, one row per response ctxproxy produced.
@@ -311,10 +310,31 @@ def m008_kept_responses(db: Database) -> None:
     )
 
 
-@migrations()
-def m009_session_claims(db: Database) -> None:
-    db.executescript(
-        """
+@step
+def m009_postgres(conn: Connection) -> None:
+    """PostgreSQL only (SQLite has both built in): the three JSON functions of SQLite the store's queries use (a
+    list's hashes are a JSON array in TEXT), over TEXT, so the queries stay one set; and the count of prunes,
+    which tells a replica another process removed rows (``RetentionMixin.data_version``)."""
+    if conn.dialect == "postgresql":
+        conn.script(_PG_ONLY)
+
+
+_PG_ONLY = """
+CREATE TABLE journal_version (version BIGINT NOT NULL);
+INSERT INTO journal_version VALUES (0);
+CREATE FUNCTION json_each(text) RETURNS TABLE (value text) LANGUAGE sql IMMUTABLE STRICT
+    AS $$ SELECT json_array_elements_text($1::json) $$;
+CREATE FUNCTION json_array_length(text) RETURNS integer LANGUAGE sql IMMUTABLE STRICT
+    AS $$ SELECT json_array_length($1::json) $$;
+-- a '$.key' path only: what the store asks
+CREATE FUNCTION json_extract(text, text) RETURNS text LANGUAGE sql IMMUTABLE STRICT
+    AS $$ SELECT $1::json ->> substr($2, 3) $$;
+"""
+
+
+@step
+def m010_session_claims(conn: Connection) -> None:
+    ddl(conn, """
         -- The request that last held the session's lock (store.claims): a process whose memory of the session
         -- was filled while handling another request, of another process, reads the session back. NULL: nobody
         -- since an operator's change (or ever).

@@ -10,7 +10,6 @@ digest, a shorter shared prefix by the prefix index (``store.prefixes``), a bina
 
 from __future__ import annotations
 
-import sqlite3
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -18,6 +17,7 @@ from typing import TYPE_CHECKING
 from ctxproxy.store.prefixes import PrefixDigests, common_prefix, list_digest
 from ctxproxy.store.records import IncomingRequest, prefix_digest
 from ctxproxy.store.recovery import ANSWERED, INTERRUPTED
+from ctxproxy.store.sql import Connection
 
 __all__ = ["Head", "Placement", "PlacementMixin"]
 
@@ -49,7 +49,7 @@ class Placement:
 
 
 class PlacementMixin:
-    conn: sqlite3.Connection
+    conn: Connection
 
     if TYPE_CHECKING:  # provided by Journal (store.reads)
         def message_hashes(self, list_id: int) -> list[str]: ...

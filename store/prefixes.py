@@ -20,10 +20,11 @@ request list). A list without a segment (none should remain after ``m006``) is r
 from __future__ import annotations
 
 import hashlib
-import sqlite3
 from bisect import bisect_right, insort
 from collections.abc import Callable, Iterator, Sequence
 from itertools import accumulate
+
+from ctxproxy.store.sql import Connection
 
 __all__ = ["PrefixDigests", "common_prefix", "index_list", "list_digest"]
 
@@ -76,7 +77,7 @@ class PrefixDigests:
         return 64 * n if self._offsets is None else self._offsets[n]
 
 
-def index_list(conn: sqlite3.Connection, list_id: int, digests: PrefixDigests, base_id: int | None,
+def index_list(conn: Connection, list_id: int, digests: PrefixDigests, base_id: int | None,
                base_len: int) -> None:
     """Record the prefixes of request list ``list_id`` (its hashes: ``digests``) that its base did not."""
     segment = list_id
@@ -90,7 +91,7 @@ def index_list(conn: sqlite3.Connection, list_id: int, digests: PrefixDigests, b
                      [(segment, n, d) for n, d in digests.run(base_len, len(digests))])
 
 
-def list_digest(conn: sqlite3.Connection, list_id: int, n: int, rebuild: Callable[[int], list[str]]) -> str:
+def list_digest(conn: Connection, list_id: int, n: int, rebuild: Callable[[int], list[str]]) -> str:
     """``prefix_digest`` of the first ``n`` messages of request list ``list_id`` (n ≤ its length): one indexed
     SELECT, or one per fork below it. ``rebuild``: the journal's chain walk, for a list the index does not cover."""
     current: int | None = list_id
@@ -114,7 +115,7 @@ SELECT r.base_id, r.base_len, p.digest
 """A list's segment's first list (its base and the length it shares with it), and the segment's digest at n."""
 
 
-def common_prefix(conn: sqlite3.Connection, list_id: int, length: int, digests: PrefixDigests,
+def common_prefix(conn: Connection, list_id: int, length: int, digests: PrefixDigests,
                   rebuild: Callable[[int], list[str]], at_least: int = 0) -> int:
     """How many leading messages list ``list_id`` (``length`` of them) shares with the request, or ``at_least``
     when it is no more than that (the caller only wants a longer one). Sharing n messages implies sharing every

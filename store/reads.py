@@ -7,15 +7,16 @@ past (a list's hashes).
 from __future__ import annotations
 
 import json
-import sqlite3
 from collections.abc import Sequence
 from typing import Any
+
+from ctxproxy.store.sql import Connection
 
 __all__ = ["ReadsMixin", "chain_hashes"]
 
 
 class ReadsMixin:
-    conn: sqlite3.Connection
+    conn: Connection
 
     def message_hashes(self, list_id: int) -> list[str]:
         """A list's message hashes, rebuilt from its delta chain (the operator's reads; placement asks the prefix
@@ -72,7 +73,7 @@ class ReadsMixin:
         return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
 
 
-def chain_hashes(conn: sqlite3.Connection, list_id: int) -> list[str]:
+def chain_hashes(conn: Connection, list_id: int) -> list[str]:
     """Rebuild a delta-encoded list: its chain of bases in one recursive query (newest first), then the pieces
     concatenated oldest first. One query, not one per base: a list 600 requests deep took 600."""
     hashes: list[str] = []
@@ -96,8 +97,8 @@ SELECT s.id, s.parent_id, s.shared_len, s.named, s.created_at, s.updated_at, s.r
        s.model,
        (SELECT p.prompt_tokens FROM requests r2 JOIN responses p ON p.request_id = r2.id
          WHERE r2.session_id = s.id AND p.prompt_tokens IS NOT NULL ORDER BY r2.id DESC LIMIT 1) AS last_prompt_tokens,
-       COALESCE(SUM(resp.prompt_tokens), 0) AS prompt_tokens,
-       COALESCE(SUM(resp.completion_tokens), 0) AS completion_tokens
+       CAST(COALESCE(SUM(resp.prompt_tokens), 0) AS BIGINT) AS prompt_tokens,
+       CAST(COALESCE(SUM(resp.completion_tokens), 0) AS BIGINT) AS completion_tokens
   FROM sessions s
   LEFT JOIN requests r ON r.session_id = s.id
   LEFT JOIN responses resp ON resp.request_id = r.id

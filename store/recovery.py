@@ -10,7 +10,7 @@ journal stays append-only: the mark is one more response row, for the attempt th
 
 from __future__ import annotations
 
-import sqlite3
+from ctxproxy.store.sql import Connection
 
 __all__ = ["ANSWERED", "INTERRUPTED", "RecoveryMixin"]
 
@@ -22,7 +22,7 @@ ANSWERED = ("EXISTS (SELECT 1 FROM responses p WHERE p.request_id = {request}"
 
 
 class RecoveryMixin:
-    conn: sqlite3.Connection
+    conn: Connection
 
     def mark_interrupted(self, now: str) -> int:
         """Give every request still in flight a final ``interrupted`` row, for the attempt that was never
@@ -33,30 +33,40 @@ class RecoveryMixin:
         return cursor.rowcount
 
     def probe_write(self) -> None:
-        """Write, and roll it back: raises now, not at the first request, if the file is read-only. (Taking the
-        write lock is not enough: SQLite grants it on a file it opened read-only, and refuses the first page.)"""
-        version = self.conn.execute("PRAGMA user_version").fetchone()[0]
-        self.conn.execute("BEGIN IMMEDIATE")
+        """Write, and roll it back: raises now, not at the first request, if the journal is read-only. (Taking
+        SQLite's write lock is not enough: it grants it on a file it opened read-only, and refuses the first page;
+        PostgreSQL refuses the write on a standby or a read-only user.)"""
         try:
-            self.conn.execute(f"PRAGMA user_version = {int(version)}")
-        finally:
-            self.conn.execute("ROLLBACK")
+            with self.conn:
+                self.conn.execute("UPDATE schema_migrations SET name = name WHERE id = (SELECT MIN(id) FROM"
+                                  " schema_migrations)")
+                raise _Probed
+        except _Probed:
+            pass
 
     def integrity_problems(self, limit: int = 5) -> list[str]:
-        """``PRAGMA quick_check``: what is wrong with the file (the first few), or nothing. O(size), no index
-        cross-check (``integrity_check`` would be slower still, for little more)."""
+        """SQLite's ``PRAGMA quick_check``: what is wrong with the file (the first few), or nothing. O(size), no
+        index cross-check (``integrity_check`` would be slower still, for little more). PostgreSQL checks its
+        pages itself (checksums, WAL): nothing to ask it here."""
+        if self.conn.dialect != "sqlite":
+            return []
         rows = self.conn.execute(f"PRAGMA quick_check({int(limit)})").fetchall()
         return [str(r[0]) for r in rows if r[0] != "ok"]
+
+
+class _Probed(Exception):
+    """The probe's write went through: rolled back."""
 
 
 _MARK = f"""
 INSERT INTO responses (request_id, attempt, outcome, status, body, finished_at)
 SELECT r.id,
-       MAX(COALESCE((SELECT MAX(p.attempt) + 1 FROM responses p WHERE p.request_id = r.id), 0),
-           COALESCE((SELECT MAX(f.attempt) FROM forwards f WHERE f.request_id = r.id), 0)),
+       (SELECT MAX(a) FROM (SELECT MAX(p.attempt) + 1 AS a FROM responses p WHERE p.request_id = r.id
+                            UNION ALL SELECT MAX(f.attempt) FROM forwards f WHERE f.request_id = r.id
+                            UNION ALL SELECT 0) attempts),
        '{INTERRUPTED}', 0,
        'ctxproxy stopped (killed or crashed) before this request was answered; marked when it started again.',
-       ?1
+       ?
   FROM requests r
  WHERE NOT {ANSWERED.format(request="r.id")}
 """

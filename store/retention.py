@@ -17,8 +17,9 @@ A dry run does the same work and rolls it back, so what it reports is exactly wh
 
 from __future__ import annotations
 
-import sqlite3
 from dataclasses import dataclass
+
+from ctxproxy.store.sql import Connection
 
 __all__ = ["PruneReport", "RetentionMixin"]
 
@@ -38,7 +39,7 @@ class PruneReport:
 
 
 class RetentionMixin:
-    conn: sqlite3.Connection
+    conn: Connection
 
     def prune(self, before: str, dry_run: bool = False) -> PruneReport:
         """Remove the sessions last active before ``before`` (an ISO timestamp, as the journal writes them).
@@ -46,86 +47,90 @@ class RetentionMixin:
         Foreign keys are checked once, over the whole result, rather than per deleted row: most child columns
         (``requests.list_id``, ``message_lists.base_id``...) have no index, and a row-by-row check made a prune
         of 5 000 requests take 13 s instead of a fraction of one."""
-        self.conn.execute("PRAGMA foreign_keys = OFF")  # outside a transaction: inside one it is a no-op
         try:
-            self.conn.execute("BEGIN IMMEDIATE")
-            try:
+            with self.conn.unchecked_foreign_keys(), self.conn.transaction(exclusive=True):
                 report = self._prune(before, dry_run)
-                _no_dangling_rows(self.conn)
-            except BaseException:
-                self.conn.rollback()
-                raise
-            if dry_run:
-                self.conn.rollback()
-            else:
-                self.conn.commit()
-        finally:
-            self.conn.execute("PRAGMA foreign_keys = ON")
+                self.conn.check_foreign_keys()  # a row still refers to one the prune removed: nothing is removed
+                if dry_run:
+                    raise _DryRun(report)
+                self._bump_version()
+        except _DryRun as done:
+            return done.report
         return report
 
     def data_version(self) -> int:
-        """Changes when another connection (``ctxproxy prune``) committed since this one last looked."""
-        return int(self.conn.execute("PRAGMA data_version").fetchone()[0])
+        """Changes when another connection (``ctxproxy prune``) committed since this one last looked (SQLite: any
+        commit; PostgreSQL: a prune's, counted in ``journal_version``)."""
+        if self.conn.dialect == "sqlite":
+            return int(self.conn.execute("PRAGMA data_version").fetchone()[0])
+        return int(self.conn.execute("SELECT version FROM journal_version").fetchone()[0])
+
+    def _bump_version(self) -> None:
+        if self.conn.dialect != "sqlite":
+            self.conn.execute("UPDATE journal_version SET version = version + 1")
 
     def vacuum(self) -> None:
-        """Give the freed pages back to the file system (rewrites the file: needs as much free space again)."""
+        """Give the freed pages back to the file system (SQLite rewrites the file: needs as much free space again;
+        PostgreSQL marks them reusable)."""
         self.conn.execute("VACUUM")
 
     def _prune(self, before: str, dry_run: bool) -> PruneReport:
         self.conn.execute("CREATE TEMP TABLE IF NOT EXISTS pruned (id TEXT PRIMARY KEY)")
-        self.conn.execute("DELETE FROM temp.pruned")
+        self.conn.execute("DELETE FROM pruned")
         self.conn.execute(_CHOOSE, [before])
         sessions = [r[0] for r in self.conn.execute(
-            "SELECT s.id FROM sessions s JOIN temp.pruned p ON p.id = s.id ORDER BY s.updated_at, s.id")]
+            "SELECT s.id FROM sessions s JOIN pruned p ON p.id = s.id ORDER BY s.updated_at, s.id")]
         idle = self.conn.execute("SELECT COUNT(*) FROM sessions WHERE updated_at < ?", [before]).fetchone()[0]
         counts = [self.conn.execute(sql).rowcount for sql in _DELETE_ROWS]
         self.conn.execute("DELETE FROM kept_responses WHERE created_at < ?", [before])  # no session: by age
-        self.conn.execute(_DELETE_LISTS)
-        lists = self.conn.execute("SELECT changes()").fetchone()[0]  # rowcount is -1 for a statement led by WITH
+        lists = self.conn.execute(_DELETE_LISTS).rowcount
         self.conn.execute(DELETE_PREFIXES)
         chars = [r[0] for r in self.conn.execute(_DELETE_BLOBS).fetchall()]
         return PruneReport(sessions, idle - len(sessions), counts[_REQUESTS], lists, len(chars), sum(chars),
                            dry_run)
 
 
-def _no_dangling_rows(conn: sqlite3.Connection) -> None:
-    dangling = conn.execute("PRAGMA foreign_key_check").fetchmany(3)
-    if dangling:  # a row still refers to one the prune removed: nothing is removed
-        raise sqlite3.IntegrityError(f"prune would leave rows referring to removed ones: {dangling}")
+class _DryRun(Exception):
+    """A dry run's report, leaving its transaction, which it rolls back."""
+
+    def __init__(self, report: PruneReport) -> None:
+        super().__init__()
+        self.report = report
 
 
 _CHOOSE = """
 WITH RECURSIVE kept(id) AS (
-    SELECT id FROM sessions WHERE updated_at >= ?1
+    SELECT id FROM sessions WHERE updated_at >= ?
     UNION SELECT s.parent_id FROM sessions s JOIN kept k ON s.id = k.id WHERE s.parent_id IS NOT NULL
 )
-INSERT INTO temp.pruned SELECT id FROM sessions WHERE id NOT IN (SELECT id FROM kept)
+INSERT INTO pruned SELECT id FROM sessions WHERE id NOT IN (SELECT id FROM kept)
 """
 
-_OF_PRUNED = "SELECT id FROM requests WHERE session_id IN (SELECT id FROM temp.pruned)"
+_OF_PRUNED = "SELECT id FROM requests WHERE session_id IN (SELECT id FROM pruned)"
 _DELETE_ROWS = [  # children before parents: the foreign keys are on
-    f"DELETE FROM session_state WHERE session_id IN (SELECT id FROM temp.pruned) OR request_id IN ({_OF_PRUNED})",
-    f"DELETE FROM context_ops WHERE session_id IN (SELECT id FROM temp.pruned) OR request_id IN ({_OF_PRUNED})",
-    f"DELETE FROM decisions WHERE session_id IN (SELECT id FROM temp.pruned) OR request_id IN ({_OF_PRUNED})",
-    "DELETE FROM overflow WHERE session_id IN (SELECT id FROM temp.pruned)",
-    "DELETE FROM overflow_spans WHERE session_id IN (SELECT id FROM temp.pruned)",
+    f"DELETE FROM session_state WHERE session_id IN (SELECT id FROM pruned) OR request_id IN ({_OF_PRUNED})",
+    f"DELETE FROM context_ops WHERE session_id IN (SELECT id FROM pruned) OR request_id IN ({_OF_PRUNED})",
+    f"DELETE FROM decisions WHERE session_id IN (SELECT id FROM pruned) OR request_id IN ({_OF_PRUNED})",
+    "DELETE FROM overflow WHERE session_id IN (SELECT id FROM pruned)",
+    "DELETE FROM overflow_spans WHERE session_id IN (SELECT id FROM pruned)",
     f"DELETE FROM responses WHERE request_id IN ({_OF_PRUNED})",
     f"DELETE FROM forwards WHERE request_id IN ({_OF_PRUNED})",
-    "DELETE FROM requests WHERE session_id IN (SELECT id FROM temp.pruned)",
-    "DELETE FROM sessions WHERE id IN (SELECT id FROM temp.pruned)",
+    "DELETE FROM requests WHERE session_id IN (SELECT id FROM pruned)",
+    "DELETE FROM sessions WHERE id IN (SELECT id FROM pruned)",
 ]
 _REQUESTS = 7
 
 _DELETE_LISTS = """
-WITH RECURSIVE live(id) AS (
-    SELECT list_id FROM requests
-    UNION SELECT list_id FROM forwards
-    UNION SELECT list_id FROM overflow_spans
-    UNION SELECT mirror_list FROM session_state WHERE mirror_list IS NOT NULL
-    UNION SELECT head_list_id FROM sessions WHERE head_list_id IS NOT NULL
-    UNION SELECT m.base_id FROM message_lists m JOIN live l ON m.id = l.id WHERE m.base_id IS NOT NULL
-)
-DELETE FROM message_lists WHERE id NOT IN (SELECT id FROM live)
+DELETE FROM message_lists WHERE id NOT IN (
+    WITH RECURSIVE live(id) AS (
+        SELECT list_id FROM requests
+        UNION SELECT list_id FROM forwards
+        UNION SELECT list_id FROM overflow_spans
+        UNION SELECT mirror_list FROM session_state WHERE mirror_list IS NOT NULL
+        UNION SELECT head_list_id FROM sessions WHERE head_list_id IS NOT NULL
+        UNION SELECT m.base_id FROM message_lists m JOIN live l ON m.id = l.id WHERE m.base_id IS NOT NULL
+    )
+    SELECT id FROM live)
 """
 
 DELETE_PREFIXES = "DELETE FROM prefixes WHERE segment NOT IN (SELECT id FROM message_lists)"

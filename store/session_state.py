@@ -77,7 +77,8 @@ def _record_mirror(journal: Journal, session_id: str, text: str) -> int:
     tail = _MIRROR_TAIL if text.endswith(_MIRROR_TAIL) else ""
     pieces = [*text[: len(text) - len(tail)].split(MIRROR_SEPARATOR), tail]
     hashes = [hashlib.sha256(p.encode()).hexdigest() for p in pieces]
-    journal.conn.executemany("INSERT OR IGNORE INTO blobs (hash, kind, body, chars) VALUES (?, 'mirror', ?, ?)",
+    journal.conn.executemany("INSERT INTO blobs (hash, kind, body, chars) VALUES (?, 'mirror', ?, ?)"
+                             " ON CONFLICT DO NOTHING",
                              [(h, p, len(p)) for h, p in zip(hashes, pieces, strict=True)])
     row = journal.conn.execute("SELECT mirror_list FROM session_state WHERE session_id = ? AND mirror_list IS NOT"
                                " NULL ORDER BY id DESC LIMIT 1", [session_id]).fetchone()
@@ -88,9 +89,8 @@ def _record_mirror(journal: Journal, session_id: str, text: str) -> int:
                     min(len(before), len(hashes)))
         base_id = int(row[0]) if same and depth < _MAX_DEPTH else None
     same = same if base_id is not None else 0
-    cursor = journal.conn.execute("INSERT INTO message_lists (base_id, base_len, added, length) VALUES (?, ?, ?, ?)",
-                                  [base_id, same, json.dumps(hashes[same:]), len(hashes)])
-    return int(cursor.lastrowid or 0)
+    return journal.conn.insert("INSERT INTO message_lists (base_id, base_len, added, length) VALUES (?, ?, ?, ?)",
+                               [base_id, same, json.dumps(hashes[same:]), len(hashes)])
 
 
 def _mirror_hashes(journal: Journal, list_id: int) -> tuple[list[str], int]:
@@ -135,7 +135,7 @@ def calibration_in_force(journal: Journal, session_id: str, model: str | None) -
         "SELECT f.k, f.samples, f.estimate, p.prompt_tokens, p.outcome FROM requests r"
         " JOIN forwards f ON f.request_id = r.id"
         " LEFT JOIN responses p ON p.request_id = f.request_id AND p.attempt = f.attempt"
-        " WHERE r.session_id = ? AND r.model IS ? ORDER BY r.id DESC, f.attempt DESC LIMIT 1",
+        " WHERE r.session_id = ? AND r.model IS NOT DISTINCT FROM ? ORDER BY r.id DESC, f.attempt DESC LIMIT 1",
         [session_id, model]).fetchone()
     if row is None or row[0] is None or row[1] is None:
         return None

@@ -1,8 +1,11 @@
-"""One writer: every journal call of the process runs on one dedicated thread.
+"""The journal's threads: every journal call of the process runs on a writer thread, never on the event loop.
 
 SQLite allows one writer at a time; rather than contend for the lock, all calls (writes and the few operator
 reads) are queued on a single-thread executor that owns the connection, as datasette's write thread does. The
-event loop only awaits a future, so a commit never blocks other requests.
+event loop only awaits a future, so a commit never blocks other requests. PostgreSQL takes many writers: there a
+few threads run calls, each on its own connection (``Journal.reopen``), so one session's commit does not queue
+behind another's; what must not interleave (two requests of one session) is serialised by the database
+(``Journal.record_request``'s lock), across threads and processes alike.
 
 A storage failure (disk full, a read-only or corrupt file, an I/O error) leaves here as a ``JournalUnavailable``
 whose message names the file and the fix (``store.failures``), passed through the writer's ``failure`` function:
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import sqlite3
+import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -32,6 +35,9 @@ from ctxproxy.store.journal import Journal
 __all__ = ["JournalWriter"]
 
 T = TypeVar("T")
+
+POSTGRES_WRITERS = 4
+"""Writer threads (and connections) on PostgreSQL: a replica's concurrent sessions commit in parallel."""
 
 UNWRITTEN = 10_000
 """Answers kept in memory while the disk is full; beyond, the oldest are dropped (a restart marks their requests
@@ -45,7 +51,12 @@ class JournalWriter:
         self.journal = journal
         self._failure = failure
         """What a storage failure is raised as (the proxy's HTTP error); by default the ``JournalUnavailable``."""
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ctxproxy-journal")
+        threads = POSTGRES_WRITERS if journal.conn.dialect == "postgresql" else 1
+        self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ctxproxy-journal")
+        self._local = threading.local()
+        self._free, self._journals = [journal], [journal]
+        """The journal no thread has claimed yet (the first thread takes the one given), and every one opened."""
+        self._lock = threading.Lock()
         self._unwritten: deque[tuple[object, ...]] = deque(maxlen=UNWRITTEN)
         self._data_version: int | None = None
         self.generation = 0
@@ -57,48 +68,65 @@ class JournalWriter:
         return await loop.run_in_executor(self._executor, functools.partial(self._guarded, method, *args))
 
     def _guarded(self, method: Callable[..., T], *args: object) -> T:
-        self._notice_other_writers()
-        self._write_unwritten()
+        journal = self._own()
+        self._notice_other_writers(journal)
+        self._write_unwritten(journal)
         try:
-            return method(self.journal, *args)
-        except sqlite3.Error as exc:
-            problem = storage_failure(exc, self.journal)
+            return method(journal, *args)
+        except journal.conn.Error as exc:
+            problem = storage_failure(exc, journal)
             if problem is None:
                 raise
             if method is Journal.record_response:
                 self._unwritten.append(args)
             raise self._failure(problem) from exc
 
-    def _notice_other_writers(self) -> None:
-        try:
-            version = self.journal.data_version()
-        except sqlite3.Error:
-            return  # the call itself will meet the same failure, and report it
-        if self._data_version is not None and version != self._data_version:
-            self.generation += 1
-        self._data_version = version
+    def _own(self) -> Journal:
+        """This thread's journal: the one given, or (PostgreSQL's other threads) a connection of its own."""
+        journal: Journal | None = getattr(self._local, "journal", None)
+        if journal is None:
+            with self._lock:
+                journal = self._free.pop() if self._free else self.journal.reopen()
+                if journal is not self.journal:
+                    self._journals.append(journal)
+            self._local.journal = journal
+        return journal
 
-    def _write_unwritten(self) -> None:
-        while self._unwritten:
-            try:
-                Journal.record_response(self.journal, *self._unwritten[0])  # type: ignore[arg-type]
-            except sqlite3.IntegrityError:
-                pass  # written after all (or its request is gone): nothing left to do for it
-            except sqlite3.Error:
-                return  # still no room: kept for the next call
-            self._unwritten.popleft()
+    def _notice_other_writers(self, journal: Journal) -> None:
+        try:
+            version = journal.data_version()
+        except journal.conn.Error:
+            return  # the call itself will meet the same failure, and report it
+        with self._lock:
+            if self._data_version is not None and version != self._data_version:
+                self.generation += 1
+            self._data_version = version
+
+    def _write_unwritten(self, journal: Journal) -> None:
+        if not self._unwritten:
+            return
+        with self._lock:
+            while self._unwritten:
+                try:
+                    Journal.record_response(journal, *self._unwritten[0])  # type: ignore[arg-type]
+                except journal.conn.IntegrityError:
+                    pass  # written after all (or its request is gone): nothing left to do for it
+                except journal.conn.Error:
+                    return  # still no room: kept for the next call
+                self._unwritten.popleft()
 
     def close(self) -> None:
-        self._executor.submit(self._write_unwritten).result()
-        self._executor.submit(self.journal.close).result()
+        self._executor.submit(lambda: self._write_unwritten(self._own())).result()
         self._executor.shutdown(wait=True)
+        for journal in self._journals:
+            journal.close()
 
 
-def storage_failure(exc: sqlite3.Error, journal: Journal) -> JournalUnavailable | None:
+def storage_failure(exc: Exception, journal: Journal) -> JournalUnavailable | None:
     """The operator's version of a storage failure; None for anything else (a constraint, a misuse: a bug, which
     stays as it is, for the log and a 500)."""
-    problem = explain(exc, journal.path)
-    if problem.kind in ("full", "read_only", "corrupt") or isinstance(exc, sqlite3.OperationalError):
+    problem = explain(exc, journal.location)
+    if problem.kind != "unavailable" or isinstance(exc, journal.conn.OperationalError):
         return problem
     return None
 

@@ -18,7 +18,9 @@ from hypothesis import settings as hypothesis_settings
 from ctxproxy.config import Settings, load_settings
 from ctxproxy.proxy.edge.app import create_app
 from ctxproxy.proxy.observe.events import EventBus
+from tests import postgres
 from tests.fakes import FakeUpstream
+from tests.postgres import PostgresServer
 
 # A noisy 2-core machine: no per-example deadline, and Hypothesis's one-time start-up (building its Unicode tables
 # on a fresh clone takes ~2 s) must not count as "input generation is slow".
@@ -93,3 +95,33 @@ def chat(*contents: str, **fields: object) -> dict[str, object]:
     for i, text in enumerate(contents):
         messages.append({"role": "user" if i % 2 == 0 else "assistant", "content": text})
     return {"model": "fake-model", "messages": messages, **fields}
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[PostgresServer]:
+    """The session's PostgreSQL (``tests/postgres.py``): started on first use, stopped at the end. Absent, the
+    PostgreSQL tests fail (``make test`` runs the store suite on both backends), unless
+    ``CTXPROXY_TEST_POSTGRES=skip``."""
+    server = postgres.start()
+    if isinstance(server, str):
+        if os.environ.get("CTXPROXY_TEST_POSTGRES") == "skip":
+            pytest.skip("CTXPROXY_TEST_POSTGRES=skip")
+        pytest.fail(server)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def postgres_url(postgres_server: PostgresServer) -> Iterator[str]:
+    """A fresh, migrated PostgreSQL database of this test's own."""
+    url = postgres_server.database()
+    yield url
+    postgres_server.drop(url)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store_location(request: pytest.FixtureRequest, tmp_path: Path) -> Path | str:
+    """Where a store test's journal lives: a SQLite file, then a PostgreSQL database (the store suite runs on both)."""
+    if request.param == "sqlite":
+        return tmp_path / "journal.db"
+    return str(request.getfixturevalue("postgres_url"))

@@ -451,7 +451,7 @@ def journaled_ops(mirror: Path) -> list[tuple[str, int, str]]:
     from ctxproxy.store import Journal
 
     journal = Journal(mirror.parent.parent / "data" / "journal.db")
-    return [tuple(r) for r in journal.db.execute("SELECT op, ok, result FROM context_ops ORDER BY id")]  # type: ignore
+    return [tuple(r) for r in journal.conn.execute("SELECT op, ok, result FROM context_ops ORDER BY id")]  # type: ignore
 
 
 def test_the_agents_own_mirror_edits_leave_the_projection_once_applied(

@@ -140,7 +140,7 @@ def test_a_client_that_disconnects_mid_stream_is_journaled_and_frees_the_session
                 "POST", stack.proxy + "/v1/chat/completions", json=body, headers=headers) as response:
             next(response.iter_lines())
         # the upstream is still holding its answer: only the disconnect can have ended the exchange
-        outcome = _wait_for(lambda: stack.journal().db.execute("SELECT outcome FROM responses").fetchone())
+        outcome = _wait_for(lambda: stack.journal().conn.execute("SELECT outcome FROM responses").fetchone())
         assert outcome[0] == "client_disconnected"
     finally:
         gate.set()

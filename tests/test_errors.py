@@ -25,7 +25,7 @@ def assert_envelope(response: httpx.Response, status: int, type_: str, param: st
 
 def rows(settings: Settings, table: str) -> int:
     path = settings.data_path / "journal.db"
-    return Journal(path).db.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0] if path.exists() else 0
+    return Journal(path).conn.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0] if path.exists() else 0
 
 
 BAD_BODIES = [
@@ -114,7 +114,7 @@ def test_upstream_failures_are_502_or_504_and_journaled_whole(
             assert_envelope(response, status, "upstream_error")
             assert "upstream" in response.json()["error"]["message"]
     journal = Journal(settings.data_path / "journal.db")
-    outcomes = journal.db.execute("SELECT outcome, status FROM responses").fetchall()
+    outcomes = journal.conn.execute("SELECT outcome, status FROM responses").fetchall()
     assert outcomes == [(outcome, status), (outcome, status)] and rows(settings, "requests") == 2
 
 
@@ -128,7 +128,7 @@ def test_an_upstream_error_is_relayed_with_its_status_and_body(
     response = client.post("/v1/chat/completions", json=chat("hi", stream=stream))
     assert response.status_code == 404 and response.json() == UPSTREAM_ERROR
     journal = Journal(settings.data_path / "journal.db")
-    assert journal.db.execute("SELECT outcome, status FROM responses").fetchall() == [("upstream_error", 404)]
+    assert journal.conn.execute("SELECT outcome, status FROM responses").fetchall() == [("upstream_error", 404)]
 
 
 def test_an_unexpected_failure_is_a_500_envelope_without_traceback(settings: Settings) -> None:

@@ -155,7 +155,7 @@ def assert_sane(response: httpx.Response, streamed: bool) -> None:
 
 def assert_journal_whole(journal: Journal) -> None:
     """Every journaled request has its answer row."""
-    unanswered = journal.db.execute("SELECT COUNT(*) FROM requests r WHERE NOT EXISTS"
+    unanswered = journal.conn.execute("SELECT COUNT(*) FROM requests r WHERE NOT EXISTS"
                                     " (SELECT 1 FROM responses p WHERE p.request_id = r.id)").fetchone()[0]
     assert unanswered == 0
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import sqlite3
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,8 @@ from ctxproxy.store import (
     keep_response,
     kept_response,
 )
-from ctxproxy.store.migrations import migrations
+from ctxproxy.store.migrate import applied
+from ctxproxy.store.migrations import STEPS
 
 
 def incoming(messages: Sequence[dict[str, Any]], session: str | None = None, n: int = 0,
@@ -55,8 +57,11 @@ def run(n_rounds: int, opening: str = "fix the bug", result: str = "output") -> 
 
 
 @pytest.fixture
-def journal(tmp_path: Path) -> Journal:
-    return Journal(tmp_path / "journal.db")
+def journal(store_location: Path | str) -> Iterator[Journal]:
+    """On SQLite, then on PostgreSQL."""
+    journal = Journal(store_location)
+    yield journal
+    journal.close()
 
 
 def test_a_growing_run_is_one_session(journal: Journal) -> None:
@@ -71,8 +76,8 @@ def test_messages_are_stored_once_and_lists_only_add_the_new(journal: Journal) -
     for i, msgs in enumerate(requests):
         recorded = record(journal, incoming(msgs, n=i))
         assert recorded.new_messages == 2
-    blobs = journal.db.execute("SELECT COUNT(*) FROM blobs WHERE kind = 'message'").fetchone()[0]
-    added = journal.db.execute("SELECT SUM(json_array_length(added)) FROM message_lists").fetchone()[0]
+    blobs = journal.conn.execute("SELECT COUNT(*) FROM blobs WHERE kind = 'message'").fetchone()[0]
+    added = journal.conn.execute("SELECT SUM(json_array_length(added)) FROM message_lists").fetchone()[0]
     assert blobs == len(requests[-1]) == added  # O(total messages), not O(rounds²)
 
 
@@ -152,14 +157,33 @@ def test_responses_keep_usage_and_timings(journal: Journal) -> None:
     assert journal.sessions()[0]["last_prompt_tokens"] == 12
 
 
-def test_migrating_twice_is_a_noop(tmp_path: Path) -> None:
-    Journal(tmp_path / "j.db").close()
-    journal = Journal(tmp_path / "j.db")
-    assert migrations.pending(journal.db) == []
-    assert [m.name for m in migrations.applied(journal.db)] == [
+def test_migrating_twice_is_a_noop(store_location: Path | str) -> None:
+    Journal(store_location).close()
+    journal = Journal(store_location)
+    assert applied(journal.conn) == [name for name, _ in STEPS] == [
         "m001_journal", "m002_decisions_and_overflow", "m003_context_ops", "m004_request_turns",
         "m005_session_state", "m006_prefix_index", "m007_overflow_spans_and_mirror_lists",
-        "m008_kept_responses"]
+        "m008_kept_responses", "m009_postgres"]
+    journal.close()
+
+
+def test_a_journal_written_before_the_runner_opens_without_running_a_step_again(tmp_path: Path) -> None:
+    """tests/fixtures/journal_sqlite_utils.sql: a journal main's code wrote (its steps recorded by sqlite-utils'
+    Migrations in ``_sqlite_migrations``): a run of 4 requests with a cut. Running m001 again would fail (its
+    tables exist); the names are carried over with their times, and the run goes on where it was."""
+    path = tmp_path / "old.db"
+    with sqlite3.connect(path) as conn:
+        conn.executescript((Path(__file__).parent / "fixtures" / "journal_sqlite_utils.sql").read_text())
+    conn.close()
+    journal = Journal(path)
+    legacy = journal.conn.execute("SELECT name, applied_at FROM _sqlite_migrations ORDER BY id").fetchall()
+    carried = journal.conn.execute("SELECT name, applied_at FROM schema_migrations ORDER BY id").fetchall()
+    assert carried[:8] == legacy and applied(journal.conn) == [name for name, _ in STEPS]
+    (session,) = journal.sessions()
+    assert session["requests"] == 4 and journal.overflow_body("oid-1", session["id"])["body"] == "the cut body"  # type: ignore[index]
+    rec = record(journal, incoming(run(4)[-1], n=9))
+    assert rec.session_id == session["id"] and not rec.forked and rec.new_messages == 2
+    journal.close()
 
 
 def test_in_memory_journal_writes_no_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -169,8 +193,8 @@ def test_in_memory_journal_writes_no_file(tmp_path: Path, monkeypatch: pytest.Mo
     assert list(tmp_path.iterdir()) == []
 
 
-def test_the_journal_file_is_in_wal_mode(journal: Journal) -> None:
-    assert journal.db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+def test_the_journal_file_is_in_wal_mode(tmp_path: Path) -> None:
+    assert Journal(tmp_path / "j.db").conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
 
 
 # Each step of a history: extend it by some messages, or cut it back (an edit) and extend.

@@ -7,7 +7,6 @@ sessions, unanswered requests) the index must choose exactly what the walk chose
 
 from __future__ import annotations
 
-import sqlite3
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from hypothesis import strategies as st
 from ctxproxy.store import Journal, RecordedRequest, ResponseRecord, prefix_digest
 from ctxproxy.store.placement import Head
 from ctxproxy.store.prefixes import PrefixDigests
+from ctxproxy.store.sql import SqliteConnection
 from tests.test_journal import incoming, run
 
 
@@ -69,7 +69,8 @@ def test_the_index_places_every_request_where_the_chain_walk_did(plan: list[tupl
 
 def _statements(journal: Journal) -> list[str]:
     seen: list[str] = []
-    journal.conn.set_trace_callback(seen.append)
+    assert isinstance(journal.conn, SqliteConnection)
+    journal.conn.raw.set_trace_callback(seen.append)
     return seen
 
 
@@ -104,14 +105,14 @@ def test_a_new_run_after_a_long_one_is_placed_without_rebuilding_it(tmp_path: Pa
     assert not [s for s in statements if "added FROM message_lists" in s]
 
 
-def _unindex(path: Path) -> None:
-    """Make the journal at ``path`` what a journal written before the index was: no m006, no index."""
-    conn = sqlite3.connect(path)
-    with conn:
-        conn.execute("DROP TABLE prefixes")
-        conn.execute("ALTER TABLE message_lists DROP COLUMN segment")
-        conn.execute("DELETE FROM _sqlite_migrations WHERE name = 'm006_prefix_index'")
-    conn.close()
+def _unindex(location: Path | str) -> None:
+    """Make the journal at ``location`` what a journal written before the index was: no m006, no index."""
+    journal = Journal(location)
+    with journal.conn:
+        journal.conn.execute("DROP TABLE prefixes")
+        journal.conn.execute("ALTER TABLE message_lists DROP COLUMN segment")
+        journal.conn.execute("DELETE FROM schema_migrations WHERE name = 'm006_prefix_index'")
+    journal.close()
 
 
 def _index_of(journal: Journal) -> tuple[list[Any], list[Any]]:
@@ -126,17 +127,18 @@ def _runs_with_forks(journal: Journal) -> Sequence[list[dict[str, Any]]]:
     return first
 
 
-def test_an_old_journal_is_indexed_when_opened(tmp_path: Path) -> None:
-    journal = Journal(tmp_path / "j.db")
+def test_an_old_journal_is_indexed_when_opened(tmp_path: Path, store_location: Path | str) -> None:
+    journal = Journal(store_location)
     first = _runs_with_forks(journal)
     built = _index_of(journal)
     journal.close()
-    _unindex(tmp_path / "j.db")
-    migrated = Journal(tmp_path / "j.db")
+    _unindex(store_location)
+    migrated = Journal(store_location)
     assert _index_of(migrated) == built  # the migration indexes exactly what journaling would have
     edited = [*first[-1][:7], {"role": "user", "content": "changed"}]
     rec, expected = migrated.record_request(incoming(edited, n=5)), _fresh_walk(tmp_path)
     assert _placed(rec)[:5] == expected
+    migrated.close()
 
 
 def _fresh_walk(tmp_path: Path) -> tuple[Any, ...]:
@@ -146,12 +148,13 @@ def _fresh_walk(tmp_path: Path) -> tuple[Any, ...]:
     return _placed(walk.record_request(incoming(edited, n=5)))[:5]
 
 
-def test_a_pruned_session_takes_its_index_with_it(tmp_path: Path) -> None:
-    journal = Journal(tmp_path / "j.db")
+def test_a_pruned_session_takes_its_index_with_it(store_location: Path | str) -> None:
+    journal = Journal(store_location)
     _long_run(journal, 5)
     assert journal.conn.execute("SELECT COUNT(*) FROM prefixes").fetchone()[0] == 12
     journal.prune("9999")
     assert journal.conn.execute("SELECT COUNT(*) FROM prefixes").fetchone()[0] == 0
+    journal.close()
 
 
 def test_prefix_digests_match_the_heads_digest() -> None:

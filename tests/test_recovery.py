@@ -142,8 +142,9 @@ def _last_outcomes(data: Path) -> dict[int, str]:
 
 
 @pytest.fixture
-def journal(tmp_path: Path) -> Iterator[Journal]:
-    journal = Journal(tmp_path / "journal.db")
+def journal(store_location: Path | str) -> Iterator[Journal]:
+    """On SQLite, then on PostgreSQL."""
+    journal = Journal(store_location)
     yield journal
     journal.close()
 

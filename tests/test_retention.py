@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +24,11 @@ CUT = {"kind": "spill", "target": "tool:c0", "message_hash": "", "replacement": 
 
 
 @pytest.fixture
-def journal(tmp_path: Path) -> Journal:
-    return Journal(tmp_path / "journal.db")
+def journal(store_location: Path | str) -> Iterator[Journal]:
+    """On SQLite, then on PostgreSQL."""
+    journal = Journal(store_location)
+    yield journal
+    journal.close()
 
 
 def _cut(journal: Journal, session: str, body: str, at: str) -> str:
@@ -63,7 +67,7 @@ def test_prune_removes_idle_sessions_and_only_what_nothing_else_refers_to(journa
     assert [d["overflow_id"] for d in journal.decisions(ids["child"])] == [ids["inherited"]]
     assert {r: journal.request(r) for r in ids["kept_requests"]} == kept  # rebuilt byte for byte
     assert journal.integrity_problems() == []
-    assert journal.conn.execute("PRAGMA foreign_key_check").fetchall() == []
+    journal.conn.check_foreign_keys()
 
 
 def test_a_dry_run_reports_exactly_what_a_prune_removes_and_changes_nothing(journal: Journal) -> None:
@@ -92,7 +96,7 @@ def test_prune_removes_the_working_state_of_what_it_removes_and_keeps_the_rest(j
     assert session_state(journal, ids["new"]) == SessionState("user:t", None, ("applied",), "/new", mirror["new"])
     mirrors = [r[0] for r in journal.conn.execute("SELECT body FROM blobs WHERE kind = 'mirror' AND chars > 0")]
     assert mirrors == [mirror["new"]]  # the pruned session's mirror went; the kept one's pieces stayed
-    assert journal.conn.execute("PRAGMA foreign_key_check").fetchall() == []
+    journal.conn.check_foreign_keys()
 
 
 def test_pruning_everything_then_vacuum_leaves_an_empty_working_journal(journal: Journal) -> None:

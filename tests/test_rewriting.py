@@ -109,7 +109,7 @@ def test_a_llama_cpp_overflow_is_retried_smaller_and_the_client_gets_its_answer(
         assert c.post("/v1/chat/completions", json=body).status_code == 200  # the learned window holds
     first, retry = upstream.chats[0].body, upstream.chats[1].body
     assert len(retry) < len(first) and upstream.counts[1] <= 8192 - 2048  # cut to the upstream's own window
-    rows = Journal(tmp_path / "data" / "journal.db").db.execute(
+    rows = Journal(tmp_path / "data" / "journal.db").conn.execute(
         "SELECT attempt, outcome FROM responses WHERE request_id = 1 ORDER BY attempt").fetchall()
     assert rows == [(0, "context_overflow"), (1, "ok")]
 
@@ -124,7 +124,7 @@ def test_two_overflows_in_a_row_end_in_a_clear_error(tmp_path: Path) -> None:
         assert "message 0 (user" in error["message"]
         assert answer.headers["x-ctx-session"]
         assert c.post("/v1/chat/completions", json=body).status_code == 400  # and again, never a 500
-    rows = Journal(tmp_path / "data" / "journal.db").db.execute(
+    rows = Journal(tmp_path / "data" / "journal.db").conn.execute(
         "SELECT request_id, attempt, outcome FROM responses ORDER BY request_id, attempt").fetchall()
     assert [r[1:] for r in rows if r[0] == 1] == [(0, "context_overflow"), (1, "context_too_large")]
 

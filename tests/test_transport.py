@@ -80,7 +80,7 @@ def _journaled_outcome(data_dir: Path) -> str | None:
     """The answer row is written just after the last byte is sent: wait for it."""
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
-        row = Journal(data_dir / "journal.db").db.execute("SELECT outcome FROM responses").fetchone()
+        row = Journal(data_dir / "journal.db").conn.execute("SELECT outcome FROM responses").fetchone()
         if row:
             return str(row[0])
         time.sleep(0.02)

@@ -62,7 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ctxproxy.store.failures import storage_errors
 
     try:
-        with storage_errors(_journal_path(settings)):
+        with storage_errors(settings.journal_location):
             code = int(args.run(settings, args))
         sys.stdout.flush()  # here, where a closed pipe can still be caught, not at the interpreter's exit
         return code
@@ -80,10 +80,6 @@ def _quiet_pipe() -> int:
     os.dup2(devnull, sys.stdout.fileno())
     os.close(devnull)
     return 0
-
-
-def _journal_path(settings: Settings) -> Path:
-    return settings.data_path / "journal.db"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -124,6 +120,8 @@ def _command(commands: Any, name: str, help: str, run: Any) -> argparse.Argument
     cmd: argparse.ArgumentParser = commands.add_parser(name, help=help, description=help)
     cmd.add_argument("--config", help="TOML settings file (env CTXPROXY_CONFIG)")
     cmd.add_argument("--data-dir", dest="data_dir", help="journal directory (env CTXPROXY_DATA_DIR)")
+    cmd.add_argument("--store", help="the journal's PostgreSQL URL (env CTXPROXY_STORE; default: SQLite in the "
+                                     "data dir)")
     if name != "serve":
         cmd.add_argument("--json", action="store_true", help="print JSON instead of a table")
     cmd.set_defaults(run=run)
@@ -131,7 +129,7 @@ def _command(commands: Any, name: str, help: str, run: Any) -> argparse.Argument
 
 
 def _flags(args: argparse.Namespace) -> dict[str, Any]:
-    return {k: getattr(args, k, None) for k in ("upstream", "host", "port", "data_dir")}
+    return {k: getattr(args, k, None) for k in ("upstream", "host", "port", "data_dir", "store")}
 
 
 def _serve(settings: Settings, args: argparse.Namespace) -> int:
@@ -142,7 +140,7 @@ def _serve(settings: Settings, args: argparse.Namespace) -> int:
     from ctxproxy.proxy.observe.logs import configure_logging
     from ctxproxy.store import open_journal
 
-    open_journal(_journal_path(settings), settings.journal_sync, check=True).close()  # refused here: no traceback
+    open_journal(settings.journal_location, settings.journal_sync, check=True).close()  # refused here: no traceback
     taken = port_taken(settings.host, settings.port)
     if taken:
         print(f"ctxproxy: {taken}", file=sys.stderr)
@@ -192,11 +190,11 @@ def _replay(settings: Settings, args: argparse.Namespace) -> int:
 def _open_journal(settings: Settings) -> Journal | None:
     from ctxproxy.store import open_journal
 
-    path = _journal_path(settings)
-    if not path.exists():
-        print(f"No journal at {path} yet: start `ctxproxy serve` and send it a request.", file=sys.stderr)
+    location = settings.journal_location
+    if isinstance(location, Path) and not location.exists():
+        print(f"No journal at {location} yet: start `ctxproxy serve` and send it a request.", file=sys.stderr)
         return None
-    return open_journal(path, settings.journal_sync)
+    return open_journal(location, settings.journal_sync)
 
 
 def _sessions(settings: Settings, args: argparse.Namespace) -> int:

@@ -130,7 +130,7 @@ def _lifespan(settings: Settings, transport: httpx.AsyncBaseTransport | None
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         warmup = Warmup.start(WARM)  # on a thread, while the server starts and takes requests
-        journal = JournalWriter(open_journal(settings.data_path / "journal.db", settings.journal_sync, check=True),
+        journal = JournalWriter(open_journal(settings.journal_location, settings.journal_sync, check=True),
                                 storage_error)
         text, fields = startup_line(settings)
         log.info(text, extra={"ctx": fields})

@@ -1,0 +1,317 @@
+"""The journal's connection: one narrow, typed seam over SQLite (``sqlite3``) and PostgreSQL (psycopg 3).
+
+The store's SQL is written once, portably: ``?`` placeholders, ``INSERT ... ON CONFLICT DO NOTHING``, ``RETURNING
+id``, ``IS NOT DISTINCT FROM``, ``CAST(SUM(...) AS BIGINT)`` (PostgreSQL sums integers as NUMERIC). PostgreSQL's
+connection rewrites the placeholders to psycopg's ``%s`` once per string (cached). What differs between the two
+engines is here and nowhere else: opening (SQLite's pragmas), transactions (``with conn:`` commits on success and
+rolls back on error on both; nested blocks join the outer one), the per-session lock ``record_request`` takes, the
+foreign-key check a prune defers, and what a storage error is (``errors``).
+
+psycopg is imported only when a ``postgresql://`` location is opened: a SQLite install needs nothing more.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import re
+import sqlite3
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal, Protocol
+from urllib.parse import urlsplit, urlunsplit
+
+__all__ = ["Connection", "Cursor", "Location", "PostgresConnection", "SqliteConnection", "connect", "is_postgres",
+           "lock_key", "redacted"]
+
+Location = Path | str | None
+"""Where a journal lives: a SQLite file, a ``postgresql://`` URL, or None (SQLite in memory)."""
+
+Dialect = Literal["sqlite", "postgresql"]
+
+
+class Cursor(Protocol):
+    """What both drivers' cursors give the store."""
+
+    @property
+    def rowcount(self) -> int: ...
+    @property
+    def description(self) -> Any: ...
+    def fetchone(self) -> Any: ...
+    def fetchall(self) -> list[Any]: ...
+    def fetchmany(self, size: int = ...) -> list[Any]: ...
+    def __iter__(self) -> Iterator[Any]: ...
+
+
+def is_postgres(location: Location) -> bool:
+    return isinstance(location, str) and location.startswith(("postgresql://", "postgres://"))
+
+
+def redacted(url: str) -> str:
+    """``url`` without its password, for messages and logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username or ''}:***@{parts.hostname or ''}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def lock_key(name: str) -> int:
+    """A signed 64-bit key for ``name`` (a session's name or fingerprint): what PostgreSQL's advisory locks take."""
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big", signed=True)
+
+
+class Connection(ABC):
+    """One connection to the journal's database. ``with conn:`` is a transaction (nested: joins the outer one)."""
+
+    dialect: Dialect
+    Error: type[Exception]
+    """The driver's base error: what a storage failure is raised as (``store.failures`` explains it)."""
+    IntegrityError: type[Exception]
+    OperationalError: type[Exception]
+    """A failure of the database rather than of the statement (no room, no server, a lock that timed out)."""
+
+    def __init__(self) -> None:
+        self._depth = 0
+
+    @abstractmethod
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> Cursor: ...
+
+    @abstractmethod
+    def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> None: ...
+
+    @abstractmethod
+    def script(self, ddl: str) -> None:
+        """Several statements (no parameters), inside the caller's transaction."""
+
+    @abstractmethod
+    def tables(self) -> set[str]: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    @abstractmethod
+    def _begin(self, exclusive: bool) -> None: ...
+
+    @abstractmethod
+    def _end(self, commit: bool) -> None: ...
+
+    def insert(self, sql: str, params: Sequence[Any]) -> int:
+        """An ``INSERT`` into a table with an ``id`` key; returns the new row's id."""
+        return int(self.execute(sql + " RETURNING id", params).fetchone()[0])
+
+    @contextmanager
+    def transaction(self, lock: str | None = None, exclusive: bool = False) -> Iterator[None]:
+        """One transaction. ``lock`` (a session's name or fingerprint): no other process places a request of the
+        same session until it ends (SQLite: its write lock, taken at once; PostgreSQL: an advisory lock).
+        ``exclusive``: SQLite's write lock taken at once (PostgreSQL's rows are locked as they are written)."""
+        self._open(exclusive or lock is not None)
+        try:
+            if lock is not None:
+                self._lock(lock)
+            yield
+        except BaseException:
+            self._close(commit=False)
+            raise
+        self._close(commit=True)
+
+    def unchecked_foreign_keys(self) -> Any:
+        """Around a bulk delete: foreign keys checked once, at the end (``check_foreign_keys``), not per row."""
+        return _nothing()
+
+    @abstractmethod
+    def check_foreign_keys(self) -> None:
+        """Raise ``IntegrityError`` when a row refers to a missing one."""
+
+    @abstractmethod
+    def _lock(self, name: str) -> None:
+        """Hold ``name``'s lock until the transaction ends."""
+
+    def _open(self, exclusive: bool) -> None:
+        if self._depth == 0:
+            self._begin(exclusive)
+        self._depth += 1
+
+    def _close(self, commit: bool) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self._end(commit)
+
+    def __enter__(self) -> Connection:
+        self._open(exclusive=False)
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._close(commit=kind is None)
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+class SqliteConnection(Connection):
+    """A SQLite file in WAL mode (``path``), or a database in memory (``path`` None). Autocommit outside ``with``."""
+
+    dialect: Dialect = "sqlite"
+    Error = sqlite3.Error
+    IntegrityError = sqlite3.IntegrityError
+    OperationalError = sqlite3.OperationalError
+
+    def __init__(self, path: Path | None, sync: str = "normal") -> None:
+        super().__init__()
+        if path is None:
+            self.raw = sqlite3.connect(":memory:", check_same_thread=False, isolation_level=None)
+            self.raw.execute("PRAGMA auto_vacuum=INCREMENTAL")  # before any table: lets store.memory free pages
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.raw = sqlite3.connect(str(path), check_same_thread=False, timeout=10, isolation_level=None)
+            self.raw.execute("PRAGMA journal_mode=WAL")
+        self.raw.execute(f"PRAGMA synchronous={'FULL' if sync == 'full' else 'NORMAL'}")
+        self.raw.execute("PRAGMA foreign_keys=ON")
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> Cursor:
+        return self.raw.execute(sql, params)
+
+    def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
+        self.raw.executemany(sql, rows)
+
+    def script(self, ddl: str) -> None:
+        for statement in _statements(ddl):
+            self.raw.execute(statement)
+
+    def tables(self) -> set[str]:
+        return {r[0] for r in self.raw.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+
+    def close(self) -> None:
+        self.raw.close()
+
+    def unchecked_foreign_keys(self) -> Any:
+        return self._foreign_keys_off()
+
+    @contextmanager
+    def _foreign_keys_off(self) -> Iterator[None]:
+        self.raw.execute("PRAGMA foreign_keys = OFF")  # outside a transaction: inside one it is a no-op
+        try:
+            yield
+        finally:
+            self.raw.execute("PRAGMA foreign_keys = ON")
+
+    def check_foreign_keys(self) -> None:
+        dangling = self.raw.execute("PRAGMA foreign_key_check").fetchmany(3)
+        if dangling:
+            raise sqlite3.IntegrityError(f"rows would refer to removed ones: {dangling}")
+
+    def _lock(self, name: str) -> None:
+        """The write lock, taken by ``BEGIN IMMEDIATE``, serialises every writer of the file already."""
+
+    def _begin(self, exclusive: bool) -> None:
+        self.raw.execute("BEGIN IMMEDIATE" if exclusive else "BEGIN")
+
+    def _end(self, commit: bool) -> None:
+        if commit:
+            self.raw.commit()
+        else:
+            self.raw.rollback()
+
+
+def _statements(ddl: str) -> Iterator[str]:
+    """The statements of a script, split where SQLite says one is complete (a ``;`` in a comment is not an end)."""
+    pending = ""
+    for line in ddl.splitlines(keepends=True):
+        pending += line
+        if sqlite3.complete_statement(pending):
+            yield pending
+            pending = ""
+    if pending.strip() and not all(s.strip().startswith("--") or not s.strip() for s in pending.splitlines()):
+        yield pending
+
+
+@functools.lru_cache(maxsize=4096)
+def pg_sql(sql: str) -> str:
+    """``sql`` with psycopg's placeholders: each ``?`` outside a string literal or a comment becomes ``%s``, and
+    every literal ``%`` is doubled (psycopg reads ``%`` as the start of a placeholder)."""
+    return _TOKENS.sub(_pg_token, sql)
+
+
+_TOKENS = re.compile(r"'(?:[^']|'')*'|--[^\n]*|\?|%")
+
+
+def _pg_token(match: re.Match[str]) -> str:
+    token = match.group(0)
+    if token == "?":
+        return "%s"
+    return token.replace("%", "%%")
+
+
+class PostgresConnection(Connection):
+    """A PostgreSQL database (``url``), through psycopg 3, in autocommit outside ``with`` (a read takes no
+    transaction and holds nothing). A connection the server dropped is opened again before the next statement."""
+
+    dialect: Dialect = "postgresql"
+
+    def __init__(self, url: str) -> None:
+        super().__init__()
+        import psycopg  # only a PostgreSQL journal needs the driver (the `postgresql` extra)
+
+        self._psycopg = psycopg
+        self.Error = psycopg.Error
+        self.IntegrityError = psycopg.IntegrityError
+        self.OperationalError = psycopg.OperationalError
+        self.url = url
+        self.raw = psycopg.connect(url, autocommit=True)
+        self._tx: Any = None
+
+    def _live(self) -> Any:
+        if self.raw.closed and self._depth == 0:
+            self.raw = self._psycopg.connect(self.url, autocommit=True)
+        return self.raw
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> Cursor:
+        cursor: Cursor = self._live().execute(pg_sql(sql), list(params))
+        return cursor
+
+    def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
+        rows = list(rows)
+        if rows:
+            with self._live().cursor() as cursor:
+                cursor.executemany(pg_sql(sql), rows)
+
+    def script(self, ddl: str) -> None:
+        self._live().execute(ddl)
+
+    def tables(self) -> set[str]:
+        return {r[0] for r in self.execute(
+            "SELECT table_name FROM information_schema.tables WHERE table_schema = current_schema()")}
+
+    def close(self) -> None:
+        self.raw.close()
+
+    def check_foreign_keys(self) -> None:
+        """PostgreSQL checked each statement's rows."""
+
+    def _lock(self, name: str) -> None:
+        self.execute("SELECT pg_advisory_xact_lock(?)", [lock_key(name)])
+
+    def _begin(self, exclusive: bool) -> None:
+        self._tx = self._live().transaction()
+        self._tx.__enter__()
+
+    def _end(self, commit: bool) -> None:
+        tx, self._tx = self._tx, None
+        if commit:
+            tx.__exit__(None, None, None)
+        else:
+            rollback = self._psycopg.Rollback()
+            tx.__exit__(type(rollback), rollback, None)
+
+
+def connect(location: Location, sync: str = "normal") -> Connection:
+    """The connection for ``location`` (see ``Location``)."""
+    if is_postgres(location):
+        return PostgresConnection(str(location))
+    return SqliteConnection(None if location is None else Path(location), sync)
