@@ -101,7 +101,7 @@ class SessionLocks:
     """
 
     def __init__(self, backend: SessionLocking | None = None) -> None:
-        self._backend = backend or LocalLocks()
+        self._backend = backend if backend is not None else LocalLocks()  # one with no lock held is falsy
 
     async def acquire(self, session_id: str) -> None:
         try:
