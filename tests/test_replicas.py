@@ -91,7 +91,7 @@ def _script(fake: FakeUpstream, replies: list[Any]) -> None:
 @pytest.fixture(autouse=True)
 def no_data_version(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """PostgreSQL has no ``data_version``: the per-session claim alone must keep the apps right."""
-    monkeypatch.setattr(JournalWriter, "_notice_other_writers", lambda self: None)
+    monkeypatch.setattr(JournalWriter, "_notice_other_writers", lambda self, journal: None)
     yield
 
 

@@ -29,7 +29,7 @@ from ctxproxy.proxy import __version__
 from ctxproxy.proxy.edge.body import read_body
 from ctxproxy.proxy.edge.callers import bearer_matches, require_admin, require_metrics
 from ctxproxy.proxy.engine.responses import FinallyResponse
-from ctxproxy.proxy.engine.state import AppState, Warmup, give_back_freed_memory
+from ctxproxy.proxy.engine.state import AppState, SessionLocks, Warmup, give_back_freed_memory
 from ctxproxy.proxy.errors import (
     BadRequest,
     CtxError,
@@ -44,7 +44,7 @@ from ctxproxy.proxy.upstream.endpoint import Upstream, client_headers, response_
 from ctxproxy.proxy.upstream.loop import VIA_HEADER, refuse_loop
 from ctxproxy.proxy.upstream.transport import AiohttpTransport
 from ctxproxy.proxy.upstream.window import WindowDetector
-from ctxproxy.store import Journal, JournalWriter, MemoryJournal, open_journal
+from ctxproxy.store import Journal, JournalWriter, MemoryJournal, open_journal, session_locks
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -143,7 +143,8 @@ def _lifespan(settings: Settings, transport: httpx.AsyncBaseTransport | None
                             settings.upstream_timeout)
         windows = WindowDetector(upstream, ctx_window=0)  # a configured window is applied per model, in planning
         app.state.ctx = AppState(settings, upstream, journal, incognito, windows, warmup=warmup,
-                                 own_headers=frozenset({settings.session_header.lower()}))
+                                 own_headers=frozenset({settings.session_header.lower()}),
+                                 locks=SessionLocks(session_locks(settings.store or None)))
         try:
             async with asyncio.TaskGroup() as background:
                 trimmer = background.create_task(_trim_when_quiet(app.state.ctx))
@@ -153,6 +154,7 @@ def _lifespan(settings: Settings, transport: httpx.AsyncBaseTransport | None
                     trimmer.cancel()
         finally:
             await upstream.aclose()
+            app.state.ctx.locks.close()
             journal.close()
             incognito.close()
 
