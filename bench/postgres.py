@@ -2,6 +2,9 @@
 temporary directory, on 127.0.0.1 and a free port, stopped and deleted after.
 
 Why its own: a measurement must not share a server with anyone else's databases, and must start from an empty one.
+Why not the tests' (``tests/postgres.py``): that one turns durability off (``fsync``, ``synchronous_commit``)
+because a test database is thrown away; a measurement keeps the server's defaults, what a team would run: every
+commit is flushed to disk before it returns.
 The server refuses to run as root, so when the bench runs as root the cluster belongs to the ``postgres`` user
 (Debian's package creates it) and every server command runs through ``runuser``.
 """
