@@ -161,6 +161,7 @@ def test_the_scale_profile_puts_two_replicas_on_postgres_behind_a_balancer() -> 
                                          "llama": {"condition": "service_healthy"}}
         assert "/healthz" in replica["healthcheck"]["test"][-1] and "ports" not in replica  # only the lb is published
     assert services["ctxproxy-a"]["image"] == services["ctxproxy-b"]["image"]
+    assert "'.[postgresql]'" in dockerfile()  # the image can open a postgresql:// store
     assert services["ctxproxy-a"]["volumes"] != services["ctxproxy-b"]["volumes"]
     lb = services["lb"]
     assert lb["depends_on"] == {"ctxproxy-a": {"condition": "service_healthy"},
