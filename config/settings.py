@@ -94,7 +94,8 @@ class Settings:
     upstream_connect_timeout: float = _opt(10.0, parse_float(0.1, 3600), "seconds to connect upstream (502 after)")
     upstream_timeout: float = _opt(600.0, parse_float(0.1, 86400), "seconds between upstream bytes (504 after)")
     journal_sync: str = _opt("normal", parse_choice("normal", "full"), "SQLite synchronous: normal survives a "
-                             "crash of the proxy, full also a power loss (one fsync per request)")
+                             "crash of the proxy, full also a power loss (one fsync per request); on PostgreSQL "
+                             "the server's synchronous_commit decides")
     log_level: str = _opt("info", parse_choice("critical", "error", "warning", "info", "debug"), "log level")
     access_log: bool = _opt(False, parse_bool, "uvicorn's per-request log line (the journal records every request)")
     log_format: str = _opt("text", parse_choice("text", "json"), "ctxproxy's own log lines (one per request at "

@@ -288,7 +288,8 @@ WITH turns AS (
 ), per_request AS (
     SELECT r.session_id, r.turn, r.id,
            (SELECT COUNT(*) FROM json_each((SELECT added FROM message_lists WHERE id = r.list_id)) j
-              JOIN blobs b ON b.hash = j.value WHERE json_extract(b.body, '$.role') = 'tool') AS tool_results,
+              JOIN blobs b ON b.hash = j.value
+             WHERE CASE WHEN b.kind = 'message' THEN json_extract(b.body, '$.role') END = 'tool') AS tool_results,
            (SELECT CAST(COALESCE(SUM(p.prompt_tokens), 0) AS BIGINT) FROM responses p WHERE p.request_id = r.id)
                AS input_tokens,
            (SELECT CAST(COALESCE(SUM(p.completion_tokens), 0) AS BIGINT) FROM responses p WHERE p.request_id = r.id)

@@ -79,24 +79,28 @@ class Journal(PlacementMixin, ReadsMixin, CutsMixin, InspectMixin, RecoveryMixin
     def record_response(self, rec: ResponseRecord, forward: ForwardRecord | None = None) -> None:
         """The answer to one attempt; with ``forward``, the forward row it answers (a verbatim forward with nothing
         new is journaled with its answer, so the request's path waits for one transaction, not two)."""
-        usage = rec.usage or {}
+        if forward is None:  # one statement is its own transaction: on PostgreSQL one round trip, not three
+            self._insert_response(rec)
+            return
         with self.conn:
-            if forward is not None:
-                self.write_forward(forward)
-            self.conn.execute(
-                "INSERT INTO responses (request_id, attempt, outcome, status, body, prompt_tokens, completion_tokens,"
-                " usage, ttfb_ms, total_ms, finished_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                [rec.request_id, rec.attempt, rec.outcome, rec.status, rec.body,
-                 _int_or_none(usage.get("prompt_tokens")), _int_or_none(usage.get("completion_tokens")),
-                 json.dumps(rec.usage) if rec.usage else None,
-                 rec.ttfb_ms, rec.total_ms, rec.finished_at],
-            )
+            self.write_forward(forward)
+            self._insert_response(rec)
 
     def after_request(self) -> None:
         """Runs after each journaled request, outside its transaction: nothing here; the incognito journal keeps
         within its bound (``store.memory``). ``Journal.record_request`` is what callers name, so this is the seam."""
 
     # --- inserts ------------------------------------------------------------------------------------------------
+    def _insert_response(self, rec: ResponseRecord) -> None:
+        usage = rec.usage or {}
+        self.conn.execute(
+            "INSERT INTO responses (request_id, attempt, outcome, status, body, prompt_tokens, completion_tokens,"
+            " usage, ttfb_ms, total_ms, finished_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            [rec.request_id, rec.attempt, rec.outcome, rec.status, rec.body,
+             _int_or_none(usage.get("prompt_tokens")), _int_or_none(usage.get("completion_tokens")),
+             json.dumps(rec.usage) if rec.usage else None, rec.ttfb_ms, rec.total_ms, rec.finished_at],
+        )
+
     def _insert_blob(self, digest: str, kind: str, body: bytes) -> None:
         # ON CONFLICT DO NOTHING: content-addressed, so a body seen before (any session) is already there.
         self.conn.execute("INSERT INTO blobs (hash, kind, body, chars) VALUES (?, ?, ?, ?) ON CONFLICT DO NOTHING",

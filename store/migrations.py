@@ -341,3 +341,21 @@ def m010_session_claims(conn: Connection) -> None:
         ALTER TABLE sessions ADD COLUMN claimed_by INTEGER;
         """
     )
+
+
+@step
+def m011_postgres_foreign_key_indexes(conn: Connection) -> None:
+    """PostgreSQL only: an index on each column that refers to another table's row. PostgreSQL checks a deleted
+    row's referrers one row at a time, and without these by a full scan: a prune of 2 050 requests took 2.1 s
+    (SQLite's prune checks the keys once, at the end, ``RetentionMixin.prune``). Placement never reads by them."""
+    if conn.dialect == "postgresql":
+        conn.script(_FOREIGN_KEY_INDEXES)
+
+
+_FOREIGN_KEY_INDEXES = "\n".join(
+    f"CREATE INDEX {table}_by_{column} ON {table}({column});" for table, column in [
+        ("message_lists", "base_id"), ("sessions", "parent_id"), ("sessions", "head_list_id"),
+        ("requests", "list_id"), ("requests", "params_hash"), ("forwards", "list_id"), ("forwards", "params_hash"),
+        ("decisions", "request_id"), ("overflow", "id"), ("overflow_spans", "list_id"),
+        ("context_ops", "request_id"), ("session_state", "request_id"), ("session_state", "mirror_hash"),
+        ("session_state", "mirror_list")])

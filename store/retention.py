@@ -44,9 +44,10 @@ class RetentionMixin:
     def prune(self, before: str, dry_run: bool = False) -> PruneReport:
         """Remove the sessions last active before ``before`` (an ISO timestamp, as the journal writes them).
 
-        Foreign keys are checked once, over the whole result, rather than per deleted row: most child columns
-        (``requests.list_id``, ``message_lists.base_id``...) have no index, and a row-by-row check made a prune
-        of 5 000 requests take 13 s instead of a fraction of one."""
+        SQLite checks the foreign keys once, over the whole result, rather than per deleted row: most child columns
+        (``requests.list_id``, ``message_lists.base_id``...) have no index there, and a row-by-row check made a
+        prune of 5 000 requests take 13 s instead of a fraction of one. PostgreSQL checks them row by row, as it
+        always does, through the indexes it has on those columns (``m011``)."""
         try:
             with self.conn.unchecked_foreign_keys(), self.conn.transaction(exclusive=True):
                 report = self._prune(before, dry_run)
@@ -75,17 +76,21 @@ class RetentionMixin:
         self.conn.execute("VACUUM")
 
     def _prune(self, before: str, dry_run: bool) -> PruneReport:
-        self.conn.execute("CREATE TEMP TABLE IF NOT EXISTS pruned (id TEXT PRIMARY KEY)")
-        self.conn.execute("DELETE FROM pruned")
+        for table, columns in _TEMP_TABLES.items():
+            self.conn.execute(f"CREATE TEMP TABLE IF NOT EXISTS {table} ({columns})")
+            self.conn.execute(f"DELETE FROM {table}")
         self.conn.execute(_CHOOSE, [before])
         sessions = [r[0] for r in self.conn.execute(
             "SELECT s.id FROM sessions s JOIN pruned p ON p.id = s.id ORDER BY s.updated_at, s.id")]
         idle = self.conn.execute("SELECT COUNT(*) FROM sessions WHERE updated_at < ?", [before]).fetchone()[0]
         counts = [self.conn.execute(sql).rowcount for sql in _DELETE_ROWS]
         self.conn.execute("DELETE FROM kept_responses WHERE created_at < ?", [before])  # no session: by age
-        lists = self.conn.execute(_DELETE_LISTS).rowcount
+        self.conn.execute(_LIVE_LISTS)
+        lists = self.conn.execute("DELETE FROM message_lists WHERE id NOT IN (SELECT id FROM live_lists)").rowcount
         self.conn.execute(DELETE_PREFIXES)
-        chars = [r[0] for r in self.conn.execute(_DELETE_BLOBS).fetchall()]
+        self.conn.execute(_LIVE_BLOBS)
+        chars = [r[0] for r in self.conn.execute(
+            "DELETE FROM blobs WHERE hash NOT IN (SELECT hash FROM live_blobs) RETURNING chars").fetchall()]
         return PruneReport(sessions, idle - len(sessions), counts[_REQUESTS], lists, len(chars), sum(chars),
                            dry_run)
 
@@ -97,6 +102,11 @@ class _DryRun(Exception):
         super().__init__()
         self.report = report
 
+
+_TEMP_TABLES = {"pruned": "id TEXT PRIMARY KEY", "live_lists": "id BIGINT PRIMARY KEY",
+                "live_blobs": "hash TEXT PRIMARY KEY"}
+"""What is removed, and what stays, written down first: a ``NOT IN`` over a table is hashed, once; over the
+recursive query itself PostgreSQL ran it per row (0.9 s of a 1.3 s prune of 2 050 requests)."""
 
 _CHOOSE = """
 WITH RECURSIVE kept(id) AS (
@@ -120,24 +130,23 @@ _DELETE_ROWS = [  # children before parents: the foreign keys are on
 ]
 _REQUESTS = 7
 
-_DELETE_LISTS = """
-DELETE FROM message_lists WHERE id NOT IN (
-    WITH RECURSIVE live(id) AS (
-        SELECT list_id FROM requests
-        UNION SELECT list_id FROM forwards
-        UNION SELECT list_id FROM overflow_spans
-        UNION SELECT mirror_list FROM session_state WHERE mirror_list IS NOT NULL
-        UNION SELECT head_list_id FROM sessions WHERE head_list_id IS NOT NULL
-        UNION SELECT m.base_id FROM message_lists m JOIN live l ON m.id = l.id WHERE m.base_id IS NOT NULL
-    )
-    SELECT id FROM live)
+_LIVE_LISTS = """
+INSERT INTO live_lists WITH RECURSIVE live(id) AS (
+    SELECT list_id FROM requests
+    UNION SELECT list_id FROM forwards
+    UNION SELECT list_id FROM overflow_spans
+    UNION SELECT mirror_list FROM session_state WHERE mirror_list IS NOT NULL
+    UNION SELECT head_list_id FROM sessions WHERE head_list_id IS NOT NULL
+    UNION SELECT m.base_id FROM message_lists m JOIN live l ON m.id = l.id WHERE m.base_id IS NOT NULL
+)
+SELECT id FROM live
 """
 
 DELETE_PREFIXES = "DELETE FROM prefixes WHERE segment NOT IN (SELECT id FROM message_lists)"
 """The prefix index of the lists removed: a segment goes with its first list, the base of all its others."""
 
-_DELETE_BLOBS = """
-DELETE FROM blobs WHERE hash NOT IN (
+_LIVE_BLOBS = """
+INSERT INTO live_blobs
     SELECT j.value FROM message_lists m, json_each(m.added) j
     UNION SELECT params_hash FROM requests
     UNION SELECT params_hash FROM forwards
@@ -145,5 +154,4 @@ DELETE FROM blobs WHERE hash NOT IN (
     UNION SELECT overflow_id FROM decisions
     UNION SELECT j.value FROM context_ops c, json_each(c.overflow_ids) j
     UNION SELECT mirror_hash FROM session_state WHERE mirror_hash IS NOT NULL
-) RETURNING chars
 """

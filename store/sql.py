@@ -263,12 +263,20 @@ class PostgresConnection(Connection):
         self.IntegrityError = psycopg.IntegrityError
         self.OperationalError = psycopg.OperationalError
         self.url = url
-        self.raw = psycopg.connect(url, autocommit=True)
+        self.raw = self._connect()
         self._tx: Any = None
 
+    def _connect(self) -> Any:
+        from ctxproxy.store.pgtext import register
+
+        raw = self._psycopg.connect(self.url, autocommit=True)
+        register(raw)
+        return raw
+
     def _live(self) -> Any:
-        if self.raw.closed and self._depth == 0:
-            self.raw = self._psycopg.connect(self.url, autocommit=True)
+        if (self.raw.closed or self.raw.broken) and self._depth == 0:
+            self.raw.close()
+            self.raw = self._connect()
         return self.raw
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> Cursor:

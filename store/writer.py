@@ -27,7 +27,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from ctxproxy.store.failures import JournalUnavailable, explain
 from ctxproxy.store.journal import Journal
@@ -58,6 +58,10 @@ class JournalWriter:
         """The journal no thread has claimed yet (the first thread takes the one given), and every one opened."""
         self._lock = threading.Lock()
         self._unwritten: deque[tuple[object, ...]] = deque(maxlen=UNWRITTEN)
+        self._answers: set[asyncio.Future[Any]] = set()
+        """Answers handed to the threads and not yet journaled. A request waits for those handed in before it:
+        placement continues a session only from an answered head, and an answer's call (journaled after the client
+        has it) may otherwise run on another thread, later (one thread, on SQLite, keeps them in order anyway)."""
         self._data_version: int | None = None
         self.generation = 0
         """Counts the times another process wrote the journal (``ctxproxy prune``): what the proxy remembers of
@@ -65,7 +69,13 @@ class JournalWriter:
 
     async def call(self, method: Callable[..., T], *args: object) -> T:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, functools.partial(self._guarded, method, *args))
+        if method is Journal.record_request and self._answers:
+            await asyncio.wait(list(self._answers))
+        future = loop.run_in_executor(self._executor, functools.partial(self._guarded, method, *args))
+        if method is Journal.record_response:
+            self._answers.add(future)
+            future.add_done_callback(self._answers.discard)
+        return await future
 
     def _guarded(self, method: Callable[..., T], *args: object) -> T:
         journal = self._own()

@@ -136,8 +136,8 @@ def test_each_fold_id_and_size_are_those_of_the_whole_span_it_stands_for() -> No
     assert len(spans) >= 3 and len({start for start, _ in spans}) == 1  # later folds extend the first
 
 
-def test_a_fold_blob_journaled_before_the_change_is_still_read(tmp_path: Path) -> None:
-    journal = Journal(tmp_path / "j.db")
+def test_a_fold_blob_journaled_before_the_change_is_still_read(store_location: Path | str) -> None:
+    journal = Journal(store_location)
     try:
         body = canonical_json([{"role": "user", "content": "old"}]).decode()
         request = IncomingRequest("2026-01-01T00:00:00", "/v1/chat/completions", "m", False, None, "f", ["h"],

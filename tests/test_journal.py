@@ -163,7 +163,7 @@ def test_migrating_twice_is_a_noop(store_location: Path | str) -> None:
     assert applied(journal.conn) == [name for name, _ in STEPS] == [
         "m001_journal", "m002_decisions_and_overflow", "m003_context_ops", "m004_request_turns",
         "m005_session_state", "m006_prefix_index", "m007_overflow_spans_and_mirror_lists",
-        "m008_kept_responses", "m009_postgres"]
+        "m008_kept_responses", "m009_postgres", "m011_postgres_foreign_key_indexes"]
     journal.close()
 
 
@@ -285,3 +285,22 @@ def test_cuts_are_counted_per_request_by_kind(journal: Journal) -> None:
                                                                    spill | {"kind": "elide", "target": "tool:c"}]))
     assert journal.cuts_by_request(first.session_id) == {first.request_id: {"elide": 1, "spill": 2}}
     assert journal.cuts_by_request("s-none") == {}
+
+
+def test_nul_and_every_other_character_are_kept_exactly(journal: Journal) -> None:
+    """A tool result may hold NUL (a binary file printed): PostgreSQL's text cannot, so it crosses escaped
+    (``store.pgtext``), and what is read back is what was written, the escape character itself included."""
+    odd = "bin\x00ary \ue000 \ue0000 \ue0001 \ue000\ue000 \x00\x00 é"
+    rec = record(journal, incoming([{"role": "user", "content": odd}]))
+    cut = {"kind": "spill", "target": "tool:c0", "message_hash": odd, "replacement": f"[cut {odd}]",
+           "overflow_id": "o1", "until": "", "count": 0, "source": "auto"}
+    journal.add_decisions(rec.session_id, [cut], "t", overflow=[OverflowBody("o1", odd, "sh", "c0")])
+    journal.record_context_op({"session_id": rec.session_id, "request_id": rec.request_id, "round": 1, "op": "note",
+                               "ok": True, "arguments": odd, "result": odd, "handles": [odd], "tokens_freed": 0,
+                               "overflow_ids": [], "created_at": "t"})
+    body = journal.overflow_body("o1", rec.session_id)
+    assert body is not None and body["body"] == odd and body["bytes"] == len(odd.encode())
+    assert journal.decisions(rec.session_id)[0]["replacement"] == f"[cut {odd}]"
+    (op,) = journal.session_ops(rec.session_id)
+    assert op["result"] == op["arguments"] == odd and op["handles"] == [odd]
+    assert journal.head_messages(rec.session_id) == [{"role": "user", "content": odd}]

@@ -92,10 +92,10 @@ def test_without_the_context_tools_no_mirror_is_written_nor_announced(tmp_path: 
     assert not (tmp_path / "ws" / "LIVE_CONTEXT.json").exists()
 
 
-def test_the_journal_keeps_each_mirror_entry_once_and_gives_the_text_back(tmp_path: Path) -> None:
+def test_the_journal_keeps_each_mirror_entry_once_and_gives_the_text_back(store_location: Path | str) -> None:
     """Each version of a growing mirror is journaled (a restart judges a pending draft against it), as pieces
     stored once: the journal holds about one copy of the last version, not the sum of every version."""
-    journal = Journal(tmp_path / "j.db")
+    journal = Journal(store_location)
     try:
         recorded = journal.record_request(incoming([{"role": "user", "content": "task"}]))
         msgs = _body(40, 500)["messages"]

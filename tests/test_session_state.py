@@ -139,13 +139,14 @@ SCENARIOS: dict[str, Callable[[], Scenario]] = {
     "mirror": _mirror}
 
 
-def _run(root: Path, scenario: Scenario, cut: int | None, how: str) -> list[bytes]:
+def _run(root: Path, scenario: Scenario, cut: int | None, how: str, store: str = "") -> list[bytes]:
     """Every upstream chat request of the run, with the proxy restarted or the session evicted before ``cut``:
     ``restart`` (a fresh app on the same data dir), ``evict`` (dropped from the working cache), ``crowd-out``
     (another session's request pushes it out of a cache of one), ``incognito`` (dropped; an incognito run, whose
-    journal is in memory)."""
+    journal is in memory). ``store``: the journal's PostgreSQL URL ("": SQLite in the data dir)."""
     shutil.rmtree(root, ignore_errors=True)
-    env = scenario.env | {"CTXPROXY_DATA_DIR": str(root / "data"), "CTXPROXY_MIRROR_DIR": str(root / "ws")}
+    env = scenario.env | {"CTXPROXY_DATA_DIR": str(root / "data"), "CTXPROXY_MIRROR_DIR": str(root / "ws"),
+                          "CTXPROXY_STORE": store}
     headers = {"X-Ctx-Incognito": "1"} if how == "incognito" else {}
     fake = FakeUpstream()
     clients = _clients(load_settings(env=env), fake)
@@ -213,6 +214,14 @@ def test_a_restart_or_eviction_between_any_two_requests_changes_no_upstream_byte
     assert _run(root, SCENARIOS[name](), cut, how) == expected
 
 
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_a_restart_on_postgresql_sends_what_sqlite_sent(root: Path, name: str, postgres_url: str) -> None:
+    """The offer, the reminder, the confirmations and the mirror come back from PostgreSQL as from SQLite: a
+    replica taking a session over mid-run sends the same bytes."""
+    cut = len(SCENARIOS[name]().steps) // 2
+    assert _run(root, SCENARIOS[name](), cut, "restart", store=postgres_url) == _baseline(root, name)
+
+
 @pytest.mark.parametrize(("name", "cut"), [(name, cut) for name, cut in CUTS if name != "mirror"])
 def test_an_incognito_session_evicted_between_any_two_requests_resumes_from_its_memory_journal(
         root: Path, name: str, cut: int) -> None:
@@ -237,8 +246,8 @@ def _forward(journal: Journal, req: IncomingRequest, k: float, samples: int | No
 
 
 def test_the_calibration_in_force_is_the_latest_forwards_and_what_only_an_agents_answer_taught(
-        tmp_path: Path) -> None:
-    journal = Journal(tmp_path / "journal.db")
+        store_location: Path | str) -> None:
+    journal = Journal(store_location)
     steps = run(3)
     _forward(journal, incoming(steps[0], "s", n=1), 1.0, None, 100, "ok", 120)  # journaled before the count was
     assert calibration_in_force(journal, "s", "m") is None
@@ -249,3 +258,4 @@ def test_the_calibration_in_force_is_the_latest_forwards_and_what_only_an_agents
     _forward(journal, incoming(steps[3], "s", n=4), 1.35, 2, None, "ok", 150)  # a splice: no estimate
     assert calibration_in_force(journal, "s", "m") == CalibrationInForce(1.35, 2, None)
     assert calibration_in_force(journal, "s", "other-model") is None
+    journal.close()

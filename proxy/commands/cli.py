@@ -13,10 +13,11 @@ runs (the journal and sqlite-utils, the server stack, the tokenizer), so ``ctxpr
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -187,6 +188,22 @@ def _replay(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
+def _with_journal(command: Callable[[Journal, Settings, argparse.Namespace], int]
+                  ) -> Callable[[Settings, argparse.Namespace], int]:
+    """A reading command: given the journal, closed after it (a PostgreSQL connection is not left to the exit)."""
+    @functools.wraps(command)
+    def run(settings: Settings, args: argparse.Namespace) -> int:
+        journal = _open_journal(settings)
+        if journal is None:
+            return 1
+        try:
+            return command(journal, settings, args)
+        finally:
+            journal.close()
+
+    return run
+
+
 def _open_journal(settings: Settings) -> Journal | None:
     from ctxproxy.store import open_journal
 
@@ -197,10 +214,8 @@ def _open_journal(settings: Settings) -> Journal | None:
     return open_journal(location, settings.journal_sync)
 
 
-def _sessions(settings: Settings, args: argparse.Namespace) -> int:
-    journal = _open_journal(settings)
-    if journal is None:
-        return 1
+@_with_journal
+def _sessions(journal: Journal, settings: Settings, args: argparse.Namespace) -> int:
     rows = journal.sessions()
     print(json.dumps({"sessions": rows}, indent=2) if args.json  # the shape of GET /ctx/sessions
           else render_table(rows, _SESSION_COLUMNS))
@@ -219,12 +234,10 @@ def _doctor(settings: Settings, args: argparse.Namespace) -> int:
     return 0 if all(c.ok for c in checks) else 1
 
 
-def _scorecard(settings: Settings, args: argparse.Namespace) -> int:
+@_with_journal
+def _scorecard(journal: Journal, settings: Settings, args: argparse.Namespace) -> int:
     from ctxproxy.proxy.observe.metrics import aggregate
 
-    journal = _open_journal(settings)
-    if journal is None:
-        return 1
     rows = journal.scorecard()
     if args.json:
         print(json.dumps({"rows": rows, "aggregate": aggregate(rows)}, indent=2))
@@ -247,10 +260,8 @@ def _duration(text: str) -> timedelta:
     return timedelta(seconds=int(number) * _UNITS[unit])
 
 
-def _prune(settings: Settings, args: argparse.Namespace) -> int:
-    journal = _open_journal(settings)
-    if journal is None:
-        return 1
+@_with_journal
+def _prune(journal: Journal, settings: Settings, args: argparse.Namespace) -> int:
     cutoff = (datetime.now(UTC) - args.older_than).isoformat(timespec="milliseconds")
     report = journal.prune(cutoff, dry_run=args.dry_run)
     if args.vacuum and not args.dry_run:
@@ -266,10 +277,8 @@ def _prune(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
-def _show(settings: Settings, args: argparse.Namespace) -> int:
-    journal = _open_journal(settings)
-    if journal is None:
-        return 1
+@_with_journal
+def _show(journal: Journal, settings: Settings, args: argparse.Namespace) -> int:
     session = journal.session(args.session_id)
     if session is None:
         print(f"No session {args.session_id!r}; `ctxproxy sessions` lists them.", file=sys.stderr)

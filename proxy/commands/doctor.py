@@ -1,5 +1,5 @@
 """``ctxproxy doctor``: is this proxy ready to run? The upstream, its chat route, its window, the tokenizer, the
-data dir.
+data dir, and the journal's database when it is PostgreSQL (``store``).
 
 Each check says what it found and, when it fails, what to do. It talks only to the configured upstream. The chat
 route is asked for one token: an upstream URL without its ``/v1`` answered ``GET /models`` (a 404 is not a server
@@ -37,7 +37,7 @@ class Check:
 
 
 def run_checks(settings: Settings, model: str | None = None) -> list[Check]:
-    return [_data_dir(settings), _tokenizer(), *asyncio.run(_upstream(settings, model))]
+    return [_data_dir(settings), *_store(settings), _tokenizer(), *asyncio.run(_upstream(settings, model))]
 
 
 def _data_dir(settings: Settings) -> Check:
@@ -48,6 +48,21 @@ def _data_dir(settings: Settings) -> Check:
     except OSError as exc:
         return Check("data dir", False, f"{path}: {exc}. Set --data-dir or CTXPROXY_DATA_DIR to a writable folder.")
     return Check("data dir", writable, f"{path} ({'writable' if writable else 'not writable: pick another'})")
+
+
+def _store(settings: Settings) -> list[Check]:
+    """A PostgreSQL journal opened as ``serve`` opens it: reachable, logged into, migrated (the first process to
+    open a new database creates its schema, this one too), writable."""
+    if not settings.store:
+        return []
+    from ctxproxy.store import JournalUnavailable, open_journal
+    from ctxproxy.store.sql import redacted
+
+    try:
+        open_journal(settings.store, check=True).close()
+    except JournalUnavailable as exc:
+        return [Check("journal database", False, exc.message)]
+    return [Check("journal database", True, f"{redacted(settings.store)} (schema current, writable)")]
 
 
 def _tokenizer() -> Check:

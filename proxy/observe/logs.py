@@ -16,6 +16,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from ctxproxy.config import Settings
+from ctxproxy.store.sql import redacted
 
 if TYPE_CHECKING:
     from ctxproxy.proxy.observe.metrics import Metrics
@@ -53,12 +54,15 @@ def configure_logging(settings: Settings) -> logging.Handler:
 
 
 def startup_line(settings: Settings) -> tuple[str, dict[str, Any]]:
-    """What the operator needs to know first: where requests go, where the journal is, the window."""
+    """What the operator needs to know first: where requests go, where the journal is (the data dir, or the
+    PostgreSQL URL without its password), the window."""
     window = (f"{settings.ctx_window} tokens (ctx_window)" if settings.ctx_window
               else "detected from the upstream per model (else 131072; set ctx_window to fix it)")
+    store = redacted(settings.store) if settings.store else None  # a password never reaches a log
     fields = {"event": "startup", "upstream": settings.upstream, "data_dir": str(settings.data_path),
-              "window": settings.ctx_window or None}
-    return f"ctxproxy: upstream {settings.upstream}, data dir {settings.data_path}, window {window}", fields
+              "store": store, "window": settings.ctx_window or None}
+    journal = f", journal {store}" if store else ""
+    return f"ctxproxy: upstream {settings.upstream}, data dir {settings.data_path}{journal}, window {window}", fields
 
 
 def request_line(fields: Mapping[str, Any]) -> str:
