@@ -12,6 +12,7 @@ from ctxproxy.store.session_state import (
     CalibrationInForce,
     SessionState,
     calibration_in_force,
+    latest_calibration,
     record_session_state,
     session_state,
 )
@@ -33,6 +34,7 @@ __all__ = [
     "claim",
     "keep_response",
     "kept_response",
+    "latest_calibration",
     "open_journal",
     "prefix_digest",
     "record_session_state",

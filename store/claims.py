@@ -18,20 +18,45 @@ Plain functions over a ``Journal`` (``writer.call(claim, ...)``), so the Journal
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 from ctxproxy.store.journal import Journal
+from ctxproxy.store.recovery import ANSWERED, INTERRUPTED
 
 __all__ = ["claim", "unclaim"]
 
 
 def claim(journal: Journal, session_id: str, request_id: int) -> int | None:
-    """Mark ``request_id`` as the session's current holder; returns the previous one (None: none, or no row)."""
+    """Mark ``request_id`` as the session's current holder; returns the previous one (None: none, or no row).
+
+    A previous holder still unanswered let go of the lock without journaling its answer: its process died (the
+    lock server frees a dead connection's locks). It gets its final ``interrupted`` row here, as a restart gives
+    one (``store.recovery``), which on a shared store no starting replica may do for the others."""
     with journal.conn:
         row = journal.conn.execute("SELECT claimed_by FROM sessions WHERE id = ?", [session_id]).fetchone()
         journal.conn.execute("UPDATE sessions SET claimed_by = ? WHERE id = ?", [request_id, session_id])
-    return None if row is None or row[0] is None else int(row[0])
+        previous = None if row is None or row[0] is None else int(row[0])
+        if previous is not None and previous != request_id:
+            journal.conn.execute(_MARK_ABANDONED, [datetime.now(UTC).isoformat(timespec="milliseconds"), previous])
+    return previous
 
 
 def unclaim(journal: Journal, session_id: str) -> None:
     """Something changed the session outside a request (an operator's pin or drop): every process reads it back."""
     with journal.conn:
         journal.conn.execute("UPDATE sessions SET claimed_by = NULL WHERE id = ?", [session_id])
+
+
+_MARK_ABANDONED = f"""
+INSERT INTO responses (request_id, attempt, outcome, status, body, finished_at)
+SELECT r.id,
+       (SELECT MAX(a) FROM (SELECT MAX(p.attempt) + 1 AS a FROM responses p WHERE p.request_id = r.id
+                            UNION ALL SELECT MAX(f.attempt) FROM forwards f WHERE f.request_id = r.id
+                            UNION ALL SELECT 0) attempts),
+       '{INTERRUPTED}', 0,
+       'the ctxproxy process handling this request stopped (killed or crashed) before it was answered; marked when'
+       || ' another took the session''s lock.',
+       ?
+  FROM requests r
+ WHERE r.id = ? AND NOT {ANSWERED.format(request="r.id")}
+"""

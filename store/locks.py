@@ -51,9 +51,16 @@ class SessionLocking(Protocol):
     def close(self) -> None: ...
 
 
+SESSION_LOCKS = "ctxproxy:session-lock:"
+"""What the session's id is hashed after. ``Journal.record_request`` locks the placement of a request by the
+session's name (``store.sql.lock_key``), which is a named session's id: hashed alone, both would be one lock, and
+a session's next requests, queued in that transaction on every writer thread behind the session's lock, would
+leave none free to journal the answer of the request that holds it."""
+
+
 def lock_key(session_id: str) -> int:
-    """The advisory lock's key: a signed 64-bit integer from the sha256 of the session's id."""
-    return int.from_bytes(hashlib.sha256(session_id.encode()).digest()[:8], "big", signed=True)
+    """The advisory lock's key: a signed 64-bit integer from the sha256 of the session's id (``SESSION_LOCKS``)."""
+    return int.from_bytes(hashlib.sha256((SESSION_LOCKS + session_id).encode()).digest()[:8], "big", signed=True)
 
 
 def session_locks(store: str | None) -> SessionLocking:

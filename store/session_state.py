@@ -15,11 +15,12 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from typing import Any
 
 from ctxproxy.store.journal import Journal
 
-__all__ = ["MIRROR_SEPARATOR", "CalibrationInForce", "SessionState", "calibration_in_force", "record_session_state",
-           "session_state"]
+__all__ = ["MIRROR_SEPARATOR", "CalibrationInForce", "SessionState", "calibration_in_force", "latest_calibration",
+           "record_session_state", "session_state"]
 
 MIRROR_SEPARATOR = "\n  },\n  {\n"
 """Where the mirror's text is cut into pieces for the journal: between two of its entries, as
@@ -131,12 +132,23 @@ class CalibrationInForce:
 
 def calibration_in_force(journal: Journal, session_id: str, model: str | None) -> CalibrationInForce | None:
     """None when the session has no such forward (or only ones journaled before the sample count was)."""
-    row = journal.conn.execute(
-        "SELECT f.k, f.samples, f.estimate, p.prompt_tokens, p.outcome FROM requests r"
-        " JOIN forwards f ON f.request_id = r.id"
-        " LEFT JOIN responses p ON p.request_id = f.request_id AND p.attempt = f.attempt"
-        " WHERE r.session_id = ? AND r.model IS NOT DISTINCT FROM ? ORDER BY r.id DESC, f.attempt DESC LIMIT 1",
-        [session_id, model]).fetchone()
+    return _in_force(journal.conn.execute(_FORCE.format(where="r.session_id = ? AND r.model IS NOT DISTINCT FROM ?"),
+                                          [session_id, model]).fetchone())
+
+
+def latest_calibration(journal: Journal, model: str | None) -> CalibrationInForce | None:
+    """The calibration of the latest forward for ``model`` in any session, and what its answer taught: where a new
+    session starts, whichever process serves it (replicas share it through the store, not their memory)."""
+    return _in_force(journal.conn.execute(_FORCE.format(where="r.model IS NOT DISTINCT FROM ?"), [model]).fetchone())
+
+
+_FORCE = ("SELECT f.k, f.samples, f.estimate, p.prompt_tokens, p.outcome FROM requests r"
+          " JOIN forwards f ON f.request_id = r.id"
+          " LEFT JOIN responses p ON p.request_id = f.request_id AND p.attempt = f.attempt"
+          " WHERE {where} ORDER BY r.id DESC, f.attempt DESC LIMIT 1")
+
+
+def _in_force(row: Any) -> CalibrationInForce | None:
     if row is None or row[0] is None or row[1] is None:
         return None
     k, samples, estimate, prompt, outcome = row

@@ -1,22 +1,19 @@
 """Session locks: one request of a session at a time, in one process (SQLite) and across processes (PostgreSQL).
 
-The PostgreSQL tests run a throwaway server of their own on loopback (skipped when PostgreSQL's binaries are not
-installed): two lock holders in this process stand for two replicas (each has its own lock connection, as each
-process does), and a separate process that holds a lock is killed with SIGKILL to show the server frees it.
+The PostgreSQL tests run on the suite's throwaway server on loopback (``tests/postgres.py``): two lock holders in
+this process stand for two replicas (each has its own lock connection, as each process does), and a separate
+process that holds a lock is killed with SIGKILL to show the server frees it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
-from collections.abc import Iterator
-from pathlib import Path
+import time
 
 import pytest
 
@@ -24,8 +21,6 @@ from ctxproxy.proxy.engine.state import SessionLocks
 from ctxproxy.proxy.errors import StorageError
 from ctxproxy.store import LocalLocks, LockUnavailable, session_locks
 from ctxproxy.store.locks import AdvisoryLocks, lock_key
-
-PG_BIN = Path("/usr/lib/postgresql/15/bin")
 
 
 def test_the_key_is_a_signed_64_bit_integer_of_the_sessions_id() -> None:
@@ -67,29 +62,10 @@ def test_in_process_a_sessions_requests_run_one_at_a_time_and_others_freely() ->
 
 
 # --- PostgreSQL -----------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def pg() -> Iterator[str]:
-    """A throwaway PostgreSQL server on 127.0.0.1 (a free port), run as the postgres user; its URL."""
-    if not (PG_BIN / "pg_ctl").exists() or os.geteuid() != 0 or shutil.which("runuser") is None:
-        pytest.skip("PostgreSQL 15's binaries (and root, to run them as postgres) are needed")
-    import psycopg  # noqa: F401  (skips nothing: the dependency of a PostgreSQL store)
-
-    home = Path(tempfile.mkdtemp(prefix="ctxproxy-locks-pg-"))
-    shutil.chown(home, "postgres", "postgres")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    as_postgres = ["runuser", "-u", "postgres", "--"]
-    subprocess.run([*as_postgres, PG_BIN / "initdb", "-D", home / "data", "-U", "postgres", "--auth=trust"],
-                   check=True, capture_output=True)
-    subprocess.run([*as_postgres, PG_BIN / "pg_ctl", "-D", home / "data", "-l", home / "log", "-w", "-o",
-                    f"-p {port} -k {home} -c listen_addresses=127.0.0.1", "start"], check=True, capture_output=True)
-    try:
-        yield f"postgresql://postgres@127.0.0.1:{port}/postgres"
-    finally:
-        subprocess.run([*as_postgres, PG_BIN / "pg_ctl", "-D", home / "data", "-m", "immediate", "stop"],
-                       check=False, capture_output=True)
-        shutil.rmtree(home, ignore_errors=True)
+@pytest.fixture
+def pg(postgres_url: str) -> str:
+    """A database of this test's own on the suite's throwaway PostgreSQL server (``tests/postgres.py``)."""
+    return postgres_url
 
 
 def _held(dsn: str) -> int:
@@ -175,7 +151,6 @@ async def _take_after_kill(pg: str, holder: subprocess.Popen[str]) -> bool:
 
 
 def test_a_broken_lock_connection_refuses_the_request_then_reconnects(pg: str) -> None:
-    import psycopg
 
     async def run() -> str:
         locks = SessionLocks(AdvisoryLocks(pg))
@@ -184,12 +159,7 @@ def test_a_broken_lock_connection_refuses_the_request_then_reconnects(pg: str) -
             locks.release("s")
             while _held(pg):  # the unlock has run (it is not awaited)
                 await asyncio.sleep(0.01)
-            with psycopg.connect(pg, autocommit=True) as admin:  # the server drops the lock connection
-                admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
-                              " WHERE application_name = 'ctxproxy-locks'")
-                while admin.execute("SELECT count(*) FROM pg_stat_activity"  # it exits after the call returns
-                                    " WHERE application_name = 'ctxproxy-locks'").fetchone() != (0,):
-                    await asyncio.sleep(0.01)
+            _drop_lock_connections(pg)
             with pytest.raises(StorageError) as refused:
                 await locks.acquire("s")
             await locks.acquire("s")  # the next one reconnects
@@ -218,3 +188,61 @@ def test_an_unreachable_lock_server_refuses_the_request_with_what_to_do() -> Non
             locks.close()
 
     assert asyncio.run(run()) == 0  # the request that was refused holds nothing here either
+
+
+def test_a_held_session_lock_does_not_hold_up_journaling_the_sessions_next_request(pg: str) -> None:
+    """``record_request`` locks a named session's placement by its name, which is the session's id: the session's
+    lock must be another key, or its next requests would wait, on every writer thread, for the one that holds it
+    (which then could not journal its answer)."""
+    from ctxproxy.store import Journal
+    from tests.test_journal import incoming, run
+
+    async def hold_and_record() -> int:
+        locks = AdvisoryLocks(pg)
+        journal = Journal(pg)
+        try:
+            await locks.acquire("named")
+            recorded = await asyncio.wait_for(asyncio.to_thread(
+                journal.record_request, incoming(run(1)[0], "named", n=1)), 10)
+            locks.release("named")
+            return recorded.request_id
+        finally:
+            locks.close()
+            journal.close()
+
+    assert asyncio.run(hold_and_record()) > 0
+
+
+def _drop_lock_connections(dsn: str) -> None:
+    """The server ends every lock connection (a failover, an idle timeout), and they are gone when this returns."""
+    import psycopg
+
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                      " WHERE application_name = 'ctxproxy-locks'")
+        while admin.execute("SELECT count(*) FROM pg_stat_activity"
+                            " WHERE application_name = 'ctxproxy-locks'").fetchone() != (0,):
+            time.sleep(0.01)
+
+
+def test_locks_in_flight_when_the_connection_broke_are_taken_back_on_the_new_one(pg: str) -> None:
+    async def run() -> list[int]:
+        locks = AdvisoryLocks(pg)
+        try:
+            await locks.acquire("in-flight")
+            _drop_lock_connections(pg)  # the server freed "in-flight" with it
+            with pytest.raises(LockUnavailable):
+                await locks.acquire("next")
+            await locks.acquire("next")  # a new connection: "in-flight" is taken back first
+            held = [_held(pg)]
+            locks.release("in-flight")
+            locks.release("next")
+            await locks.acquire("after")
+            _drop_lock_connections(pg)
+            locks.release("after")  # its unlock finds the connection gone: nothing left to free
+            held.append(_held(pg))
+            return held
+        finally:
+            locks.close()
+
+    assert asyncio.run(run()) == [2, 0]

@@ -15,7 +15,9 @@ from __future__ import annotations
 import re
 import shutil
 import sqlite3
+import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -25,9 +27,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from ctxproxy.config import load_settings
-from ctxproxy.store import JournalWriter
+from ctxproxy.store import Journal, JournalWriter, claim
 from tests.conftest import app_client
 from tests.fakes import FakeUpstream, Reply, completion, tool_answer
+from tests.test_journal import incoming
 from tests.test_session_state import ENV, SCENARIOS, TOOLS, Scenario, Step, _round
 
 Scripted = Reply | Callable[[FakeUpstream], Reply]
@@ -65,11 +68,12 @@ def _read_back(fake: FakeUpstream) -> Reply:
 RUNS: dict[str, Callable[[], Scenario]] = {**SCENARIOS, "tools": _tools}
 
 
-def _run(root: Path, scenario: Scenario, apps: int, pattern: Callable[[int], int]) -> list[bytes]:
+def _run(root: Path, scenario: Scenario, apps: int, pattern: Callable[[int], int], store: str = "") -> list[bytes]:
     """Every upstream chat request of the run, request ``i`` served by app ``pattern(i)`` of ``apps`` apps
-    sharing one data dir (one journal file, one mirror directory)."""
+    sharing one data dir (one journal file, one mirror directory) or, with ``store``, one PostgreSQL database."""
     shutil.rmtree(root, ignore_errors=True)
-    env = scenario.env | {"CTXPROXY_DATA_DIR": str(root / "data"), "CTXPROXY_MIRROR_DIR": str(root / "ws")}
+    env = scenario.env | {"CTXPROXY_DATA_DIR": str(root / "data"), "CTXPROXY_MIRROR_DIR": str(root / "ws"),
+                          "CTXPROXY_STORE": store}
     fake = FakeUpstream()
     with ExitStack() as stack:
         clients = [stack.enter_context(app_client(load_settings(env=env), httpx.ASGITransport(app=fake)))
@@ -91,7 +95,7 @@ def _script(fake: FakeUpstream, replies: list[Any]) -> None:
 @pytest.fixture(autouse=True)
 def no_data_version(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """PostgreSQL has no ``data_version``: the per-session claim alone must keep the apps right."""
-    monkeypatch.setattr(JournalWriter, "_notice_other_writers", lambda self, journal: None)
+    monkeypatch.setattr(JournalWriter, "_notice_other_writers", lambda *_: None)
     yield
 
 
@@ -120,8 +124,15 @@ def test_two_apps_on_one_journal_send_what_one_app_sends(root: Path, name: str, 
     assert _run(root, RUNS[name](), 2, PATTERNS[pattern]) == _one_app(root, name)
 
 
+@pytest.mark.parametrize("name", list(RUNS))
+def test_two_apps_on_one_postgresql_database_send_what_one_app_sends(root: Path, name: str,
+                                                                    postgres_url: str) -> None:
+    """The same, the journal in PostgreSQL: the apps' locks are its advisory locks (``store.locks``)."""
+    assert _run(root, RUNS[name](), 2, PATTERNS["alternate"], postgres_url) == _one_app(root, name)
+
+
 def test_the_tools_run_exercises_what_it_is_meant_to(root: Path) -> None:
-    sent = b"\n".join(_one_app(root, "tools")).decode()
+    sent = b"\n".join(_run(root, _tools(), 1, lambda i: 0)).decode()
     for marker in ("[folded id=", "[overflow id=", "call_8: nothing useful", "Applied since your last request",
                    "line 4 of output 4"):
         assert marker in sent, marker
@@ -154,8 +165,8 @@ def test_an_operators_pin_on_one_app_is_honoured_by_the_other(tmp_path: Path) ->
             assert fake.last_chat.body.decode().count("line 1 of output") == 90  # pinned: whole, whatever app
 
 
-def _ok(client: TestClient, body: dict[str, Any]) -> httpx.Response:
-    answer = client.post("/v1/chat/completions", json=body)
+def _ok(client: TestClient, body: dict[str, Any], session: str | None = None) -> httpx.Response:
+    answer = client.post("/v1/chat/completions", json=body, headers={"X-Session-Id": session} if session else {})
     assert answer.status_code == 200, answer.text
     return answer
 
@@ -187,3 +198,144 @@ def _mirror_run(root: Path, apps: int) -> tuple[list[bytes], str]:
         for body in bodies[2:]:
             _ok(clients[0], body)
         return [r.body for r in fake.chats], mirror.read_text()
+
+
+def test_a_new_session_on_another_app_starts_from_the_calibration_the_first_learnt(tmp_path: Path) -> None:
+    """A new session starts from the model's latest calibration, whichever session taught it: read from the
+    store, so the app that serves it need not be the one that learnt it."""
+    assert _calibration_run(tmp_path / "two", apps=2) == _calibration_run(tmp_path / "one", apps=1)
+
+
+def _calibration_run(root: Path, apps: int) -> list[float]:
+    env = ENV | {"CTXPROXY_DATA_DIR": str(root), "CTXPROXY_CTX_WINDOW": "4096", "CTXPROXY_SPILL_CHARS": "100000"}
+    fake = FakeUpstream()
+    with ExitStack() as stack:
+        clients = [stack.enter_context(app_client(load_settings(env=env), httpx.ASGITransport(app=fake)))
+                   for _ in range(apps)]
+        msgs: list[dict[str, Any]] = [{"role": "system", "content": "You are an agent."},
+                                      {"role": "user", "content": "Fix the bug."}]
+        for k in range(1, 4):
+            msgs = msgs + _round(k, f"line {k} of output\n" * 40)
+            _ok(clients[0], {"model": "m", "messages": msgs})
+        _ok(clients[-1], {"model": "m", "messages": [{"role": "system", "content": "Another agent."},
+                                                     {"role": "user", "content": "Start over."}]})
+    conn = sqlite3.connect(root / "journal.db")
+    try:
+        ratios = [float(k) for (k,) in conn.execute("SELECT k FROM forwards ORDER BY request_id, attempt")]
+    finally:
+        conn.close()
+    assert len(set(ratios)) > 1  # it learnt something
+    return ratios
+
+
+class _Overlaps(FakeUpstream):
+    """Counts the chat requests it holds at once (each app calls it from its own thread and event loop)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = self.most = 0
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not scope["path"].endswith("/chat/completions"):
+            await super().__call__(scope, receive, send)
+            return
+        self.now += 1
+        self.most = max(self.most, self.now)
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.now -= 1
+
+
+def test_two_apps_on_postgresql_handle_one_sessions_requests_one_at_a_time(postgres_url: str, tmp_path: Path) -> None:
+    """Requests of one session sent to both apps at once: the second waits for the first's session lock, held in
+    PostgreSQL; another session's request goes through meanwhile."""
+    env = ENV | {"CTXPROXY_DATA_DIR": str(tmp_path), "CTXPROXY_STORE": postgres_url}
+    fake = _Overlaps()
+    for _ in range(4):
+        fake.enqueue(Reply(body=completion("slow"), delay=0.4))
+    body = {"model": "m", "messages": [{"role": "user", "content": "Fix the bug."}]}
+    with ExitStack() as stack:
+        apps = [stack.enter_context(app_client(load_settings(env=env), httpx.ASGITransport(app=fake)))
+                for _ in range(2)]
+
+        def send(app: int, session: str) -> int:
+            return apps[app].post("/v1/chat/completions", json=body, headers={"X-Session-Id": session}).status_code
+
+        with ThreadPoolExecutor(2) as pool:
+            assert list(pool.map(send, [0, 1], ["one", "one"])) == [200, 200]
+        assert fake.most == 1
+        with ThreadPoolExecutor(2) as pool:
+            assert list(pool.map(send, [0, 1], ["one", "two"])) == [200, 200]
+        assert fake.most == 2  # two sessions: side by side
+
+
+def test_a_request_whose_process_died_holding_the_lock_is_marked_interrupted_by_the_next_holder(
+        tmp_path: Path) -> None:
+    """A process took the session's lock (its claim is journaled) and died before the answer: the next request to
+    hold the lock, on any process, gives it its final ``interrupted`` row, as a restart would."""
+    env = ENV | {"CTXPROXY_DATA_DIR": str(tmp_path)}
+    body = {"model": "m", "messages": [{"role": "user", "content": "Fix the bug."}]}
+    fake = FakeUpstream()
+    with app_client(load_settings(env=env), httpx.ASGITransport(app=fake)) as client:
+        _ok(client, {**body})
+        journal = Journal(tmp_path / "journal.db")  # the process that dies: it records, claims, and is gone
+        try:
+            dead = journal.record_request(incoming(body["messages"], "named", n=1))
+            claim(journal, "named", dead.request_id)
+        finally:
+            journal.close()
+        _ok(client, {**body, "messages": [*body["messages"], {"role": "assistant", "content": "ok"},
+                                           {"role": "user", "content": "Go on."}]}, session="named")
+    conn = sqlite3.connect(tmp_path / "journal.db")
+    try:
+        rows = conn.execute("SELECT outcome, status FROM responses WHERE request_id = ?", [dead.request_id]).fetchall()
+    finally:
+        conn.close()
+    assert rows == [("interrupted", 0)]
+
+
+def test_a_replica_starting_on_postgresql_leaves_the_others_requests_in_flight_alone(
+        postgres_url: str, tmp_path: Path) -> None:
+    """A restart marks what a crash left in flight; on a shared store another replica's requests in flight are
+    not that: a replica starting meanwhile leaves them, and their answers are journaled as they come."""
+    env = ENV | {"CTXPROXY_DATA_DIR": str(tmp_path), "CTXPROXY_STORE": postgres_url}
+    fake = FakeUpstream()
+    fake.enqueue(Reply(body=completion("slow"), delay=1.0))
+    body = {"model": "m", "messages": [{"role": "user", "content": "Fix the bug."}]}
+    with app_client(load_settings(env=env), httpx.ASGITransport(app=fake)) as first, ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(first.post, "/v1/chat/completions", json=body)
+        while not fake.chats:  # the request is upstream
+            time.sleep(0.01)
+        with app_client(load_settings(env=env), httpx.ASGITransport(app=fake)):
+            pass  # another replica starts (and stops)
+        assert answer.result().status_code == 200
+    import psycopg  # the postgresql extra's
+
+    with psycopg.connect(postgres_url) as conn:
+        outcomes = [r[0] for r in conn.execute("SELECT outcome FROM responses ORDER BY id")]
+    assert outcomes == ["ok"]
+
+
+@pytest.mark.parametrize("incognito", [False, True])
+def test_a_kept_response_chains_on_another_app_unless_incognito(tmp_path: Path, incognito: bool) -> None:
+    """The Responses API's kept responses are in the store: a ``previous_response_id`` made on one replica resolves
+    on another. An incognito one lives in its process's memory: another replica does not know it, and says so."""
+    env = ENV | {"CTXPROXY_DATA_DIR": str(tmp_path)}
+    headers = {"X-Ctx-Incognito": "1"} if incognito else {}
+    fake = FakeUpstream()
+    with ExitStack() as stack:
+        a, b = (stack.enter_context(app_client(load_settings(env=env), httpx.ASGITransport(app=fake)))
+                for _ in range(2))
+        fake.enqueue(Reply(body=completion("Paris.")))
+        first = a.post("/v1/responses", json={"model": "m", "input": "Capital of France?"}, headers=headers).json()
+        fake.enqueue(Reply(body=completion("About 2 million.")))
+        second = b.post("/v1/responses", json={"model": "m", "input": "Population?",
+                                               "previous_response_id": first["id"]}, headers=headers)
+    if incognito:
+        assert second.status_code == 400 and second.json()["error"]["code"] == "previous_response_not_found"
+        assert "replica" in second.json()["error"]["message"]
+        return
+    assert second.status_code == 200, second.text
+    assert [m["content"] for m in fake.last_chat.json()["messages"]] == [
+        "Capital of France?", "Paris.", "Population?"]

@@ -134,17 +134,18 @@ def _lifespan(settings: Settings, transport: httpx.AsyncBaseTransport | None
                                 storage_error)
         text, fields = startup_line(settings)
         log.info(text, extra={"ctx": fields})
-        marked = await journal.call(Journal.mark_interrupted, datetime.now(UTC).isoformat(timespec="milliseconds"))
-        if marked:
-            log.warning("%d requests were in flight when ctxproxy last stopped: journaled as interrupted", marked)
+        if not settings.store:  # shared (replicas): others' requests in flight are not interrupted (store.claims)
+            marked = await journal.call(Journal.mark_interrupted, datetime.now(UTC).isoformat(timespec="milliseconds"))
+            if marked:
+                log.warning("%d requests were in flight when ctxproxy last stopped: journaled as interrupted", marked)
         incognito = JournalWriter(MemoryJournal(settings.incognito_max_bytes, settings.incognito_max_age),
                                   storage_error)
         upstream = Upstream(settings.upstream, transport or AiohttpTransport(), settings.upstream_connect_timeout,
                             settings.upstream_timeout)
         windows = WindowDetector(upstream, ctx_window=0)  # a configured window is applied per model, in planning
         app.state.ctx = AppState(settings, upstream, journal, incognito, windows, warmup=warmup,
-                                 own_headers=frozenset({settings.session_header.lower()}),
-                                 locks=SessionLocks(session_locks(settings.store or None)))
+                                 locks=SessionLocks(session_locks(settings.store)),
+                                 own_headers=frozenset({settings.session_header.lower()}))
         try:
             async with asyncio.TaskGroup() as background:
                 trimmer = background.create_task(_trim_when_quiet(app.state.ctx))

@@ -35,6 +35,7 @@ from ctxproxy.store import (
     SessionState,
     calibration_in_force,
     claim,
+    latest_calibration,
     record_session_state,
     session_state,
     unclaim,
@@ -155,13 +156,14 @@ class SessionContexts:
         used only while no other process handled the session since (``store.claims``): otherwise it is read back,
         as after a restart. Without ``request_id`` (nothing claims the session) what is remembered is used."""
         key = (id(writer), session_id)
-        cached = self._items.pop(key, None)
-        if request_id is not None:
+        context = self._items.pop(key, None)
+        if context is None:
+            context = await self._load(writer, session_id, model, request_id)  # claimed in the same call
+        elif request_id is not None:
             previous = await writer.call(claim, session_id, request_id)
-            if cached is not None and cached.claimed != previous:
-                _refresh_mirror(cached, context := await self._load(writer, session_id, model))
-                cached = context
-        context = cached or await self._load(writer, session_id, model)
+            if context.claimed != previous:
+                stale, context = context, await self._load(writer, session_id, model)
+                _refresh_mirror(stale, context)
         context.claimed = request_id if request_id is not None else context.claimed
         self._items[key] = context
         if len(self._items) > self._capacity:
@@ -194,8 +196,9 @@ class SessionContexts:
             self._shared.popitem(last=False)
         return shared.decisions[:bisect_right(shared.ids, upto)]
 
-    async def _load(self, writer: JournalWriter, session_id: str, model: str | None) -> SessionContext:
-        saved = await writer.call(_read_back, session_id, model)  # one hop to the journal's thread, not five
+    async def _load(self, writer: JournalWriter, session_id: str, model: str | None,
+                    request_id: int | None = None) -> SessionContext:
+        saved = await writer.call(_read_back, session_id, model, request_id)  # one hop to the journal, not six
         decisions: list[Decision] = []
         for ancestor, upto in saved.ancestors:
             decisions += await self._inherited(writer, ancestor, upto)
@@ -213,7 +216,10 @@ class SessionContexts:
         if force is not None:
             calibration = Calibration(force.k, force.samples)
             return calibration.observe(*force.learnt) if force.learnt else calibration
-        calibration = self.models.get(model, Calibration())
+        latest = saved.latest
+        calibration = self.models.get(model, Calibration()) if latest is None else Calibration(latest.k, latest.samples)
+        if latest is not None and latest.learnt:
+            calibration = calibration.observe(*latest.learnt)
         for estimate, actual in saved.samples:
             calibration = calibration.observe(estimate, actual)
         return calibration
@@ -229,14 +235,19 @@ class _Saved:
     decisions: list[dict[str, Any]]
     """Its own decisions."""
     force: CalibrationInForce | None
+    latest: CalibrationInForce | None
+    """Without a forward of its own: the model's latest calibration, any session's (``latest_calibration``)."""
     samples: list[tuple[int, int]]
     revisions: int
     state: SessionState
 
 
-def _read_back(journal: Journal, session_id: str, model: str | None) -> _Saved:
+def _read_back(journal: Journal, session_id: str, model: str | None, request_id: int | None) -> _Saved:
+    if request_id is not None:
+        claim(journal, session_id, request_id)
     force = calibration_in_force(journal, session_id, model)
+    latest = latest_calibration(journal, model) if force is None else None
     samples = journal.calibration_samples(session_id, model) if force is None else []
     ancestors, own = journal.decision_chain(session_id)
-    return _Saved(ancestors, own, force, samples, journal.mirror_revisions(session_id),
+    return _Saved(ancestors, own, force, latest, samples, journal.mirror_revisions(session_id),
                   session_state(journal, session_id))

@@ -85,8 +85,9 @@ async def _expanded(writer: JournalWriter, body: dict[str, Any]) -> list[Any]:
     kept = await writer.call(kept_response, previous) if isinstance(previous, str) else None
     if kept is None:
         raise BadRequest(f"previous_response_id {previous!r} names no response this ctxproxy kept (it keeps the "
-                         "responses it produced, unless the request said `store: false`; an incognito one only in "
-                         "memory, until restart). Send the whole conversation in `input` instead.",
+                         "responses it produced, unless the request said `store: false`; an incognito one only in the "
+                         "memory of the process, the replica, that made it, until it restarts). Send the whole "
+                         "conversation in `input` instead.",
                          param="previous_response_id", code="previous_response_not_found")
     return kept + items
 
