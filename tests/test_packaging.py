@@ -163,7 +163,10 @@ def test_the_scale_profile_puts_two_replicas_on_postgres_behind_a_balancer() -> 
         assert "/healthz" in replica["healthcheck"]["test"][-1] and "ports" not in replica  # only the lb is published
     assert services["ctxproxy-a"]["image"] == services["ctxproxy-b"]["image"]
     assert "'.[postgresql]'" in dockerfile()  # the image can open a postgresql:// store
-    assert services["ctxproxy-a"]["volumes"] != services["ctxproxy-b"]["volumes"]
+    volumes = [set(services[name]["volumes"]) for name in ("ctxproxy-a", "ctxproxy-b")]
+    assert "ctxproxy-mirror:/mirror:rw" in volumes[0] & volumes[1]  # one mirror folder, the data dirs apart
+    assert len(volumes[0] - volumes[1]) == 1
+    assert services["ctxproxy-a"]["environment"]["CTXPROXY_MIRROR_DIR"] == "/mirror"
     lb = services["lb"]
     assert lb["depends_on"] == {"ctxproxy-a": {"condition": "service_healthy"},
                                 "ctxproxy-b": {"condition": "service_healthy"}}
