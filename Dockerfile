@@ -10,7 +10,7 @@ COPY config ./config
 COPY ctxproxy ./ctxproxy
 # /data must exist and belong to the user before VOLUME: a named volume copies this ownership, and the
 # journal cannot be created otherwise. The `postgresql` extra (psycopg, libpq bundled): the same image serves a
-# journal in PostgreSQL (CTXPROXY_STORE=postgresql://...), as replicas behind a load balancer do.
+# journal in PostgreSQL (the `store` setting: a postgresql:// URL), as replicas behind a load balancer do.
 RUN pip install --no-cache-dir '.[postgresql]' && useradd --create-home ctxproxy && mkdir /data && chown ctxproxy /data
 
 USER ctxproxy

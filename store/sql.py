@@ -94,7 +94,8 @@ class Connection(ABC):
     def close(self) -> None: ...
 
     @abstractmethod
-    def _begin(self, exclusive: bool) -> None: ...
+    def _begin(self, exclusive: bool, lock: str | None) -> None:
+        """Start the transaction, holding ``lock`` when given."""
 
     @abstractmethod
     def _end(self, commit: bool) -> None: ...
@@ -108,10 +109,8 @@ class Connection(ABC):
         """One transaction. ``lock`` (a session's name or fingerprint): no other process places a request of the
         same session until it ends (SQLite: its write lock, taken at once; PostgreSQL: an advisory lock).
         ``exclusive``: SQLite's write lock taken at once (PostgreSQL's rows are locked as they are written)."""
-        self._open(exclusive or lock is not None)
+        self._open(exclusive, lock)
         try:
-            if lock is not None:
-                self._lock(lock)
             yield
         except BaseException:
             self._close(commit=False)
@@ -130,9 +129,11 @@ class Connection(ABC):
     def _lock(self, name: str) -> None:
         """Hold ``name``'s lock until the transaction ends."""
 
-    def _open(self, exclusive: bool) -> None:
+    def _open(self, exclusive: bool, lock: str | None = None) -> None:
         if self._depth == 0:
-            self._begin(exclusive)
+            self._begin(exclusive, lock)
+        elif lock is not None:
+            self._lock(lock)
         self._depth += 1
 
     def _close(self, commit: bool) -> None:
@@ -209,8 +210,8 @@ class SqliteConnection(Connection):
     def _lock(self, name: str) -> None:
         """The write lock, taken by ``BEGIN IMMEDIATE``, serialises every writer of the file already."""
 
-    def _begin(self, exclusive: bool) -> None:
-        self.raw.execute("BEGIN IMMEDIATE" if exclusive else "BEGIN")
+    def _begin(self, exclusive: bool, lock: str | None) -> None:
+        self.raw.execute("BEGIN IMMEDIATE" if exclusive or lock is not None else "BEGIN")
 
     def _end(self, commit: bool) -> None:
         if commit:
@@ -264,7 +265,6 @@ class PostgresConnection(Connection):
         self.OperationalError = psycopg.OperationalError
         self.url = url
         self.raw = self._connect()
-        self._tx: Any = None
 
     def _connect(self) -> Any:
         from ctxproxy.store.pgtext import register
@@ -305,17 +305,16 @@ class PostgresConnection(Connection):
     def _lock(self, name: str) -> None:
         self.execute("SELECT pg_advisory_xact_lock(?)", [lock_key(name)])
 
-    def _begin(self, exclusive: bool) -> None:
-        self._tx = self._live().transaction()
-        self._tx.__enter__()
+    def _begin(self, exclusive: bool, lock: str | None) -> None:
+        """``BEGIN``, and the lock in the same round trip (a request's transaction starts with both)."""
+        locked = "" if lock is None else f"; SELECT pg_advisory_xact_lock({lock_key(lock)})"
+        self._live().execute("BEGIN" + locked)
 
     def _end(self, commit: bool) -> None:
-        tx, self._tx = self._tx, None
-        if commit:
-            tx.__exit__(None, None, None)
-        else:
-            rollback = self._psycopg.Rollback()
-            tx.__exit__(type(rollback), rollback, None)
+        if not commit and (self.raw.closed or self.raw.broken):
+            return  # the server dropped the connection: nothing of the transaction stays, and the error that ends
+                    # it is the one to report
+        self.raw.execute("COMMIT" if commit else "ROLLBACK")
 
 
 def connect(location: Location, sync: str = "normal") -> Connection:

@@ -19,7 +19,7 @@ CHUNK = {"id": "c", "object": "chat.completion.chunk", "choices": [{"index": 0, 
 
 
 def response_rows(settings: Settings) -> list[tuple[str, int]]:
-    db = Journal(settings.data_path / "journal.db").db
+    db = Journal(settings.data_path / "journal.db").conn
     return [(r[0], r[1]) for r in db.execute("SELECT outcome, status FROM responses ORDER BY id")]
 
 

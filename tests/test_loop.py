@@ -61,7 +61,7 @@ def test_an_upstream_that_is_the_proxy_itself_is_a_508_proxy_loop(
     assert error["code"] == "proxy_loop" and "--upstream" in error["message"]
     assert [k.lower() for k, _ in response.headers.raw].count(b"date") == 1
     if path.endswith("completions"):  # the outer request is journaled with the loop's answer; the inner never was
-        db = Journal(tmp_path / "journal.db").db
+        db = Journal(tmp_path / "journal.db").conn
         assert db.execute("SELECT COUNT(*) FROM sessions").fetchone()[0] == 1
         assert db.execute("SELECT status FROM responses").fetchall() == [(508,)]
 
