@@ -10,8 +10,7 @@ in, the reminder given, confirmations not yet told, the live mirror) is journale
 the store (replicas, ``ctxproxy prune``): a request claims its session under the session's lock
 (``store.claims``), and what this process remembers of it is used only if the request before was this process's
 own with that memory; otherwise the session is read back. The decisions a fork inherits from its ancestor are
-shared until another process wrote the SQLite journal (``JournalWriter.generation``): they never change but by a
-prune.
+shared until a prune (``JournalWriter.generation``): nothing else ever changes them.
 """
 
 from __future__ import annotations
