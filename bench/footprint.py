@@ -163,7 +163,7 @@ def waves(sessions: int, rounds: int, count: int, rest: float, env: list[str]) -
                 before, after, requests, errors = harness.rss_mb(pid, "VmRSS"), [], 0, 0
                 for wave in range(count):
                     agents = load.sessions_for(sessions, wave * sessions)
-                    measured, _ = asyncio.run(load.drive(agents, rounds, proxy, base, 3600, 120, pid))
+                    measured, _ = asyncio.run(load.drive(agents, rounds, [proxy], base, 3600, 120, [pid]))
                     requests += len(measured.pairs_ns)
                     errors += sum(len(a.errors) for a in agents)
                     time.sleep(rest)

@@ -27,6 +27,14 @@ Checked afterwards, through the proxy's own ``/ctx`` API and the fake's record:
 
 Run: ``.venv/bin/python bench/load.py --sessions 250 --rounds 6 --markdown`` (exit 1 when a check fails)
 
+Scale-out (issue #16): ``--store URL`` gives every proxy process that store (``CTXPROXY_STORE``; ``--postgres
+auto`` starts a throwaway PostgreSQL server, ``bench/postgres.py``), and ``--replicas N`` starts N ``ctxproxy
+serve`` processes on it. The driver itself alternates each session's requests round-robin over them (round n of
+session i goes to replica (i + n) mod N) rather than through a balancer process: a balancer would add its own
+hop and CPU on the two shared cores to the latency measured, and a global round-robin between concurrent sessions
+need not alternate any one session's requests, while this way every session meets every replica. The checks read
+the journal through the last replica, and the replay runs through one fresh process on SQLite.
+
 ``--think S`` pauses each agent S seconds between rounds on average (below saturation, the added latency is the
 proxy's own); ``--waves N`` runs N sets of new sessions one after the other through the same proxy, its memory
 read after each (does it level off?).
@@ -39,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -65,6 +74,7 @@ sys.path.insert(0, str(BENCH))
 import fake_upstream as fast  # noqa: E402
 import harness  # noqa: E402
 import latency  # noqa: E402
+import postgres as pg  # noqa: E402
 
 CHAT = "/v1/chat/completions"
 DIRECT = "/direct"
@@ -217,7 +227,9 @@ class Load:
     peak_rss_mb: float = 0.0
 
 
-async def run_session(session: Session, rounds: int, proxy: Client, direct: Client, load: Load) -> None:
+async def run_session(session: Session, rounds: int, proxies: list[Client], direct: Client, load: Load) -> None:
+    """One agent's rounds; round ``n`` goes to replica ``(index + n) % len(proxies)``: with two replicas every
+    session alternates between them, as behind a balancer without session affinity."""
     messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}, {
         "role": "user", "content": f"⟦{session.marker}⟧ Task {session.index}: find why the tests of module "
                                    f"m{session.index} fail, fix it, and run them."}]
@@ -231,7 +243,8 @@ async def run_session(session: Session, rounds: int, proxy: Client, direct: Clie
         body = body_of(session, messages)
         session.sent.append(messages)  # never changed after: each round builds a new list
         try:
-            call = await one_pair(session, body, proxy, direct, load, direct_first=(session.index + n) % 2 == 0)
+            call = await one_pair(session, body, proxies[(session.index + n) % len(proxies)], direct, load,
+                                  direct_first=(session.index + n) % 2 == 0)
         except (aiohttp.ClientError, TimeoutError, ValueError, KeyError) as exc:
             session.errors.append(f"round {n}: {type(exc).__name__}: {exc}"[:300])
             return
@@ -303,26 +316,29 @@ def streamed_call(text: str) -> dict[str, Any]:
     return call
 
 
-async def drive(sessions: list[Session], rounds: int, proxy: str, direct: str, deadline: float,
-                timeout: float, pid: int, think: float = 0.0) -> tuple[Load, float]:
-    """All sessions at once, the proxy's memory and fds sampled meanwhile; (what was measured, seconds from the
+async def drive(sessions: list[Session], rounds: int, proxies: list[str], direct: str, deadline: float,
+                timeout: float, pids: list[int], think: float = 0.0) -> tuple[Load, float]:
+    """All sessions at once, the proxies' memory and fds sampled meanwhile; (what was measured, seconds from the
     first request to the last answer)."""
     load = Load(time.monotonic() + deadline, think, len(sessions))
-    async with client(proxy, len(sessions), timeout) as p, client(direct, len(sessions), timeout) as d:
+    async with contextlib.AsyncExitStack() as stack:
+        p = [await stack.enter_async_context(client(proxy, len(sessions), timeout)) for proxy in proxies]
+        d = await stack.enter_async_context(client(direct, len(sessions), timeout))
         started = time.perf_counter()
 
         async def agents() -> None:
             await asyncio.gather(*(run_session(s, rounds, p, d, load) for s in sessions))
             load.done = True
 
-        await asyncio.gather(agents(), sample(pid, load))
+        await asyncio.gather(agents(), sample(pids, load))
         return load, time.perf_counter() - started
 
 
-async def sample(pid: int, load: Load) -> None:
-    """The proxy's open fds and resident memory, every quarter second while the agents run."""
+async def sample(pids: list[int], load: Load) -> None:
+    """The proxies' open fds and resident memory (summed over replicas), every quarter second while the agents
+    run."""
     while not load.done:
-        now = proc_stats(pid)
+        now = procs_stats(pids)
         load.peak_fds = max(load.peak_fds, int(now["fds"]))
         load.peak_rss_mb = max(load.peak_rss_mb, now["rss_mb"])
         await asyncio.sleep(0.25)
@@ -417,42 +433,68 @@ def proc_stats(pid: int) -> dict[str, float]:
             "fds": len(os.listdir(f"/proc/{pid}/fd")), "cpu_s": sum(map(int, ticks)) / os.sysconf("SC_CLK_TCK")}
 
 
+def procs_stats(pids: list[int]) -> dict[str, float]:
+    """``proc_stats`` summed over the replicas: what the proxy tier as a whole holds and spends."""
+    each = [proc_stats(pid) for pid in pids]
+    return {key: round(sum(s[key] for s in each), 2) for key in each[0]}
+
+
+@contextmanager
+def replicas(fake: str, tmp: Path, env: list[str], count: int) -> Iterator[list[tuple[str, int]]]:
+    """``count`` ``ctxproxy serve`` processes, each with its own data dir, sharing whatever store ``env`` names;
+    [(base URL, PID)]; all stopped by PID after."""
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(harness.proxy_process(fake, tmp, env)) for _ in range(count)]
+
+
 def run(sessions: int, rounds: int, deadline: float = 600.0, timeout: float = 60.0,
-        proxy_env: list[str] | None = None, think: float = 0.0, waves: int = 1) -> dict[str, Any]:
-    """Start the fake and the proxy, drive the agents (``waves`` times ``sessions`` new ones, one wave after the
-    other), check; every number of the report."""
+        proxy_env: list[str] | None = None, think: float = 0.0, waves: int = 1, store: str | None = None,
+        replica_count: int = 1) -> dict[str, Any]:
+    """Start the fake and ``replica_count`` proxies (sharing ``store``: a PostgreSQL URL; None: each its own
+    SQLite journal, so only one makes sense), drive the agents (``waves`` times ``sessions`` new ones, one wave
+    after the other), check; every number of the report. The checks read the journal through the last replica,
+    and the replay runs through one fresh proxy on a fresh SQLite journal: a session served by several replicas
+    on PostgreSQL must send upstream what one process on the default store sends."""
     assert sessions * waves <= 10_000, "markers have four digits"
+    env = [*(proxy_env or []), *([f"CTXPROXY_STORE={store}"] if store else [])]
     with tempfile.TemporaryDirectory(prefix="ctxproxy-load-") as tmp, fake_process(Path(tmp)) as (fake, fake_pid), \
-            harness.proxy_process(fake, Path(tmp), proxy_env or []) as (proxy, pid):
-        before, fake_before, driver_cpu = proc_stats(pid), proc_stats(fake_pid), time.process_time()
-        agents, load, seconds, rss = _waves(sessions, waves, rounds, proxy, fake, deadline, timeout, pid, think)
-        after = proc_stats(pid) | {"peak_fds": load.peak_fds, "sampled_peak_rss_mb": load.peak_rss_mb}
+            replicas(fake, Path(tmp), env, replica_count) as proxies:
+        urls, pids = [url for url, _ in proxies], [pid for _, pid in proxies]
+        before, fake_before, driver_cpu = procs_stats(pids), proc_stats(fake_pid), time.process_time()
+        agents, load, seconds, rss = _waves(sessions, waves, rounds, urls, fake, deadline, timeout, pids, think)
+        after = procs_stats(pids) | {"peak_fds": load.peak_fds, "sampled_peak_rss_mb": load.peak_rss_mb}
         cpu = {"proxy": after["cpu_s"] - before["cpu_s"], "fake": proc_stats(fake_pid)["cpu_s"] - fake_before["cpu_s"],
                "driver": time.process_time() - driver_cpu}
-        journal = check_journal(proxy, agents)
+        journal = check_journal(urls[-1], agents)
         with harness.proxy_process(fake + REPLAY, Path(tmp), proxy_env or []) as (fresh, _):
             asyncio.run(replay(agents, fresh))
         received = httpx.get(fake + RECEIVED, timeout=60).json()
     checks = check_upstream(agents, received) | journal | {"cpu_s": {k: round(v, 1) for k, v in cpu.items()},
                                                           "replay_mismatches": check_replay(agents, received)}
-    return summarize(agents, load, seconds, before, after, checks) | {"rounds": rounds, "think_s": think,
-                                                                      "waves": waves, "rss_mb_after_each_wave": rss}
+    return summarize(agents, load, seconds, before, after, checks) | {
+        "rounds": rounds, "think_s": think, "waves": waves, "rss_mb_after_each_wave": rss,
+        "store": store_kind(store), "replicas": replica_count}
 
 
-def _waves(sessions: int, waves: int, rounds: int, proxy: str, fake: str, deadline: float, timeout: float, pid: int,
-           think: float) -> tuple[list[Session], Load, float, list[float]]:
+def store_kind(store: str | None) -> str:
+    """What the report says of the store: its scheme only (a URL may carry a password)."""
+    return store.partition(":")[0] if store else "sqlite"
+
+
+def _waves(sessions: int, waves: int, rounds: int, proxies: list[str], fake: str, deadline: float, timeout: float,
+           pids: list[int], think: float) -> tuple[list[Session], Load, float, list[float]]:
     """Every wave's agents, what was measured over all waves, their seconds, the proxy's RSS after each."""
     agents: list[Session] = []
     total, seconds, rss = Load(0.0), 0.0, []
     for wave in range(waves):
         agents += sessions_for(sessions, wave * sessions)
-        load, took = asyncio.run(drive(agents[-sessions:], rounds, proxy, fake, deadline, timeout, pid, think))
+        load, took = asyncio.run(drive(agents[-sessions:], rounds, proxies, fake, deadline, timeout, pids, think))
         total.pairs_ns += load.pairs_ns
         total.stopped_early += load.stopped_early
         total.peak_in_flight = max(total.peak_in_flight, load.peak_in_flight)
         total.peak_fds, total.peak_rss_mb = max(total.peak_fds, load.peak_fds), max(total.peak_rss_mb, load.peak_rss_mb)
         seconds += took
-        rss.append(proc_stats(pid)["rss_mb"])
+        rss.append(procs_stats(pids)["rss_mb"])
     return agents, total, seconds, rss
 
 
@@ -495,6 +537,8 @@ FAILURES = ("errors", "rows_lost", "cross_session_leaks", "journal_mismatches", 
 def markdown(r: dict[str, Any]) -> str:
     b, a = r["proxy_before"], r["proxy_after"]
     rows = [
+        ("store × proxy processes", f"{r['store']} × {r['replicas']}" + (
+            " (each session's requests alternate between them)" if r["replicas"] > 1 else "")),
         ("sessions (named / fingerprint / streamed / incognito)",
          f"{r['sessions']} ({r['named']} / {r['sessions'] - r['named']} / {r['streamed']} / {r['incognito']})"),
         ("requests through the proxy (+ as many direct)",
@@ -513,13 +557,23 @@ def markdown(r: dict[str, Any]) -> str:
         ("direct p50 / p99", f"{r['direct_p50_ms']} / {r['direct_p99_ms']} ms"),
         ("proxied p50 / p99", f"{r['proxied_p50_ms']} / {r['proxied_p99_ms']} ms"),
         ("added (proxied − direct, per pair) p50 / p99", f"**{r['added_p50_ms']} / {r['added_p99_ms']} ms**"),
-        ("proxy RSS before → after each wave (peak)",
+        ("proxy RSS before → after each wave (peak; all processes)",
          f"{b['rss_mb']} → {' → '.join(map(str, r['rss_mb_after_each_wave']))} MB ({a['peak_rss_mb']} MB)"),
         ("proxy open fds before → peak → after", f"{b['fds']} → {a['peak_fds']} → {a['fds']}"),
         ("CPU seconds: proxy / fake upstream / load driver", "{proxy} / {fake} / {driver}".format(**r["cpu_s"])),
-        ("proxy CPU per request", f"{r['proxy_cpu_ms_per_request']} ms"),
+        ("proxy CPU per request (all processes)", f"{r['proxy_cpu_ms_per_request']} ms"),
     ]
     return "\n".join(["| measure | value |", "|---|---:|", *(f"| {k} | {v} |" for k, v in rows)])
+
+
+@contextmanager
+def store_for(url: str | None, postgres: str | None) -> Iterator[str | None]:
+    """The store URL to give every proxy: the one given, a throwaway PostgreSQL server's, or None (SQLite)."""
+    if url == "auto" or postgres == "auto":
+        with pg.throwaway_postgres() as started:
+            yield started
+    else:
+        yield url
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -535,12 +589,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--markdown", action="store_true", help="print the report as a Markdown table")
     parser.add_argument("--json", type=Path, help="write every number here")
     parser.add_argument("--proxy-env", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--store", metavar="URL",
+                        help="the store every proxy process uses (CTXPROXY_STORE), e.g. postgresql://…; "
+                             "'auto' (= --postgres auto): a throwaway PostgreSQL server (default: SQLite)")
+    parser.add_argument("--postgres", choices=["auto"], help="start a throwaway PostgreSQL server for the run")
+    parser.add_argument("--replicas", type=int, default=1,
+                        help="proxy processes sharing the store; each session's requests alternate between them (1)")
     parser.add_argument("--serve-fake", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.replicas > 1 and not (args.store or args.postgres):
+        parser.error("--replicas above 1 needs a shared store (--store URL or --postgres auto): on SQLite each "
+                     "process keeps its own journal in its own data dir")
     if args.serve_fake:
         serve_fake(args.serve_fake)
         return 0
-    report = run(args.sessions, args.rounds, args.deadline, args.timeout, args.proxy_env, args.think, args.waves)
+    with store_for(args.store, args.postgres) as store:
+        report = run(args.sessions, args.rounds, args.deadline, args.timeout, args.proxy_env, args.think, args.waves,
+                     store, args.replicas)
     report["command"] = shlex.join(["python", "bench/load.py", *(sys.argv[1:] if argv is None else argv)])
     report["load_average"] = os.getloadavg()
     if args.json:

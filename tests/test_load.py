@@ -78,3 +78,16 @@ def test_the_replay_check_counts_a_session_whose_replay_sent_something_else() ->
                 for via, m in (("proxy", same), ("replay", same), ("proxy", differs), ("proxy", unreplayed),
                                ("replay", [*differs, {"role": "user", "content": "⟦s0001⟧ more"}]))]
     assert load.check_replay([_session(i, []) for i in range(3)], received) == 2
+
+
+@pytest.mark.e2e
+def test_two_replicas_on_postgres_lose_no_row_and_leak_nothing(postgres_url: str) -> None:
+    """Issue #16: the same checks with every session's requests alternating between two ``ctxproxy serve``
+    processes on one PostgreSQL database, and the replay through one process on SQLite."""
+    report = load.run(sessions=20, rounds=3, deadline=60, timeout=30, store=postgres_url, replica_count=2)
+    assert report["requests"] == 60 and report["errors"] == 0, report["error_detail"]
+    assert report["rows_lost"] == 0 and report["cross_session_leaks"] == 0
+    assert report["upstream_mismatches"] == report["replay_mismatches"] == 0
+    assert report["extra_journal_sessions"] == report["incognito_on_disk"] == 0
+    assert (report["store"], report["replicas"]) == ("postgresql", 2)
+    assert "| store × proxy processes | postgresql × 2 (each session's requests alternate" in load.markdown(report)

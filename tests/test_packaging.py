@@ -63,7 +63,8 @@ def test_the_image_copies_every_package_and_sets_valid_settings() -> None:
     packages = [p.rstrip("*") for p in project["tool"]["setuptools"]["packages"]["find"]["include"]]
     for package in packages:
         assert re.search(rf"^COPY {package} \./{package}$", dockerfile(), flags=re.M), package
-    env = dict(re.findall(r"(CTXPROXY_\w+)=(\S+)", dockerfile()))
+    code = "\n".join(line for line in dockerfile().splitlines() if not line.lstrip().startswith("#"))
+    env = dict(re.findall(r"(CTXPROXY_\w+)=(\S+)", code))  # a comment's example is not a setting
     assert set(env) == {"CTXPROXY_DATA_DIR", "CTXPROXY_HOST", "CTXPROXY_PORT"}
     settings = load_settings(env=env | {"CTXPROXY_ADMIN_TOKEN": "t"})
     assert settings.host == "0.0.0.0" and settings.port == 4141
@@ -101,7 +102,7 @@ def test_a_vllm_profile_runs_its_own_proxy_beside_the_llama_cpp_one() -> None:
 def test_images_are_pinned_and_the_obsolete_version_key_is_gone() -> None:
     raw = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     assert "version" not in raw
-    images = [s["image"] for s in raw["services"].values() if "image" in s]
+    images = [s["image"] for s in raw["services"].values() if "image" in s and "build" not in s]  # built: our tag
     images.append(re.search(r"^FROM (\S+)", dockerfile(), flags=re.M).group(1))  # type: ignore[union-attr]
     for image in images:
         tag = image.rpartition(":")[2]
@@ -134,3 +135,56 @@ def test_the_wheel_installs_one_top_level_name_with_the_three_folders_inside(tmp
                    "ctxproxy/config/default.toml", "ctxproxy/proxy/py.typed",
                    "ctxproxy/proxy/edge/ui/app.js"):
         assert module in names, module
+
+
+NGINX_CONF = ROOT / "deploy" / "nginx.conf"
+
+
+def nginx_directives(text: str) -> list[list[str]]:
+    """Each directive of an nginx config as its words, comments dropped (enough for the checks below)."""
+    code = "\n".join(line.split("#", 1)[0] for line in text.splitlines())
+    return [part.split() for part in re.split(r"[;{}]", code) if part.strip()]
+
+
+def test_the_scale_profile_puts_two_replicas_on_postgres_behind_a_balancer() -> None:
+    services = compose(POSTGRES_PASSWORD="pw")["services"]
+    scale = {name for name, s in services.items() if "scale" in s.get("profiles", [])}
+    assert scale == {"postgres", "ctxproxy-a", "ctxproxy-b", "lb"}
+    postgres = services["postgres"]
+    assert postgres["healthcheck"]["test"][:2] == ["CMD", "pg_isready"]
+    assert any(v.endswith(":/var/lib/postgresql/data:rw") for v in postgres["volumes"])
+    store = "postgresql://ctxproxy:pw@postgres:5432/ctxproxy"
+    for name in ("ctxproxy-a", "ctxproxy-b"):
+        replica = services[name]
+        assert replica["environment"]["CTXPROXY_STORE"] == store, name
+        assert replica["environment"]["CTXPROXY_UPSTREAM"] == "http://llama:8080/v1"  # the existing model server
+        assert replica["depends_on"] == {"postgres": {"condition": "service_healthy"},
+                                         "llama": {"condition": "service_healthy"}}
+        assert "/healthz" in replica["healthcheck"]["test"][-1] and "ports" not in replica  # only the lb is published
+    assert services["ctxproxy-a"]["image"] == services["ctxproxy-b"]["image"]
+    assert "'.[postgresql]'" in dockerfile()  # the image can open a postgresql:// store
+    volumes = [set(services[name]["volumes"]) for name in ("ctxproxy-a", "ctxproxy-b")]
+    assert "ctxproxy-mirror:/mirror:rw" in volumes[0] & volumes[1]  # one mirror folder, the data dirs apart
+    assert len(volumes[0] - volumes[1]) == 1
+    assert services["ctxproxy-a"]["environment"]["CTXPROXY_MIRROR_DIR"] == "/mirror"
+    lb = services["lb"]
+    assert lb["depends_on"] == {"ctxproxy-a": {"condition": "service_healthy"},
+                                "ctxproxy-b": {"condition": "service_healthy"}}
+    assert lb["ports"] == services["ctxproxy"]["ports"]  # agents keep their address: 127.0.0.1:4141
+    assert "/lb-healthz" in lb["healthcheck"]["test"][-1]
+    assert any(v.startswith(f"{NGINX_CONF}:/etc/nginx/nginx.conf") for v in lb["volumes"])
+
+
+def test_the_balancer_round_robins_without_affinity_and_streams_unbuffered() -> None:
+    directives = nginx_directives(NGINX_CONF.read_text())
+    names = [d[0] for d in directives]
+    servers = [d[1] for d in directives if d[0] == "server" and len(d) > 1]
+    assert servers == ["ctxproxy-a:4141", "ctxproxy-b:4141"]
+    assert not {"ip_hash", "hash", "sticky", "least_conn", "random"} & set(names)  # plain round-robin
+    assert ["proxy_buffering", "off"] in directives and ["proxy_request_buffering", "off"] in directives
+    assert ["listen", "4141"] in directives and ["location", "=", "/lb-healthz"] in directives
+    for timeout in ("proxy_read_timeout", "proxy_send_timeout"):
+        (value,) = [d[1] for d in directives if d[0] == timeout]
+        assert int(value.rstrip("s")) >= 600, timeout  # a model may think for minutes before its first token
+    (retry,) = [d[1:] for d in directives if d[0] == "proxy_next_upstream"]
+    assert "non_idempotent" not in retry  # a POST a replica received is never sent again
