@@ -141,3 +141,50 @@ def test_a_session_s_context_is_read_back_in_one_hop(tmp_path: Path) -> None:
         writer.close()
     assert writer.hops == 1
     assert context.decisions == [] and context.calibration("m") == Calibration() and context.mirror is None
+
+
+class CountingMessages(MessageCounter):
+    """The proxy's message counter, saying how many messages it was asked for (a cached count included)."""
+
+    def __init__(self, text: TextCounter) -> None:
+        super().__init__(text)
+        self.calls = 0
+
+    def count(self, message: dict[str, Any], key: str | None = None) -> int:
+        self.calls += 1
+        return super().count(message, key)
+
+
+def _forked_upstream(tmp_path: Path, evict_parent: bool) -> tuple[bytes, int]:
+    """A 20-round session at 8k (its old results elided), then a fork that edits a result 5 messages back: the
+    body the fork sent upstream, and how many messages its projection counted."""
+    settings = load_settings(env={"CTXPROXY_DATA_DIR": str(tmp_path), "CTXPROXY_UPSTREAM": "http://u.test/v1",
+                                  "CTXPROXY_CTX_WINDOW": "8192"})
+    fake = FakeUpstream()
+    with app_client(settings, httpx.ASGITransport(app=fake)) as client:
+        state: AppState = client.app.state.ctx  # type: ignore[attr-defined]
+        counter = CountingMessages(state.counter.text_counter)
+        counting: Future[MessageCounter] = Future()
+        counting.set_result(counter)
+        state.warmup = Warmup(counting)
+        messages = history(20)
+        for k in range(1, 21):
+            _send(client, messages[:2 + 2 * k])
+        if evict_parent:
+            for session in client.get("/ctx/sessions").json()["sessions"]:
+                state.contexts.drop(state.journal, session["id"])
+        fork = list(messages)
+        fork[-5] = fork[-5] | {"content": "edited\n" + fork[-5]["content"]}
+        counter.calls = 0
+        _send(client, fork)
+        return fake.last_chat.body, counter.calls
+
+
+def test_a_fork_starts_from_its_parents_state_and_sends_what_a_recomputation_sends(tmp_path: Path) -> None:
+    """A fork of a session whose context is in memory ingests only its own messages (its parent's state cut to the
+    history they share, ``proxy.core.forked``); the bytes it sends upstream are those of a fork projected from the
+    decisions (the parent's context evicted)."""
+    sent, counted = _forked_upstream(tmp_path / "kept", evict_parent=False)
+    recomputed, recounted = _forked_upstream(tmp_path / "evicted", evict_parent=True)
+    assert sent == recomputed
+    assert recounted - counted == len(history(20)) - 5  # the 37 messages it shares with its parent: not ingested
