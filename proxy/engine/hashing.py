@@ -58,7 +58,7 @@ class MessageHasher:
         with self._lock:
             kept = self._last.pop(key, [])
             self._bytes -= sum(entry.size for entry in kept)
-        shared = [_common_prefix(entry.messages, messages) for entry in kept]
+        shared = _shared(kept, messages)
         best = max(range(len(kept)), key=shared.__getitem__, default=None)
         same = shared[best] if best is not None else 0
         bodies = kept[best].bodies[:same] if best is not None else []
@@ -85,8 +85,35 @@ class MessageHasher:
         return self._bytes
 
 
+def _shared(kept: Sequence[HashedMessages], messages: Sequence[Any]) -> list[int]:
+    """How many leading messages each kept list shares with ``messages``, comparing messages (``==``) only where
+    the kept lists' hashes cannot tell: against the best list so far, a list that parts from it before the
+    ``messages`` do shares exactly as much as it has in common with it, and one that parts later shares what the
+    best shares. A fork sent between the requests of a long session kept three 6 MB lists, and comparing each
+    message by message cost about 0.7 ms per list."""
+    shared: list[int] = []
+    best, most = None, 0
+    for entry in kept:
+        if best is None:
+            n = _common_prefix(entry.messages, messages)
+        else:
+            common = _common_prefix(best.hashes, entry.hashes)  # hashes: compared in C, 64 characters each
+            n = min(common, most) if common != most else most + _common_prefix(entry.messages[most:],
+                                                                                 messages[most:])
+        shared.append(n)
+        if best is None or n > most:
+            best, most = entry, n
+    return shared
+
+
+_CHUNK = 64
+"""Messages compared at once in C, by slices: where two lists part, only that slice is walked in Python."""
+
+
 def _common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
     n = min(len(a), len(b))
-    if a[:n] == b[:n]:  # the usual case, compared in C
-        return n
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), n)
+    for start in range(0, n, _CHUNK):
+        end = min(start + _CHUNK, n)
+        if a[start:end] != b[start:end]:
+            return next(i for i in range(start, end) if a[i] != b[i])
+    return n
