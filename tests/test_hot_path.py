@@ -155,9 +155,9 @@ class CountingMessages(MessageCounter):
         return super().count(message, key)
 
 
-def _forked_upstream(tmp_path: Path, evict_parent: bool) -> tuple[bytes, int]:
+def _forked_upstream(tmp_path: Path, evict_parent: bool) -> tuple[bytes, int, int]:
     """A 20-round session at 8k (its old results elided), then a fork that edits a result 5 messages back: the
-    body the fork sent upstream, and how many messages its projection counted."""
+    body the fork sent upstream, how many messages its projection counted, how many its forward list added."""
     settings = load_settings(env={"CTXPROXY_DATA_DIR": str(tmp_path), "CTXPROXY_UPSTREAM": "http://u.test/v1",
                                   "CTXPROXY_CTX_WINDOW": "8192"})
     fake = FakeUpstream()
@@ -177,14 +177,18 @@ def _forked_upstream(tmp_path: Path, evict_parent: bool) -> tuple[bytes, int]:
         fork[-5] = fork[-5] | {"content": "edited\n" + fork[-5]["content"]}
         counter.calls = 0
         _send(client, fork)
-        return fake.last_chat.body, counter.calls
+        added = state.journal.journal.conn.execute(  # the fork's forward list: what it adds to its base
+            "SELECT l.length - l.base_len FROM forwards f JOIN message_lists l ON l.id = f.list_id"
+            " ORDER BY f.id DESC LIMIT 1").fetchone()[0]
+        return fake.last_chat.body, counter.calls, added
 
 
 def test_a_fork_starts_from_its_parents_state_and_sends_what_a_recomputation_sends(tmp_path: Path) -> None:
     """A fork of a session whose context is in memory ingests only its own messages (its parent's state cut to the
-    history they share, ``proxy.core.forked``); the bytes it sends upstream are those of a fork projected from the
-    decisions (the parent's context evicted)."""
-    sent, counted = _forked_upstream(tmp_path / "kept", evict_parent=False)
-    recomputed, recounted = _forked_upstream(tmp_path / "evicted", evict_parent=True)
+    history they share, ``proxy.core.forked``) and journals its forward list against the parent's last; the bytes
+    it sends upstream are those of a fork projected from the decisions (the parent's context evicted)."""
+    sent, counted, added = _forked_upstream(tmp_path / "kept", evict_parent=False)
+    recomputed, recounted, readded = _forked_upstream(tmp_path / "evicted", evict_parent=True)
     assert sent == recomputed
     assert recounted - counted == len(history(20)) - 5  # the 37 messages it shares with its parent: not ingested
+    assert added <= 5 + 2 < readded  # its forward list: a delta against the parent's last, not its own request

@@ -151,12 +151,18 @@ class SessionContexts:
                    messages: Sequence[dict[str, Any]], hashes: Sequence[str]) -> ParentState | None:
         """For the request that opened a fork: its parent's state cut to the messages they share
         (``proxy.core.forked``), when the parent's context is here, its state is in step with its decisions and
-        the fork inherited all of them; else None (the fork is projected from the decisions). Synchronous, on the
-        loop: a state is only extended by the request that took it out of its context, so none is changing now."""
+        the fork inherited all of them; else None (the fork is projected from the decisions). The fork's forward
+        list is based on the parent's last. Synchronous, on the loop: a state is only extended by the request that
+        took it out of its context, so none is changing now."""
         if not recorded.forked or recorded.parent_id is None or ctx.state is not None:
             return None
         parent = self._items.get((id(writer), writer.generation, recorded.parent_id))
-        if parent is None or parent.state is None or parent.ingest is None:
+        if parent is None:
+            return None
+        # The fork's first forward list: a delta against what its parent last sent, which it repeats up to the
+        # fork, rather than against its own request (all of its cut messages added again, stubs serialised).
+        ctx.sent_list = ctx.sent_list or parent.sent_list
+        if parent.state is None or parent.ingest is None:
             return None
         if len(parent.decisions) != len(ctx.decisions) or parent.decisions[-1:] != ctx.decisions[-1:]:
             return None
