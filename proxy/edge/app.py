@@ -29,7 +29,7 @@ from ctxproxy.proxy import __version__
 from ctxproxy.proxy.edge.body import read_body
 from ctxproxy.proxy.edge.callers import bearer_matches, require_admin, require_metrics
 from ctxproxy.proxy.engine.responses import FinallyResponse
-from ctxproxy.proxy.engine.state import AppState, Warmup, give_back_freed_memory, map_large_blocks
+from ctxproxy.proxy.engine.state import AppState, Warmup, give_back_freed_memory
 from ctxproxy.proxy.errors import (
     BadRequest,
     CtxError,
@@ -129,7 +129,6 @@ def _lifespan(settings: Settings, transport: httpx.AsyncBaseTransport | None
               ) -> Callable[[Starlette], AbstractAsyncContextManager[None]]:
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        map_large_blocks()  # before the warm-up's allocations: what a request frees goes back to the system
         warmup = Warmup.start(WARM)  # on a thread, while the server starts and takes requests
         journal = JournalWriter(open_journal(settings.data_path / "journal.db", settings.journal_sync, check=True),
                                 storage_error)

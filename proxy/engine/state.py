@@ -28,7 +28,7 @@ from ctxproxy.proxy.upstream.endpoint import Upstream
 from ctxproxy.proxy.upstream.window import WindowDetector
 from ctxproxy.store import JournalWriter, MemoryJournal
 
-__all__ = ["AppState", "SessionLocks", "Warmup", "give_back_freed_memory", "map_large_blocks"]
+__all__ = ["AppState", "SessionLocks", "Warmup", "give_back_freed_memory"]
 
 
 class Warmup:
@@ -90,28 +90,6 @@ def give_back_freed_memory() -> None:
     except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to do
         return
     trim(0)
-
-
-MMAP_THRESHOLD = 128 << 10
-"""Blocks this large or larger get mappings of their own (glibc's default, held fixed: ``map_large_blocks``)."""
-_M_MMAP_THRESHOLD = -3
-"""``mallopt``'s parameter number for it (glibc's ``malloc.h``)."""
-
-
-def map_large_blocks() -> None:
-    """Keep serving blocks of ``MMAP_THRESHOLD`` and more from mappings of their own, given back when freed.
-
-    glibc starts so, but raises the threshold to the size of each mapped block freed: after the first 6 MB body,
-    bodies and their copies (the raw body, what goes upstream) came from the heap, between the small blocks that
-    outlive a request (a new message's canonical body, its parsed text, kept by ``proxy.engine.hashing``), which
-    then pinned the pages around them: 600 rounds left RSS ~80 MB above idle, ~40 MB with the threshold held
-    (issue #13). Setting it explicitly turns the adjustment off. Elsewhere than glibc: nothing to do.
-    """
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return
-    mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
 
 
 class SessionLocks:
