@@ -345,10 +345,10 @@ def _forward_record(recorded: RecordedRequest, incoming: IncomingRequest, ctx: S
         return record
     base_id, base = ctx.sent_list or (recorded.list_id, list(incoming.hashes))
     same = next((i for i, (a, b) in enumerate(zip(base, hashes, strict=False)) if a != b), min(len(base), len(hashes)))
-    known = dict(zip(incoming.hashes, incoming.bodies, strict=True))  # an untouched message's body: serialised
+    stored = set(incoming.hashes)  # the request's messages: journaled with it, their bodies not needed again
     return replace(record, length=len(hashes), base_list_id=base_id, base_len=same, added_hashes=hashes[same:],
-                   added_bodies=[known.get(h) or canonical_json(m) for h, m in zip(hashes[same:], sent[same:],
-                                                                                   strict=True)])
+                   added_bodies=[None if h in stored else canonical_json(m) for h, m in zip(hashes[same:],
+                                                                                         sent[same:], strict=True)])
 
 
 def describe_overflow(p: Projection, messages: list[Any], rules: Rules) -> str:
