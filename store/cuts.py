@@ -53,7 +53,8 @@ class ForwardRecord:
     base_list_id: int | None = None
     base_len: int = 0
     added_hashes: Sequence[str] = ()
-    added_bodies: Sequence[bytes] = ()
+    added_bodies: Sequence[bytes | None] = ()
+    """None: a message of the request itself, whose body the journal has (``record_request``)."""
     decisions: Sequence[Mapping[str, Any]] = ()
     overflow: Sequence[OverflowBody] = field(default_factory=tuple)
     estimate: int | None = None
@@ -201,7 +202,8 @@ class CutsMixin(SpansMixin, OpsMixin):
             return int(row[0])
         self.conn.executemany(
             "INSERT INTO blobs (hash, kind, body, chars) VALUES (?, 'message', ?, ?) ON CONFLICT DO NOTHING",
-            [(h, b.decode(), len(b)) for h, b in zip(rec.added_hashes, rec.added_bodies, strict=True)])
+            [(h, b.decode(), len(b)) for h, b in zip(rec.added_hashes, rec.added_bodies, strict=True)
+             if b is not None])
         return self.conn.insert(
             "INSERT INTO message_lists (base_id, base_len, added, length) VALUES (?, ?, ?, ?)",
             [rec.base_list_id if rec.base_len else None, rec.base_len, json.dumps(list(rec.added_hashes)),

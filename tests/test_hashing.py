@@ -20,14 +20,15 @@ def test_hashes_always_equal_a_fresh_computation(histories: list[list[dict[str, 
     for history in histories:
         got = hasher.hash("k", history)
         assert got.hashes == [content_hash(canonical_json(m)) for m in history]
-        assert got.bodies == [canonical_json(m) for m in history]
+        assert list(got.bodies) == [canonical_json(m) for m in history]
+        assert got.bodies[-1:] == [canonical_json(m) for m in history[-1:]]
 
 
 def test_an_unchanged_prefix_is_not_serialised_again() -> None:
     hasher = MessageHasher()
     first = hasher.hash("k", [{"role": "user", "content": "a"}])
     second = hasher.hash("k", [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])
-    assert second.bodies[0] is first.bodies[0]  # reused, not re-serialised
+    assert second.hashes[0] is first.hashes[0]  # reused, not serialised and hashed again
 
 
 def test_the_cache_is_bounded() -> None:
@@ -71,10 +72,10 @@ def test_a_new_run_between_two_requests_of_a_long_one_does_not_make_it_hash_its_
     hasher.hash("opening", _history(2, tag="new run "))  # another run of the same agent, same opening
     forked = [*_history(300)[:250], {"role": "tool", "content": "edited"}]  # a fork of the long one
     again = hasher.hash("opening", forked)
-    assert all(a is b for a, b in zip(again.bodies[:250], long.bodies[:250], strict=True))  # reused, not redone
+    assert all(a is b for a, b in zip(again.hashes[:250], long.hashes[:250], strict=True))  # reused, not redone
     assert again.hashes == [content_hash(canonical_json(m)) for m in forked]
     following = hasher.hash("opening", [*_history(301)])  # the long session goes on after its fork
-    assert following.bodies[300 - 1] is long.bodies[300 - 1]
+    assert following.hashes[300 - 1] is long.hashes[300 - 1]
 
 
 def test_a_conversation_keeps_a_few_lists_and_drops_those_it_extended() -> None:
@@ -95,3 +96,44 @@ def test_the_shared_prefix_is_found_wherever_the_lists_part() -> None:
         assert _common_prefix(base, other) == cut
         assert _common_prefix(base, other[:-1]) == min(cut, 5)
     assert _common_prefix([], base) == 0
+
+
+class Compared(dict[str, Any]):
+    """A message that counts how often it is compared with another."""
+
+    comparisons = 0
+
+    def __eq__(self, other: object) -> bool:
+        Compared.comparisons += 1
+        return dict.__eq__(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def test_the_kept_lists_are_compared_message_by_message_only_where_their_hashes_cannot_tell() -> None:
+    """A fork between requests of a long session: of the three lists kept, the one it shares most with is compared
+    message by message; the others' shares follow from their hashes (each walk was ~0.7 ms at 600 rounds)."""
+    hasher = MessageHasher()
+    hasher.hash("opening", _history(300))
+    hasher.hash("opening", [*_history(300)[:200], {"role": "tool", "content": "an earlier fork"}])
+    hasher.hash("opening", _history(2, tag="new run "))
+    forked = [Compared(m) for m in [*_history(302)[:280], {"role": "tool", "content": "edited"}]]
+    Compared.comparisons = 0
+    again = hasher.hash("opening", forked)
+    assert again.hashes == [content_hash(canonical_json(m)) for m in forked]
+    assert Compared.comparisons <= 280 + 2 * 64  # to where it parts from the long run (once), not once per list
+
+
+def test_a_kept_list_holds_no_bodies_and_a_request_gets_its_new_ones_as_made() -> None:
+    """Each body kept was made during another request and pinned the freed memory around it (~55 MB of RSS after
+    600 rounds for 6.7 MB of bodies): a kept list holds the messages and hashes only."""
+    hasher = MessageHasher()
+    history = _history(10)
+    hasher.hash("k", history[:-1])
+    got = hasher.hash("k", history)
+    assert all(not entry.bodies for entries in hasher._last.values() for entry in entries)
+    assert got.bodies[len(history) - 1] is got.bodies[-1]  # the new message's body: the one just hashed
+    assert got.bodies[0] == canonical_json(history[0]) and got.size == sum(map(len, got.bodies))

@@ -209,3 +209,54 @@ def test_a_stub_s_kept_hash_is_the_hash_of_the_stub() -> None:
         assert _out_hash(stub, h, message) == message_hash(stub)
     other = {**message, "tool_call_id": "c2", "content": "[spilled: 5000 chars]"}
     assert _out_hash(other, h, message) == message_hash(other)  # not only its content changed: hashed
+
+
+class CountingMessages(MessageCounter):
+    """The proxy's message counter, saying how many messages it was asked for (a cached count included)."""
+
+    def __init__(self, text: TextCounter) -> None:
+        super().__init__(text)
+        self.calls = 0
+
+    def count(self, message: dict[str, Any], key: str | None = None) -> int:
+        self.calls += 1
+        return super().count(message, key)
+
+
+def _forked_upstream(tmp_path: Path, evict_parent: bool) -> tuple[bytes, int, int]:
+    """A 20-round session at 8k (its old results elided), then a fork that edits a result 5 messages back: the
+    body the fork sent upstream, how many messages its projection counted, how many its forward list added."""
+    settings = load_settings(env={"CTXPROXY_DATA_DIR": str(tmp_path), "CTXPROXY_UPSTREAM": "http://u.test/v1",
+                                  "CTXPROXY_CTX_WINDOW": "8192"})
+    fake = FakeUpstream()
+    with app_client(settings, httpx.ASGITransport(app=fake)) as client:
+        state: AppState = client.app.state.ctx  # type: ignore[attr-defined]
+        counter = CountingMessages(state.counter.text_counter)
+        counting: Future[MessageCounter] = Future()
+        counting.set_result(counter)
+        state.warmup = Warmup(counting)
+        messages = history(20)
+        for k in range(1, 21):
+            _send(client, messages[:2 + 2 * k])
+        if evict_parent:
+            for session in client.get("/ctx/sessions").json()["sessions"]:
+                state.contexts.drop(state.journal, session["id"])
+        fork = list(messages)
+        fork[-5] = fork[-5] | {"content": "edited\n" + fork[-5]["content"]}
+        counter.calls = 0
+        _send(client, fork)
+        added = state.journal.journal.conn.execute(  # the fork's forward list: what it adds to its base
+            "SELECT l.length - l.base_len FROM forwards f JOIN message_lists l ON l.id = f.list_id"
+            " ORDER BY f.id DESC LIMIT 1").fetchone()[0]
+        return fake.last_chat.body, counter.calls, added
+
+
+def test_a_fork_starts_from_its_parents_state_and_sends_what_a_recomputation_sends(tmp_path: Path) -> None:
+    """A fork of a session whose context is in memory ingests only its own messages (its parent's state cut to the
+    history they share, ``proxy.core.forked``) and journals its forward list against the parent's last; the bytes
+    it sends upstream are those of a fork projected from the decisions (the parent's context evicted)."""
+    sent, counted, added = _forked_upstream(tmp_path / "kept", evict_parent=False)
+    recomputed, recounted, readded = _forked_upstream(tmp_path / "evicted", evict_parent=True)
+    assert sent == recomputed
+    assert recounted - counted == len(history(20)) - 5  # the 37 messages it shares with its parent: not ingested
+    assert added <= 5 + 2 < readded  # its forward list: a delta against the parent's last, not its own request

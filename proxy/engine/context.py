@@ -18,13 +18,14 @@ from __future__ import annotations
 import json
 from bisect import bisect_right
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from ctxproxy.proxy.core import Decision, State
+from ctxproxy.proxy.core.forked import prefix_state
 from ctxproxy.proxy.core.identity import content_text
 from ctxproxy.proxy.core.state import sha256_text
 from ctxproxy.proxy.core.tokens import Calibration
@@ -42,7 +43,7 @@ from ctxproxy.store import (
     unclaim,
 )
 
-__all__ = ["Saved", "SessionContext", "SessionContexts", "read_new_session"]
+__all__ = ["ParentState", "Saved", "SessionContext", "SessionContexts", "read_new_session"]
 
 SHARED_DECISIONS = 64
 """Ancestors' decision sets kept for their forks: the decisions themselves are shared with the sessions' contexts."""
@@ -52,6 +53,9 @@ SHARED_DECISIONS = 64
 class SessionContext:
     decisions: list[Decision]
     state: State | None = None
+    ingest: tuple[Any, ...] | None = None
+    """What ``state``'s ingestion of the messages depended on besides the decisions (the text-protocol presets, the
+    paste threshold): a fork starts from the state only under the same (``SessionContexts.fork_start``)."""
     calibrations: dict[str | None, Calibration] = field(default_factory=dict)
     sent_list: tuple[int, list[str]] | None = None
     """Id and message hashes of the last list forwarded: the base of the next forward's delta."""
@@ -129,6 +133,14 @@ def _entries(document: str) -> dict[str, str]:
     return {str(e["id"]): content_text(e.get("content")) for e in json.loads(document)["messages"]}
 
 
+@dataclass(frozen=True)
+class ParentState:
+    """A fork's first state: its parent's cut to the messages they share, and what its ingestion depended on."""
+
+    state: State
+    ingest: tuple[Any, ...]
+
+
 @dataclass
 class _Shared:
     """An ancestor's decisions read so far (those up to decision ``upto``), in order, with their ids."""
@@ -171,6 +183,28 @@ class SessionContexts:
         if len(self._items) > self._capacity:
             self._items.popitem(last=False)
         return context
+
+    def fork_start(self, writer: JournalWriter, ctx: SessionContext, recorded: RecordedRequest,
+                   messages: Sequence[dict[str, Any]], hashes: Sequence[str]) -> ParentState | None:
+        """For the request that opened a fork: its parent's state cut to the messages they share
+        (``proxy.core.forked``), when the parent's context is here, its state is in step with its decisions and
+        the fork inherited all of them; else None (the fork is projected from the decisions). The fork's forward
+        list is based on the parent's last. Synchronous, on the loop: a state is only extended by the request that
+        took it out of its context, so none is changing now."""
+        if not recorded.forked or recorded.parent_id is None or ctx.state is not None:
+            return None
+        parent = self._items.get((id(writer), recorded.parent_id))
+        if parent is None:
+            return None
+        # The fork's first forward list: a delta against what its parent last sent, which it repeats up to the
+        # fork, rather than against its own request (all of its cut messages added again, stubs serialised).
+        ctx.sent_list = ctx.sent_list or parent.sent_list
+        if parent.state is None or parent.ingest is None:
+            return None
+        if len(parent.decisions) != len(ctx.decisions) or parent.decisions[-1:] != ctx.decisions[-1:]:
+            return None
+        state = prefix_state(parent.state, recorded.seen, messages, hashes, len(ctx.decisions))
+        return None if state is None else ParentState(state, parent.ingest)
 
     def drop(self, writer: JournalWriter, session_id: str) -> None:
         """Forget a session's working state (and the decisions its forks share); the next request reloads it."""

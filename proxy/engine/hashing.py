@@ -3,8 +3,8 @@
 An agent's request repeats the previous request's history and adds a few messages. Serialising and hashing the
 whole history (about 1.5 ms at 630 KB) on every request would make the proxy's cost grow with the session, so
 the last histories seen per conversation are kept in memory: while a message equals (``==``) the one at the same
-position in the kept history that shares the most with it, its canonical body and hash are reused; only the rest is
-serialised and hashed.
+position in the kept history that shares the most with it, its hash is reused; only the rest is serialised and
+hashed.
 
 ``==`` on decoded JSON treats ``1`` and ``1.0`` (and ``true`` and ``1``) as equal although their canonical JSON
 differs; a history that changes only that way keeps the earlier identity. Agents do not do this, and the
@@ -14,34 +14,68 @@ journal then records the earlier, equal value.
 from __future__ import annotations
 
 import threading
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, overload
 
 from ctxproxy.proxy.core import canonical_json, content_hash
 
-__all__ = ["HashedMessages", "MessageHasher"]
+__all__ = ["Bodies", "HashedMessages", "MessageHasher"]
 
 
 @dataclass(frozen=True)
 class HashedMessages:
     messages: Sequence[Any]
-    bodies: list[bytes]
+    bodies: Sequence[bytes]
+    """The canonical bodies (``Bodies``: those of the messages hashed for this request; the others serialised again
+    if asked for, which the request path does not do). Empty in a kept list."""
     hashes: list[str]
-    size: int = 0
-    """The bodies' total length in bytes."""
+    ends: array[int] = field(default_factory=lambda: array("q"))
+    """The bodies' cumulative lengths in bytes: ``ends[-1]`` is their total."""
+
+    @property
+    def size(self) -> int:
+        """The bodies' total length in bytes."""
+        return self.ends[-1] if self.ends else 0
+
+
+class Bodies(Sequence[bytes]):
+    """A list's canonical bodies: from ``start`` on those serialised to hash it, before that serialised on demand.
+
+    The kept lists used to keep every body: 6.7 MB after 600 rounds, each body made during another request, among
+    that request's short-lived blocks, so that they pinned about 55 MB of freed memory (RSS). What the request path
+    reads is the new messages' bodies (the journal has the others); the fold files of ``overflow_dir`` are the one
+    reader of earlier ones.
+    """
+
+    def __init__(self, messages: Sequence[Any], start: int, tail: list[bytes]) -> None:
+        self._messages, self._start, self._tail = messages, start, tail
+
+    def __len__(self) -> int:
+        return len(self._messages)
+
+    @overload
+    def __getitem__(self, index: int) -> bytes: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[bytes]: ...
+    def __getitem__(self, index: int | slice) -> bytes | list[bytes]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        i = range(len(self))[index]  # negative indices, and IndexError past the end
+        return self._tail[i - self._start] if i >= self._start else canonical_json(self._messages[i])
 
 
 class MessageHasher:
-    """Canonical bodies and hashes of a message list, reusing a previous list's for its unchanged prefix.
+    """Canonical bodies and hashes of a message list, reusing a previous list's hashes for its unchanged prefix.
 
     It keeps, per conversation (an opening, or a named session), the last list and up to ``per_conversation - 1``
     earlier ones the last did not extend: a new run with the same opening sent between two requests of a long
     session, or a fork, would otherwise make the next of them serialise and hash its whole history again (about
     2.5 ms per MB). At most ``conversations`` conversations, oldest dropped first, and no more than ``max_bytes``
-    of canonical bodies besides the newest conversation's lists: a 50 MB request would otherwise stay in memory
-    (twice: parsed and serialised) until 64 other conversations had come by, and 60 incognito conversations of
+    of histories (by their canonical size) besides the newest conversation's lists: a 50 MB request would otherwise
+    stay in memory until 64 other conversations had come by, and 60 incognito conversations of
     1 MB kept ~100 MB here for good, whatever their journal forgot. Safe to share between the event loop and the
     worker that hashes large requests (``proxy.engine.heavy``).
     """
@@ -58,18 +92,20 @@ class MessageHasher:
         with self._lock:
             kept = self._last.pop(key, [])
             self._bytes -= sum(entry.size for entry in kept)
-        shared = [_common_prefix(entry.messages, messages) for entry in kept]
+        shared = _shared(kept, messages)
         best = max(range(len(kept)), key=shared.__getitem__, default=None)
         same = shared[best] if best is not None else 0
-        bodies = kept[best].bodies[:same] if best is not None else []
         hashes = kept[best].hashes[:same] if best is not None else []
-        for message in messages[same:]:
-            body = canonical_json(message)
-            bodies.append(body)
+        ends = kept[best].ends[:same] if best is not None else array("q")
+        tail = [canonical_json(message) for message in messages[same:]]
+        total = ends[-1] if ends else 0
+        for body in tail:
             hashes.append(content_hash(body))
-        result = HashedMessages(messages, bodies, hashes, sum(map(len, bodies)))
+            total += len(body)
+            ends.append(total)
+        result = HashedMessages(messages, Bodies(messages, same, tail), hashes, ends)
         earlier = [entry for entry, n in zip(kept, shared, strict=True) if n < len(entry.messages)]  # not extended
-        self._keep(key, [result, *earlier][: self._per_conversation])
+        self._keep(key, [replace(result, bodies=()), *earlier][: self._per_conversation])
         return result
 
     def _keep(self, key: str, lists: list[HashedMessages]) -> None:
@@ -85,10 +121,35 @@ class MessageHasher:
         return self._bytes
 
 
+def _shared(kept: Sequence[HashedMessages], messages: Sequence[Any]) -> list[int]:
+    """How many leading messages each kept list shares with ``messages``, comparing messages (``==``) only where
+    the kept lists' hashes cannot tell: against the best list so far, a list that parts from it before the
+    ``messages`` do shares exactly as much as it has in common with it, and one that parts later shares what the
+    best shares. A fork sent between the requests of a long session kept three 6 MB lists, and comparing each
+    message by message cost about 0.7 ms per list."""
+    shared: list[int] = []
+    best, most = None, 0
+    for entry in kept:
+        if best is None:
+            n = _common_prefix(entry.messages, messages)
+        else:
+            common = _common_prefix(best.hashes, entry.hashes)  # hashes: compared in C, 64 characters each
+            n = min(common, most) if common != most else most + _common_prefix(entry.messages[most:],
+                                                                                 messages[most:])
+        shared.append(n)
+        if best is None or n > most:
+            best, most = entry, n
+    return shared
+
+
+_CHUNK = 64
+"""Messages compared at once in C, by slices: where two lists part, only that slice is walked in Python."""
+
+
 def _common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
     n = min(len(a), len(b))
-    if a[:n] == b[:n]:  # the usual case, compared in C
-        return n
-    if n and a[:n - 1] == b[:n - 1]:  # a new last message (the same history with new text): in C too
-        return n - 1
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), n)
+    for start in range(0, n, _CHUNK):
+        end = min(start + _CHUNK, n)
+        if a[start:end] != b[start:end]:
+            return next(i for i in range(start, end) if a[i] != b[i])
+    return n

@@ -34,7 +34,7 @@ from ctxproxy.proxy.core.identity import content_text
 from ctxproxy.proxy.core.state import sha256_text
 from ctxproxy.proxy.core.tokens import MessageCounter
 from ctxproxy.proxy.engine.budgets import budget_for
-from ctxproxy.proxy.engine.context import SessionContext
+from ctxproxy.proxy.engine.context import ParentState, SessionContext
 from ctxproxy.proxy.engine.heavy import is_large
 from ctxproxy.proxy.engine.outfiles import outfiles_dir, write_outfiles
 from ctxproxy.proxy.engine.policy import (
@@ -84,9 +84,11 @@ async def plan_forward(app: AppState, writer: JournalWriter, ctx: SessionContext
     settings = app.settings.for_model(model)
     window = settings.ctx_window or (await app.windows.window_for(model)).tokens
     window = min(window, app.contexts.window_limits.get(model, window))
-    previous, ctx.state = ctx.state, None  # consumed by project(); only a journaled projection gives it back
+    start: State | ParentState | None = ctx.state or app.contexts.fork_start(
+        writer, ctx, recorded, cast(list[dict[str, Any]], ask.body["messages"]), incoming.hashes)
+    ctx.state = None  # consumed by project(); only a journaled projection gives it back
     large = is_large(incoming.body_bytes, len(incoming.hashes))
-    shaped = await app.offload.run(large, _shape, app, settings, ctx, ask, window, previous)
+    shaped = await app.offload.run(large, _shape, app, settings, ctx, ask, window, start)
     p, record = shaped.projection, shaped.record
     deferred = None
     if record.verbatim and not record.decisions and not record.overflow:
@@ -98,7 +100,7 @@ async def plan_forward(app: AppState, writer: JournalWriter, ctx: SessionContext
         await write_outfiles(shaped.rules.overflow_dir, _outfile_bodies(shaped.rules, p, incoming.bodies))
     ctx.decisions += p.new
     app.metrics.decided([d.kind for d in p.new], shaped.tally.freed)
-    ctx.state = p.state
+    ctx.state, ctx.ingest = p.state, _ingest_key(shaped.rules)
     ctx.sent_list = (list_id, shaped.hashes)
     await ctx.journal_state(writer, recorded.session_id, recorded.request_id)
     return Plan(shaped.body, shaped.estimate, shaped.rules.k, p, shaped.rules, shaped.offered, shaped.tally, deferred)
@@ -145,11 +147,15 @@ class _Shaped:
 
 
 def _shape(app: AppState, settings: Settings, ctx: SessionContext, ask: Ask, window: int,
-           previous: State | None) -> _Shaped:
+           start: State | ParentState | None) -> _Shaped:
     """The outgoing request: rules, projection, notices, tools, bytes. No await: its cost grows with the request,
-    so a large one's runs on the worker, under the session's lock (it updates the session's working context)."""
+    so a large one's runs on the worker, under the session's lock (it updates the session's working context).
+    ``start``: the session's state, or a fork's parent's cut to their shared messages (used only under the same
+    ingestion rules), or None (projected from the decisions)."""
     body, messages = ask.body, cast(list[dict[str, Any]], ask.body["messages"])
     rules = _rules(app, settings, ctx, ask, window)
+    previous = start.state if isinstance(start, ParentState) and start.ingest == _ingest_key(rules) else (
+        start if isinstance(start, State) else None)
     may_offer = _schemas_may_go(settings, body, bool(rules.fenced))
     p = _checked_projection(messages, ask.incoming.hashes, ctx.decisions, rules, app.counter, previous,
                             ask.recorded.seen)
@@ -171,6 +177,12 @@ def _shape(app: AppState, settings: Settings, ctx: SessionContext, ask: Ask, win
                              None if ask.splice else estimate)  # a splice's tokens are not in the estimate
     return _Shaped(p, rules, offered, estimate, hashes, record, orjson.dumps(payload.body) if changed else ask.raw,
                    tally(p, messages, ask.incoming.hashes, app.counter, estimate, budgeted))
+
+
+def _ingest_key(rules: Rules) -> tuple[Any, ...]:
+    """What ingesting a message depends on besides the decisions: which user messages hold text-protocol results
+    or a paste (``proxy.core.project._results_of``)."""
+    return rules.fenced, rules.budget.paste_chars
 
 
 def _rules(app: AppState, settings: Settings, ctx: SessionContext, ask: Ask, window: int) -> Rules:
@@ -333,10 +345,10 @@ def _forward_record(recorded: RecordedRequest, incoming: IncomingRequest, ctx: S
         return record
     base_id, base = ctx.sent_list or (recorded.list_id, list(incoming.hashes))
     same = next((i for i, (a, b) in enumerate(zip(base, hashes, strict=False)) if a != b), min(len(base), len(hashes)))
-    known = dict(zip(incoming.hashes, incoming.bodies, strict=True))  # an untouched message's body: serialised
+    stored = set(incoming.hashes)  # the request's messages: journaled with it, their bodies not needed again
     return replace(record, length=len(hashes), base_list_id=base_id, base_len=same, added_hashes=hashes[same:],
-                   added_bodies=[known.get(h) or canonical_json(m) for h, m in zip(hashes[same:], sent[same:],
-                                                                                   strict=True)])
+                   added_bodies=[None if h in stored else canonical_json(m) for h, m in zip(hashes[same:],
+                                                                                         sent[same:], strict=True)])
 
 
 def describe_overflow(p: Projection, messages: list[Any], rules: Rules) -> str:

@@ -1,0 +1,132 @@
+"""A fork projected from its parent's state cut to their shared messages gives what a projection from the
+decisions gives (``proxy.core.forked``), and ingests only the fork's own messages."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any
+
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+from ctxproxy.proxy.core.decisions import Decision
+from ctxproxy.proxy.core.forked import prefix_state
+from ctxproxy.proxy.core.identity import message_hash
+from ctxproxy.proxy.core.project import Projection, project
+from ctxproxy.proxy.core.state import Rules, State
+from tests.test_project import CharCounter, budget, histories, history, prefixes, session
+
+
+class Tally(CharCounter):
+    """CharCounter that says how many messages it was asked to count."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def count(self, message: dict[str, Any], key: str | None = None) -> int:
+        self.calls += 1
+        return super().count(message, key)
+
+
+def _parent(messages: list[Any], rules: Rules) -> tuple[State, list[Decision]]:
+    projections, decisions = session(prefixes(messages), rules)
+    return projections[-1].state, decisions
+
+
+def _edited(messages: list[Any], at: int) -> list[Any]:
+    fork = list(messages)
+    fork[at] = fork[at] | {"content": f"edited\n{fork[at].get('content')}"}
+    return fork
+
+
+def _both(fork: list[Any], shared: int, parent: State, decisions: list[Decision], rules: Rules,
+          counter: Any = None) -> tuple[Projection, Projection | None]:
+    hashes = [message_hash(m) for m in fork]
+    fresh = project(fork, hashes, decisions, rules, CharCounter(), None, shared)
+    start = prefix_state(parent, shared, fork, hashes, len(decisions))
+    if start is None:
+        return fresh, None
+    return fresh, project(fork, hashes, decisions, rules, counter or CharCounter(), start, shared)
+
+
+def _same(fresh: Projection, cut: Projection) -> None:
+    assert cut.messages == fresh.messages and cut.hashes == fresh.hashes and cut.new == fresh.new
+    assert [w.overflow_id for w in cut.writes] == [w.overflow_id for w in fresh.writes]
+    assert cut.report.estimate == fresh.report.estimate and cut.changed == fresh.changed
+    left_out = {"fold_sum", "absorbed", "out"}  # a running digest (None after a recomputation); out: compared above
+    for f in fields(State):
+        if f.name not in left_out:
+            assert getattr(cut.state, f.name) == getattr(fresh.state, f.name), f.name
+
+
+def test_a_fork_from_the_parents_state_is_the_fork_from_the_decisions() -> None:
+    rules = Rules(budget(8192, spill_chars=4000))
+    messages = history([("q" * n) for n in (100, 5000, 3000, 9000, 2500, 3000, 700, 3000, 3000, 3000, 2000)])
+    parent, decisions = _parent(messages, rules)
+    assert any(d.kind == "elide" for d in decisions)  # the parent's state carries cuts the fork inherits
+    for at in (len(messages) - 1, len(messages) - 5, 7):
+        fresh, cut = _both(_edited(messages, at), at, parent, decisions, rules)
+        assert cut is not None
+        _same(fresh, cut)
+
+
+def test_a_fork_ingests_only_its_own_messages() -> None:
+    rules = Rules(budget(8192, spill_chars=4000))
+    messages = history([("q" * n) for n in (100, 5000, 3000, 9000, 2500, 3000, 700, 3000, 3000, 3000, 2000)])
+    parent, decisions = _parent(messages, rules)
+    counter = Tally()
+    at = len(messages) - 3
+    _, cut = _both(_edited(messages, at), at, parent, decisions, rules, counter)
+    assert cut is not None and cut.report.reused == at
+    assert counter.calls <= 2 * (len(messages) - at)  # each own message, and its stub if one is cut now
+
+
+def test_the_parents_state_is_left_as_it_was() -> None:
+    rules = Rules(budget(8192, spill_chars=4000))
+    messages = history([("q" * n) for n in (100, 5000, 3000, 9000, 2500, 3000, 700, 3000)])
+    parent, decisions = _parent(messages, rules)
+    before = parent.copy()
+    _both(_edited(messages, 9) + history(["new " * 900])[2:], 9, parent, decisions, rules)
+    assert all(getattr(parent, f.name) == getattr(before, f.name) for f in fields(State))
+
+
+def test_a_fold_reaching_past_the_shared_messages_is_recomputed() -> None:
+    rules = Rules(budget(4096, spill_chars=100_000))
+    messages = history(["short output " * 10] * 120)
+    parent, decisions = _parent(messages, rules)
+    assert parent.folded is not None
+    at = parent.folded[1] - 2
+    assert prefix_state(parent, at, messages, [message_hash(m) for m in messages], len(decisions)) is None
+    fresh, cut = _both(_edited(messages, len(messages) - 1), len(messages) - 1, parent, decisions, rules)
+    assert cut is not None  # a fold within the shared messages is kept
+    _same(fresh, cut)
+
+
+def test_a_state_out_of_step_with_the_decisions_or_the_history_is_not_used() -> None:
+    rules = Rules(budget(8192, spill_chars=4000))
+    messages = history([("q" * n) for n in (100, 5000, 3000, 9000, 2500, 3000)])
+    parent, decisions = _parent(messages, rules)
+    hashes = [message_hash(m) for m in messages]
+    assert prefix_state(parent, 6, messages, hashes, len(decisions) + 1) is None  # a decision it does not reflect
+    other = _edited(messages, 3)
+    assert prefix_state(parent, 6, other, [message_hash(m) for m in other], len(decisions)) is None
+    assert prefix_state(parent, len(messages) + 1, messages, hashes, len(decisions)) is None
+    hidden = parent.copy()
+    hidden.hides = (Decision("hide", "x"),)
+    assert prefix_state(hidden, 6, messages, hashes, len(decisions)) is None
+
+
+@example(([{"role": "system", "content": "sys"}, {"role": "user", "content": "task"}], set()), 4096, 0.5)
+@given(histories(), st.sampled_from([4096, 8192]), st.floats(0.1, 1.0))
+def test_every_fork_point_gives_the_projection_from_the_decisions(case: tuple[list[Any], set[int]], window: int,
+                                                                   where: float) -> None:
+    messages, _ = case
+    rules = Rules(budget(window))
+    parent, decisions = _parent(messages, rules) if len(messages) > 2 else (None, [])
+    if parent is None:
+        return
+    at = max(1, min(len(messages) - 1, int(len(messages) * where)))
+    fresh, cut = _both([*_edited(messages, at), {"role": "user", "content": "and then"}], at, parent, decisions,
+                       rules)
+    if cut is not None:
+        _same(fresh, cut)
