@@ -343,3 +343,19 @@ def test_an_answer_handed_in_before_the_next_request_is_journaled_before_it(post
 
     asyncio.run(go())
     writer.close()
+
+
+@pytest.mark.parametrize(("error", "kind", "words"), [
+    (psycopg.OperationalError('connection failed: FATAL:  password authentication failed for user "ctx"'), "refused",
+     "pg_hba.conf"),
+    (psycopg.OperationalError('connection failed: FATAL:  no pg_hba.conf entry for host "10.0.0.7"'), "refused",
+     "~/.pgpass"),
+    (psycopg.errors.ReadOnlySqlTransaction("cannot execute INSERT in a read-only transaction"), "read_only",
+     "primary"),
+    (psycopg.errors.DataCorrupted("invalid page in block 7"), "corrupt", "pg_restore"),
+    (psycopg.errors.UndefinedTable('relation "x" does not exist'), "unavailable", "its log"),
+])
+def test_each_postgresql_failure_names_its_fix(error: Exception, kind: str, words: str) -> None:
+    """By SQLSTATE when the server sent one; by libpq's words for a connection that never opened (none)."""
+    problem = explain(error, "postgresql://ctx:hunter2@db:5432/journal")
+    assert problem.kind == kind and words in problem.message and "hunter2" not in problem.message
