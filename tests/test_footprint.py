@@ -35,6 +35,11 @@ def test_importing_the_cli_loads_no_heavy_module() -> None:
     assert modules_after("import ctxproxy.proxy.commands.cli") & HEAVY == set()
 
 
+def test_loading_the_settings_leaves_difflib_and_tomllib_to_a_typo_and_a_config_file() -> None:
+    loaded = modules_after("from ctxproxy.config import load_settings\nload_settings(env={})")
+    assert loaded & {"difflib", "tomllib"} == set()
+
+
 def test_ctxproxy_version_answers_without_loading_the_server() -> None:
     loaded = modules_after("import contextlib\nfrom ctxproxy.proxy.commands.cli import main\n"
                            "with contextlib.suppress(SystemExit): main(['--version'])")
