@@ -81,7 +81,9 @@ def first_answer_once(upstream: str, data: Path, env: list[str]) -> float:
 
 def _spawn_proxy(upstream: str, data: Path, env: list[str]) -> tuple[subprocess.Popen[bytes], int, float]:
     port = latency.free_port()
-    command = [sys.executable, "-c", harness.AS_INSTALLED, "serve", "--upstream", upstream + "/v1",
+    # -P: the checkout the proxy runs is the one PYTHONPATH names (--proxy-env), not the current directory, which
+    # `-c` would put first on sys.path (so --proxy-env PYTHONPATH=BASE ran this checkout's code)
+    command = [sys.executable, "-P", "-c", harness.AS_INSTALLED, "serve", "--upstream", upstream + "/v1",
                "--host", "127.0.0.1", "--port", str(port), "--data-dir", str(data)]
     environ = latency._proxy_environ(env)
     started = time.perf_counter()

@@ -16,9 +16,7 @@ Nothing reads the environment at import time: ``load_settings`` receives it.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -201,6 +199,8 @@ def setting_help(name: str) -> str:
 
 def _parse(key: str, value: Any, where: str) -> Any:
     if key not in SETTABLE:
+        import difflib  # only for a key that names no setting: not loaded by every start (issue #13)
+
         close = difflib.get_close_matches(key, SETTABLE, n=1)
         hint = f"did you mean {close[0]!r}?" if close else "see config/default.toml for every key"
         raise SettingsError(f"Unknown setting {key!r} in {where}. Hint: {hint}")
@@ -217,6 +217,8 @@ def _is_explicit(key: str, value: Any) -> bool:
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
+    import tomllib  # only when a config file is given: not loaded by every start (issue #13)
+
     try:
         with path.open("rb") as fh:
             return tomllib.load(fh)
@@ -256,6 +258,8 @@ def unknown_environment(env: Mapping[str, str]) -> list[str]:
         name = key.removeprefix(ENV_PREFIX)
         if not key.startswith(ENV_PREFIX) or name in NOT_SETTINGS or name.lower() in SETTABLE:
             continue
+        import difflib
+
         close = difflib.get_close_matches(name.lower(), SETTABLE, n=1)
         hint = f"did you mean {ENV_PREFIX}{close[0].upper()}?" if close else "see config/default.toml for every key"
         out.append(f"environment variable {key} is not a setting and is ignored. Hint: {hint}")

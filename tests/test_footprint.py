@@ -35,6 +35,11 @@ def test_importing_the_cli_loads_no_heavy_module() -> None:
     assert modules_after("import ctxproxy.proxy.commands.cli") & HEAVY == set()
 
 
+def test_loading_the_settings_leaves_difflib_and_tomllib_to_a_typo_and_a_config_file() -> None:
+    loaded = modules_after("from ctxproxy.config import load_settings\nload_settings(env={})")
+    assert loaded & {"difflib", "tomllib"} == set()
+
+
 def test_ctxproxy_version_answers_without_loading_the_server() -> None:
     loaded = modules_after("import contextlib\nfrom ctxproxy.proxy.commands.cli import main\n"
                            "with contextlib.suppress(SystemExit): main(['--version'])")
@@ -191,3 +196,55 @@ def test_the_metrics_render_as_prometheus_clients_own_counters_would() -> None:
     assert 'kind="completion"' not in ours and metrics.answered_count() == 1
     with pytest.raises(ValueError, match="only go up"):
         metrics.tokens_freed.inc(("model", "drop"), -1)
+
+
+def test_aiohttp_s_context_for_unverified_tls_holds_no_ca_store() -> None:
+    """aiohttp loads the system CA bundle into its ``ssl=False`` context, which never reads it (issue #13: 0.6 MB
+    idle); the wire lets that store go and leaves the verifying context as it was."""
+    import ssl
+
+    import aiohttp.connector
+
+    from ctxproxy.proxy.upstream.wire import unverified_context
+
+    unverified = aiohttp.connector._SSL_CONTEXT_UNVERIFIED
+    assert isinstance(unverified, ssl.SSLContext)
+    assert unverified.cert_store_stats()["x509_ca"] == 0
+    assert (unverified.verify_mode, unverified.check_hostname) == (ssl.CERT_NONE, False)
+    assert unverified.options & ssl.OP_NO_COMPRESSION
+    assert unverified_context().cert_store_stats() == unverified.cert_store_stats()
+    verifying = aiohttp.connector._SSL_CONTEXT_VERIFIED
+    assert isinstance(verifying, ssl.SSLContext) and verifying.verify_mode == ssl.CERT_REQUIRED
+    assert verifying.cert_store_stats() == ssl.create_default_context().cert_store_stats()
+
+
+ARENAS = """
+import ctypes, os, sys, tempfile, threading
+from ctxproxy.proxy.engine.state import one_malloc_arena
+if sys.argv[1] == "one":
+    one_malloc_arena()
+kept = []
+thread = threading.Thread(target=lambda: kept.extend(bytearray(60_000) for _ in range(4)))
+thread.start()
+thread.join()
+libc = ctypes.CDLL(None)
+libc.fopen.restype = ctypes.c_void_p
+path = os.path.join(tempfile.mkdtemp(), "malloc.xml")
+out = libc.fopen(path.encode(), b"w")
+libc.malloc_info(0, ctypes.c_void_p(out))
+libc.fclose(ctypes.c_void_p(out))
+print(open(path).read().count("<heap nr="))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or sys.implementation.name != "cpython", reason="glibc")
+def test_the_server_s_threads_share_one_malloc_arena() -> None:
+    """A thread that allocates gets an arena of its own from glibc, which keeps what it freed (issue #13: 2.2 MB
+    idle, the warm-up's); ``ctxproxy serve`` asks for one arena before its threads start."""
+    def heaps(mode: str) -> int:
+        done = subprocess.run([sys.executable, "-c", ARENAS, mode], cwd=ROOT, capture_output=True, text=True,
+                              timeout=60, check=True)
+        return int(done.stdout.split()[-1])
+
+    assert heaps("one") == 1
+    assert heaps("default") > 1
