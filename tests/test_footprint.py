@@ -198,26 +198,6 @@ def test_the_metrics_render_as_prometheus_clients_own_counters_would() -> None:
         metrics.tokens_freed.inc(("model", "drop"), -1)
 
 
-def test_aiohttp_s_context_for_unverified_tls_holds_no_ca_store() -> None:
-    """aiohttp loads the system CA bundle into its ``ssl=False`` context, which never reads it (issue #13: 0.6 MB
-    idle); the wire lets that store go and leaves the verifying context as it was."""
-    import ssl
-
-    import aiohttp.connector
-
-    from ctxproxy.proxy.upstream.wire import unverified_context
-
-    unverified = aiohttp.connector._SSL_CONTEXT_UNVERIFIED
-    assert isinstance(unverified, ssl.SSLContext)
-    assert unverified.cert_store_stats()["x509_ca"] == 0
-    assert (unverified.verify_mode, unverified.check_hostname) == (ssl.CERT_NONE, False)
-    assert unverified.options & ssl.OP_NO_COMPRESSION
-    assert unverified_context().cert_store_stats() == unverified.cert_store_stats()
-    verifying = aiohttp.connector._SSL_CONTEXT_VERIFIED
-    assert isinstance(verifying, ssl.SSLContext) and verifying.verify_mode == ssl.CERT_REQUIRED
-    assert verifying.cert_store_stats() == ssl.create_default_context().cert_store_stats()
-
-
 ARENAS = """
 import ctypes, os, sys, tempfile, threading
 from ctxproxy.proxy.engine.state import one_malloc_arena

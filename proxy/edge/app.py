@@ -189,7 +189,7 @@ async def _trim_when_quiet(state: AppState) -> None:
 
 
 EDGE = "ctxproxy.proxy.edge"
-WARM = ("ctxproxy.proxy.upstream.wire", "ctxproxy.proxy.edge.chat", "ctxproxy.proxy.edge.fronts.anthropic.front",
+WARM = ("aiohttp", "ctxproxy.proxy.edge.chat", "ctxproxy.proxy.edge.fronts.anthropic.front",
         "ctxproxy.proxy.edge.fronts.anthropic.count", "ctxproxy.proxy.edge.fronts.responses.front")
 """What the warm-up thread imports before it loads the tokenizer: the upstream wire (``proxy.upstream.transport``), the
 request engine (``proxy.edge.chat``, ``proxy.engine``: 70 ms) and the fronts around it, which the server does not need

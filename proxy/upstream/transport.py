@@ -74,7 +74,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
 
     def _pool(self) -> aiohttp.ClientSession:
         if self._session is None:
-            from ctxproxy.proxy.upstream.wire import aiohttp
+            import aiohttp
 
             connector = aiohttp.TCPConnector(limit=self._limits[0], keepalive_timeout=self._limits[1])
             self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
