@@ -69,30 +69,13 @@ class PlacementMixin:
             if head is None:
                 return self._open(req, req.session_name, parent=None, shared=0, fingerprint=None)
             return Placement(head, head.list_id, self._common_with(head, digests), False, None)
-        extended = self._ended_if_dead(self._heads_extended(req.fingerprint, digests))
+        extended = _ended_if_dead(self.conn, self.instance, self._heads_extended(req.fingerprint, digests))
         head = _continued(extended, digests, self._answered_heads(req.fingerprint))
         if head is not None:
             return Placement(head, head.list_id, head.length, False, None)
         parent, shared = self._closest(self._recent_heads(req.fingerprint), digests)
         return self._open(req, self._new_id(req.fingerprint, self._siblings(req.fingerprint)), parent, shared,
                           req.fingerprint)
-
-    def _ended_if_dead(self, heads: list[Head]) -> list[Head]:
-        """A shared store's pending heads whose request's process is dead (``store.liveness``): journaled
-        ``interrupted`` here, as a restart marks a single process's (``store.recovery``), so the agent's resend
-        continues the session from its last answer (``_answered_heads``) instead of forking it as a parallel run.
-        Under the placement's lock, so that two replicas placing requests of the opening agree."""
-        if self.instance is None:
-            return heads
-        return [self._ended(head) if head.pending else head for head in heads]
-
-    def _ended(self, head: Head) -> Head:
-        row = self.conn.execute("SELECT id, instance FROM requests WHERE session_id = ? ORDER BY id DESC LIMIT 1",
-                                [head.id]).fetchone()
-        if row is None or row[1] is None or row[1] == self.instance or not is_dead(self.conn, str(row[1])):
-            return head
-        self.conn.execute(MARK_ABANDONED, [datetime.now(UTC).isoformat(timespec="milliseconds"), int(row[0])])
-        return replace(head, pending=0)
 
     def _open(self, req: IncomingRequest, session_id: str, parent: Head | None, shared: int,
               fingerprint: str | None) -> Placement:
@@ -262,3 +245,23 @@ def _continued(candidates: Sequence[Head], hashes: PrefixDigests, answered: Sequ
 
 def _extends(hashes: PrefixDigests, head: Head) -> bool:
     return head.length <= len(hashes) and hashes.at(head.length) == head.digest
+
+
+def _ended_if_dead(conn: Connection, instance: str | None, heads: list[Head]) -> list[Head]:
+    """A shared store's pending heads whose request's process is dead (``store.liveness``): journaled
+    ``interrupted`` here, as a restart marks a single process's (``store.recovery``), so the agent's resend
+    continues the session from its last answer (``_answered_heads``) instead of forking it as a parallel run.
+    Under the placement's lock, so two replicas placing requests of the opening agree. ``instance``: this
+    process's (None: SQLite, one process, where nothing is asked)."""
+    if instance is None:
+        return heads
+    return [_ended(conn, instance, head) if head.pending else head for head in heads]
+
+
+def _ended(conn: Connection, instance: str, head: Head) -> Head:
+    row = conn.execute("SELECT id, instance FROM requests WHERE session_id = ? ORDER BY id DESC LIMIT 1",
+                       [head.id]).fetchone()
+    if row is None or row[1] is None or row[1] == instance or not is_dead(conn, str(row[1])):
+        return head
+    conn.execute(MARK_ABANDONED, [datetime.now(UTC).isoformat(timespec="milliseconds"), int(row[0])])
+    return replace(head, pending=0)

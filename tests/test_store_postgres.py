@@ -261,6 +261,8 @@ def test_every_read_gives_the_same_answer_on_both_backends(tmp_path: Path, postg
     lite.close()
     pg.close()
     assert got["scorecard"] and got["decisions"] and got["samples"] and got["interrupted"] == 1
+    # the process that journaled the request: recorded on a shared store only (``store.liveness``)
+    assert (expected["request"].pop("instance"), got["request"].pop("instance")) == (None, pg.instance)
     for key, value in expected.items():
         assert got[key] == value, key
         assert json.dumps(got[key], default=repr) == json.dumps(value, default=repr), key  # no Decimal, no bool
