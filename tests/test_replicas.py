@@ -28,10 +28,9 @@ from fastapi.testclient import TestClient
 
 from ctxproxy.config import load_settings
 from ctxproxy.store import Journal, JournalWriter, claim
-from ctxproxy.store.locks import AdvisoryLocks
 from tests.conftest import app_client
 from tests.fakes import FakeUpstream, Reply, completion, tool_answer
-from tests.test_journal import incoming, record, run
+from tests.test_journal import incoming
 from tests.test_session_state import ENV, SCENARIOS, TOOLS, Scenario, Step, _round
 
 Scripted = Reply | Callable[[FakeUpstream], Reply]
@@ -294,45 +293,6 @@ def test_a_request_whose_process_died_holding_the_lock_is_marked_interrupted_by_
     finally:
         conn.close()
     assert rows == [("interrupted", 0)]
-
-
-def _resend_after(postgres_url: str, hold_liveness: bool) -> tuple[str, str, list[str]]:
-    """A fingerprint session's request journaled by another process, left unanswered, then sent again here: the
-    two sessions, and the unanswered request's outcomes. ``hold_liveness``: that process still lives."""
-    messages = run(2)
-    other, here = Journal(postgres_url), Journal(postgres_url)
-    other.instance = "another-replica"  # its liveness lock: held below, or free (the process is gone)
-    holder = AdvisoryLocks(postgres_url, instance="another-replica")
-    try:
-        if hold_liveness:
-            holder.start()
-        session = record(other, incoming(messages[1], n=1)).session_id
-        cut = other.record_request(incoming(messages[2], n=2))  # the request the process never answered
-        resent = here.record_request(incoming(messages[2], n=3))  # the agent sends it again, to this replica
-        outcomes = [str(r["outcome"]) for r in (here.request(cut.request_id) or {"responses": []})["responses"]]
-    finally:
-        holder.close()
-        other.close()
-        here.close()
-    return session, resent.session_id, outcomes
-
-
-def test_the_resend_of_a_dead_replicas_request_continues_its_session(postgres_url: str) -> None:
-    """A replica SIGKILLed mid-request leaves its request unanswered, and the session's head looks in flight: the
-    agent's resend, matched by fingerprint, was taken for a parallel run and forked into ``-2``. Its process no
-    longer holds its liveness lock (``store.liveness``): placement journals the request ``interrupted`` and the
-    resend continues the session."""
-    session, resent, outcomes = _resend_after(postgres_url, hold_liveness=False)
-    assert resent == session
-    assert outcomes == ["interrupted"]
-
-
-def test_the_same_request_while_its_replica_lives_is_a_parallel_run(postgres_url: str) -> None:
-    """The other process lives (it holds its liveness lock): its request is in flight, and the same messages sent
-    meanwhile are another run of the agent, in a session of their own, as before."""
-    session, resent, outcomes = _resend_after(postgres_url, hold_liveness=True)
-    assert resent == f"{session}-2"
-    assert outcomes == []
 
 
 def test_a_replica_starting_on_postgresql_leaves_the_others_requests_in_flight_alone(
