@@ -203,7 +203,8 @@ class AdvisoryLocks:
         except psycopg.Error as exc:
             raise LockUnavailable(_UNREACHABLE.format(detail=exc)) from exc
         if not conn.execute("SELECT pg_try_advisory_lock(%s)", (instance_key(self.instance),)).fetchone()[0]:  # type: ignore[index]
-            log.error("this process's liveness lock is held by another connection (instance %s)", self.instance)
+            log.warning("another lock connection of this process holds its liveness lock (instance %s): two apps"
+                        " in one process share it while both run", self.instance)
         for key in list(self._held):  # in-flight requests' locks, lost with the old connection: taken back first
             if not conn.execute("SELECT pg_try_advisory_lock(%s)", (key,)).fetchone()[0]:  # type: ignore[index]
                 log.error("a session lock was lost with its connection and another process holds it now (key %d)",
