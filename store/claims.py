@@ -21,7 +21,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 from ctxproxy.store.journal import Journal
-from ctxproxy.store.recovery import ANSWERED, INTERRUPTED
+from ctxproxy.store.recovery import MARK_ABANDONED
 
 __all__ = ["claim", "unclaim"]
 
@@ -37,7 +37,7 @@ def claim(journal: Journal, session_id: str, request_id: int) -> int | None:
         journal.conn.execute("UPDATE sessions SET claimed_by = ? WHERE id = ?", [request_id, session_id])
         previous = None if row is None or row[0] is None else int(row[0])
         if previous is not None and previous != request_id:
-            journal.conn.execute(_MARK_ABANDONED, [datetime.now(UTC).isoformat(timespec="milliseconds"), previous])
+            journal.conn.execute(MARK_ABANDONED, [datetime.now(UTC).isoformat(timespec="milliseconds"), previous])
     return previous
 
 
@@ -46,17 +46,3 @@ def unclaim(journal: Journal, session_id: str) -> None:
     with journal.conn:
         journal.conn.execute("UPDATE sessions SET claimed_by = NULL WHERE id = ?", [session_id])
 
-
-_MARK_ABANDONED = f"""
-INSERT INTO responses (request_id, attempt, outcome, status, body, finished_at)
-SELECT r.id,
-       (SELECT MAX(a) FROM (SELECT MAX(p.attempt) + 1 AS a FROM responses p WHERE p.request_id = r.id
-                            UNION ALL SELECT MAX(f.attempt) FROM forwards f WHERE f.request_id = r.id
-                            UNION ALL SELECT 0) attempts),
-       '{INTERRUPTED}', 0,
-       'the ctxproxy process handling this request stopped (killed or crashed) before it was answered; marked when'
-       || ' another took the session''s lock.',
-       ?
-  FROM requests r
- WHERE r.id = ? AND NOT {ANSWERED.format(request="r.id")}
-"""

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 from ctxproxy.store.cuts import CutsMixin, ForwardRecord
 from ctxproxy.store.inspect import InspectMixin
+from ctxproxy.store.liveness import instance_id
 from ctxproxy.store.migrate import apply
 from ctxproxy.store.migrations import STEPS
 from ctxproxy.store.placement import Placement, PlacementMixin
@@ -54,13 +55,17 @@ class Journal(PlacementMixin, ReadsMixin, CutsMixin, InspectMixin, RecoveryMixin
                 self.conn.close()
                 raise
         self.interrupted: dict[str, tuple[str, ...]] = {}
+        self.instance = instance_id() if self.conn.dialect == "postgresql" else None
+        """The process its requests record (``store.liveness``): on a shared store only."""
 
     def close(self) -> None:
         self.conn.close()
 
     def reopen(self) -> Journal:
         """Another connection to the same database (a writer thread's own, ``store.writer``)."""
-        return Journal(self.location, self.sync, migrate=False)
+        reopened = Journal(self.location, self.sync, migrate=False)
+        reopened.instance = self.instance
+        return reopened
 
     # --- writes -------------------------------------------------------------------------------------------------
     def record_request(self, req: IncomingRequest) -> RecordedRequest:
@@ -141,9 +146,9 @@ class Journal(PlacementMixin, ReadsMixin, CutsMixin, InspectMixin, RecoveryMixin
     def _insert_request(self, req: IncomingRequest, session_id: str, list_id: int) -> int:
         return self.conn.insert(
             "INSERT INTO requests (session_id, received_at, path, model, stream, list_id, params_hash, headers,"
-            " body_bytes, turn) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            " body_bytes, turn, instance) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             [session_id, req.received_at, req.path, req.model, int(req.stream), list_id, req.params_hash,
-             json.dumps(dict(req.headers)), req.body_bytes, req.turn],
+             json.dumps(dict(req.headers)), req.body_bytes, req.turn, self.instance],
         )
 
 

@@ -5,7 +5,9 @@ state). One process on SQLite needs no more than an asyncio lock per session in 
 processes on one PostgreSQL database (replicas behind a load balancer) need a lock the server holds:
 ``AdvisoryLocks`` takes a session-level advisory lock keyed by the session (``lock_key``) on a connection of its
 own, one per process, in autocommit, for as long as the request runs. A process that dies drops that connection,
-and the server frees its locks with it: a killed replica never leaves a session locked.
+and the server frees its locks with it: a killed replica never leaves a session locked. The same connection holds
+the process's liveness lock for its life (``store.liveness``, taken at ``start``): its freedom tells the other
+replicas that this process's unanswered requests will never be answered.
 
 Local waiters queue on the in-process lock in front, so only the request about to run asks the server; one held
 by another process is asked again after a short, growing pause (``pg_try_advisory_lock``: a blocking
@@ -26,6 +28,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Protocol
 
+from ctxproxy.store.liveness import instance_id, instance_key
+
 if TYPE_CHECKING:
     import psycopg
 
@@ -45,6 +49,7 @@ class LockUnavailable(Exception):
 class SessionLocking(Protocol):
     """What the engine needs of a lock backend (``proxy.engine.state.SessionLocks`` wraps one)."""
 
+    def start(self) -> None: ...
     async def acquire(self, session_id: str) -> None: ...
     def release(self, session_id: str) -> None: ...
     def __len__(self) -> int: ...
@@ -100,6 +105,9 @@ class LocalLocks:
     def __len__(self) -> int:
         return len(self._locks)
 
+    def start(self) -> None:
+        """Nothing to announce: one process, whose restart marks what it left (``store.recovery``)."""
+
     def close(self) -> None:
         """Nothing to give back: the locks die with the process."""
 
@@ -107,8 +115,10 @@ class LocalLocks:
 class AdvisoryLocks:
     """PostgreSQL session-level advisory locks on one dedicated connection, behind this process's ``LocalLocks``."""
 
-    def __init__(self, dsn: str, connect_timeout: int = 5) -> None:
+    def __init__(self, dsn: str, connect_timeout: int = 5, instance: str | None = None) -> None:
         self._dsn, self._connect_timeout = dsn, connect_timeout
+        self.instance = instance or instance_id()
+        """The process whose liveness lock the connection holds for its life (``store.liveness``)."""
         self._local = LocalLocks()
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ctxproxy-locks")
         """Every call on the connection, in order: a release's unlock runs before the next holder's lock."""
@@ -139,6 +149,12 @@ class AdvisoryLocks:
 
     def __len__(self) -> int:
         return len(self._local)
+
+    def start(self) -> None:
+        """Connect now, taking the process's liveness lock before it journals a request: a request recorded with
+        its instance while nobody held that lock would look like a dead replica's to the others. Raises
+        ``LockUnavailable`` when the server cannot be reached."""
+        self._thread.submit(self._connection).result()
 
     def close(self) -> None:
         self._thread.submit(self._disconnect).result()
@@ -186,6 +202,9 @@ class AdvisoryLocks:
                                    application_name="ctxproxy-locks")
         except psycopg.Error as exc:
             raise LockUnavailable(_UNREACHABLE.format(detail=exc)) from exc
+        if not conn.execute("SELECT pg_try_advisory_lock(%s)", (instance_key(self.instance),)).fetchone()[0]:  # type: ignore[index]
+            log.warning("another lock connection of this process holds its liveness lock (instance %s): two apps"
+                        " in one process share it while both run", self.instance)
         for key in list(self._held):  # in-flight requests' locks, lost with the old connection: taken back first
             if not conn.execute("SELECT pg_try_advisory_lock(%s)", (key,)).fetchone()[0]:  # type: ignore[index]
                 log.error("a session lock was lost with its connection and another process holds it now (key %d)",

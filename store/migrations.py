@@ -359,3 +359,14 @@ _FOREIGN_KEY_INDEXES = "\n".join(
         ("decisions", "request_id"), ("overflow", "id"), ("overflow_spans", "list_id"),
         ("context_ops", "request_id"), ("session_state", "request_id"), ("session_state", "mirror_hash"),
         ("session_state", "mirror_list")])
+
+
+@step
+def m012_request_instances(conn: Connection) -> None:
+    ddl(conn, """
+        -- The process that handles the request (store.liveness): on a shared store, a request still unanswered
+        -- whose process no longer holds its liveness lock was cut off by that process's death, not in flight.
+        -- NULL on SQLite (one process: a restart marks what it left) and for requests journaled before.
+        ALTER TABLE requests ADD COLUMN instance TEXT;
+        """
+    )

@@ -15,12 +15,14 @@ run's parent), their count (a new id), and the ones whose last request was inter
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
+from ctxproxy.store.liveness import is_dead
 from ctxproxy.store.prefixes import PrefixDigests, common_prefix, holder, list_digest
 from ctxproxy.store.records import IncomingRequest, prefix_digest
-from ctxproxy.store.recovery import ANSWERED, INTERRUPTED
+from ctxproxy.store.recovery import ANSWERED, INTERRUPTED, MARK_ABANDONED
 from ctxproxy.store.sql import Connection
 
 __all__ = ["Head", "Placement", "PlacementMixin"]
@@ -54,6 +56,8 @@ class PlacementMixin:
     conn: Connection
     interrupted: dict[str, tuple[str, ...]]
     """Per opening (fingerprint), its sessions whose last request was interrupted (``_interrupted_sessions``)."""
+    instance: str | None
+    """This process's instance id on a shared store (``store.liveness``), else None."""
 
     if TYPE_CHECKING:  # provided by Journal (store.reads)
         def message_hashes(self, list_id: int) -> list[str]: ...
@@ -65,7 +69,7 @@ class PlacementMixin:
             if head is None:
                 return self._open(req, req.session_name, parent=None, shared=0, fingerprint=None)
             return Placement(head, head.list_id, self._common_with(head, digests), False, None)
-        extended = self._heads_extended(req.fingerprint, digests)
+        extended = _ended_if_dead(self.conn, self.instance, self._heads_extended(req.fingerprint, digests))
         head = _continued(extended, digests, self._answered_heads(req.fingerprint))
         if head is not None:
             return Placement(head, head.list_id, head.length, False, None)
@@ -241,3 +245,23 @@ def _continued(candidates: Sequence[Head], hashes: PrefixDigests, answered: Sequ
 
 def _extends(hashes: PrefixDigests, head: Head) -> bool:
     return head.length <= len(hashes) and hashes.at(head.length) == head.digest
+
+
+def _ended_if_dead(conn: Connection, instance: str | None, heads: list[Head]) -> list[Head]:
+    """A shared store's pending heads whose request's process is dead (``store.liveness``): journaled
+    ``interrupted`` here, as a restart marks a single process's (``store.recovery``), so the agent's resend
+    continues the session from its last answer (``_answered_heads``) instead of forking it as a parallel run.
+    Under the placement's lock, so two replicas placing requests of the opening agree. ``instance``: this
+    process's (None: SQLite, one process, where nothing is asked)."""
+    if instance is None:
+        return heads
+    return [_ended(conn, instance, head) if head.pending else head for head in heads]
+
+
+def _ended(conn: Connection, instance: str, head: Head) -> Head:
+    row = conn.execute("SELECT id, instance FROM requests WHERE session_id = ? ORDER BY id DESC LIMIT 1",
+                       [head.id]).fetchone()
+    if row is None or row[1] is None or row[1] == instance or not is_dead(conn, str(row[1])):
+        return head
+    conn.execute(MARK_ABANDONED, [datetime.now(UTC).isoformat(timespec="milliseconds"), int(row[0])])
+    return replace(head, pending=0)

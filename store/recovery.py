@@ -12,13 +12,29 @@ from __future__ import annotations
 
 from ctxproxy.store.sql import Connection
 
-__all__ = ["ANSWERED", "INTERRUPTED", "RecoveryMixin"]
+__all__ = ["ANSWERED", "INTERRUPTED", "MARK_ABANDONED", "RecoveryMixin"]
 
 INTERRUPTED = "interrupted"
 
 ANSWERED = ("EXISTS (SELECT 1 FROM responses p WHERE p.request_id = {request}"
             " AND p.outcome NOT IN ('context_round', 'context_overflow'))")
 """SQL: the request whose id is the expression ``{request}`` has its final answer."""
+
+MARK_ABANDONED = f"""
+INSERT INTO responses (request_id, attempt, outcome, status, body, finished_at)
+SELECT r.id,
+       (SELECT MAX(a) FROM (SELECT MAX(p.attempt) + 1 AS a FROM responses p WHERE p.request_id = r.id
+                            UNION ALL SELECT MAX(f.attempt) FROM forwards f WHERE f.request_id = r.id
+                            UNION ALL SELECT 0) attempts),
+       '{INTERRUPTED}', 0,
+       'the ctxproxy process handling this request stopped (killed or crashed) before it was answered; marked by'
+       || ' another process sharing the store, which found it gone.',
+       ?
+  FROM requests r
+ WHERE r.id = ? AND NOT {ANSWERED.format(request="r.id")}
+"""
+"""SQL (parameters: the time, the request's id): the final ``interrupted`` row of one request whose process died,
+if it has no final answer yet (``store.claims``, ``store.placement``)."""
 
 
 class RecoveryMixin:

@@ -14,9 +14,9 @@ the request handlers render it like any other. The store names no HTTP status an
 (a contract of ``make test``). Each call is its own transaction, rolled back on failure, so the next call starts
 clean: once the disk has room again, requests are journaled again.
 
-An answer that could not be journaled that way (often after the client got it) is kept in memory and written
-before the next call: left unwritten, its request would look in flight until the next restart, and the
-session's next request would fork it (``store.placement._continued``).
+An answer that could not be journaled that way (the client still gets it, ``Exchange.answer``) is kept in memory
+and written before the next call: left unwritten, its request would look in flight until the next restart, and
+the session's next request would fork it (``store.placement._continued``).
 """
 
 from __future__ import annotations

@@ -210,6 +210,8 @@ def test_an_answer_the_full_disk_kept_out_is_journaled_once_there_is_room_and_th
         settings = load_settings(env={"CTXPROXY_DATA_DIR": str(disk / "data"), "CTXPROXY_UPSTREAM": "http://u.test/v1"})
         with app_client(settings, httpx.ASGITransport(app=FillingUpstream(disk / "filler"))) as client:
             first = client.post("/v1/chat/completions", json=chat("please fill the disk " + "x" * 30_000))
+            assert first.status_code == 200, first.text  # journaled before the body leaves, yet the body still goes out
+            assert first.json()["choices"][0]["message"]["content"]
             (disk / "filler").unlink()
             second = client.post("/v1/chat/completions", json=chat("please fill the disk " + "x" * 30_000,
                                                                     "echo: done", "and now?"))

@@ -20,6 +20,7 @@ import pytest
 from ctxproxy.proxy.engine.state import SessionLocks
 from ctxproxy.proxy.errors import StorageError
 from ctxproxy.store import LocalLocks, LockUnavailable, session_locks
+from ctxproxy.store.liveness import instance_id, instance_key, is_dead
 from ctxproxy.store.locks import AdvisoryLocks, lock_key
 
 
@@ -69,12 +70,35 @@ def pg(postgres_url: str) -> str:
 
 
 def _held(dsn: str) -> int:
-    """Advisory locks held on the server now, by anyone."""
+    """Session locks held on the server now, by anyone: every advisory lock but this process's liveness lock
+    (``store.liveness``), which its lock connections hold while they are open."""
     import psycopg
 
+    key = instance_key(instance_id()) & 0xFFFF_FFFF_FFFF_FFFF  # a bigint key is (classid, objid), its two halves
     with psycopg.connect(dsn, autocommit=True) as conn:
-        row = conn.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted").fetchone()
+        row = conn.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted"
+                           " AND NOT (classid::text::bigint = %s AND objid::text::bigint = %s AND objsubid = 1)",
+                           (key >> 32, key & 0xFFFF_FFFF)).fetchone()
         return int(row[0]) if row else 0
+
+
+def test_a_lock_connection_holds_its_process_liveness_lock_while_open(pg: str) -> None:
+    """Another replica tells a dead process's requests from ones in flight by this lock (``store.liveness``)."""
+    from ctxproxy.store import Journal
+
+    locks, journal = AdvisoryLocks(pg, instance="a-replica"), Journal(pg)
+    try:
+        assert is_dead(journal.conn, "a-replica")  # not started: nobody holds it
+        locks.start()
+        assert not is_dead(journal.conn, "a-replica")
+        assert not is_dead(journal.conn, "a-replica")  # asking does not take it
+        locks.close()
+        deadline = time.monotonic() + 10  # the server frees it once the closed connection's backend has ended
+        while not is_dead(journal.conn, "a-replica"):
+            assert time.monotonic() < deadline, "the liveness lock outlived its connection"
+            time.sleep(0.01)
+    finally:
+        journal.close()
 
 
 def test_two_replicas_take_one_sessions_lock_in_turn(pg: str) -> None:

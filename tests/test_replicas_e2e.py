@@ -149,13 +149,7 @@ def _wait_for(condition: Callable[[], bool], what: str, seconds: float = 30.0) -
         time.sleep(0.02)
 
 
-FORKS_AFTER_A_KILL = pytest.mark.xfail(strict=True, reason=(
-    "open (issue #16): the resend of a fingerprint session's killed request is placed (record_request, before the "
-    "session lock) while the dead replica's request still looks in flight, so it forks into '-2'; it is marked "
-    "interrupted only when the lock is taken, after placement"))
-
-
-@pytest.mark.parametrize("named", [True, pytest.param(False, marks=FORKS_AFTER_A_KILL)], ids=["named", "fingerprint"])
+@pytest.mark.parametrize("named", [True, False], ids=["named", "fingerprint"])
 def test_a_replica_killed_mid_request_leaves_the_session_for_the_other_to_finish(
         tmp_path: Path, postgres_database: Callable[[], str], named: bool) -> None:
     fake = HoldingUpstream()

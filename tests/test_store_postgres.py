@@ -31,6 +31,7 @@ from ctxproxy.store import (
     open_journal,
 )
 from ctxproxy.store.failures import explain
+from ctxproxy.store.locks import AdvisoryLocks
 from ctxproxy.store.migrate import applied, pg_ddl
 from ctxproxy.store.migrations import STEPS
 from ctxproxy.store.sql import lock_key, pg_sql, redacted
@@ -261,6 +262,8 @@ def test_every_read_gives_the_same_answer_on_both_backends(tmp_path: Path, postg
     lite.close()
     pg.close()
     assert got["scorecard"] and got["decisions"] and got["samples"] and got["interrupted"] == 1
+    # the process that journaled the request: recorded on a shared store only (``store.liveness``)
+    assert (expected["request"].pop("instance"), got["request"].pop("instance")) == (None, pg.instance)
     for key, value in expected.items():
         assert got[key] == value, key
         assert json.dumps(got[key], default=repr) == json.dumps(value, default=repr), key  # no Decimal, no bool
@@ -359,3 +362,42 @@ def test_each_postgresql_failure_names_its_fix(error: Exception, kind: str, word
     """By SQLSTATE when the server sent one; by libpq's words for a connection that never opened (none)."""
     problem = explain(error, "postgresql://ctx:hunter2@db:5432/journal")
     assert problem.kind == kind and words in problem.message and "hunter2" not in problem.message
+
+
+def _resend_after(postgres_url: str, hold_liveness: bool) -> tuple[str, str, list[str]]:
+    """A fingerprint session's request journaled by another process, left unanswered, then sent again here: the
+    two sessions, and the unanswered request's outcomes. ``hold_liveness``: that process still lives."""
+    messages = run(2)
+    other, here = Journal(postgres_url), Journal(postgres_url)
+    other.instance = "another-replica"  # its liveness lock: held below, or free (the process is gone)
+    holder = AdvisoryLocks(postgres_url, instance="another-replica")
+    try:
+        if hold_liveness:
+            holder.start()
+        session = record(other, incoming(messages[1], n=1)).session_id
+        cut = other.record_request(incoming(messages[2], n=2))  # the request the process never answered
+        resent = here.record_request(incoming(messages[2], n=3))  # the agent sends it again, to this replica
+        outcomes = [str(r["outcome"]) for r in (here.request(cut.request_id) or {"responses": []})["responses"]]
+    finally:
+        holder.close()
+        other.close()
+        here.close()
+    return session, resent.session_id, outcomes
+
+
+def test_the_resend_of_a_dead_replicas_request_continues_its_session(postgres_url: str) -> None:
+    """A replica SIGKILLed mid-request leaves its request unanswered, and the session's head looks in flight: the
+    agent's resend, matched by fingerprint, was taken for a parallel run and forked into ``-2``. Its process no
+    longer holds its liveness lock (``store.liveness``): placement journals the request ``interrupted`` and the
+    resend continues the session."""
+    session, resent, outcomes = _resend_after(postgres_url, hold_liveness=False)
+    assert resent == session
+    assert outcomes == ["interrupted"]
+
+
+def test_the_same_request_while_its_replica_lives_is_a_parallel_run(postgres_url: str) -> None:
+    """The other process lives (it holds its liveness lock): its request is in flight, and the same messages sent
+    meanwhile are another run of the agent, in a session of their own, as before."""
+    session, resent, outcomes = _resend_after(postgres_url, hold_liveness=True)
+    assert resent == f"{session}-2"
+    assert outcomes == []

@@ -145,8 +145,10 @@ def _lifespan(settings: Settings, transport: httpx.AsyncBaseTransport | None
         # On a thread, while the server takes connections. Started last: begun with the lifespan, its imports took
         # the GIL from the journal's opening, and a start was ready later by as much (issue #13).
         warmup = Warmup.start(WARM)
+        locks = session_locks(settings.store)
+        locks.start()  # a shared store's liveness lock, held before this process journals a request
         app.state.ctx = AppState(settings, upstream, journal, incognito, windows, warmup=warmup,
-                                 locks=SessionLocks(session_locks(settings.store)),
+                                 locks=SessionLocks(locks),
                                  own_headers=frozenset({settings.session_header.lower()}))
         try:
             async with asyncio.TaskGroup() as background:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+import anyio
 import httpx
 from starlette.responses import Response
 
@@ -32,6 +33,8 @@ class BufferedSink:
         self.previous: tuple[httpx.Response, bytes] | None = None
         """The latest internal round's answer without its context calls: the agent's if the follow-up fails."""
         self.response: Response | None = None
+        self.ending: tuple[str, int, bytes, dict[str, object] | None] | None = None
+        """The reply's answer as it is journaled: outcome, status, body, usage."""
 
     async def read(self, opened: Opened) -> AsyncIterator[bytes]:
         upstream = self.upstream = opened.upstream
@@ -77,7 +80,9 @@ class BufferedSink:
     async def respond(self, rounds: AsyncIterator[bytes], opened: Opened) -> Response:
         async for _ in rounds:
             pass
-        assert self.response is not None, "the turn ended without a reply"
+        assert self.response is not None and self.ending is not None, "the turn ended without a reply"
+        with anyio.CancelScope(shield=True):  # journaled before the body leaves (``Exchange.answer``)
+            await self.exchange.answer(*self.ending)
         return self.response
 
     def _response(self, upstream: httpx.Response, content: bytes) -> Response:
@@ -88,4 +93,5 @@ class BufferedSink:
         x.add_usage(usage_of(content))
         response = with_headers(Response(content, upstream.status_code, headers=x.headers), response_headers(upstream))
         usage = usage_of(content) if outcome == "ok" else None
+        self.ending = (outcome, upstream.status_code, content, usage)
         return FinallyResponse(response, lambda: x.finish(outcome, upstream.status_code, content, usage))

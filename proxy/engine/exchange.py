@@ -16,6 +16,7 @@ from starlette.requests import Request
 from ctxproxy.proxy.engine.context import Saved, SessionContext
 from ctxproxy.proxy.engine.state import AppState
 from ctxproxy.proxy.engine.tally import Tally
+from ctxproxy.proxy.errors import StorageError, StorageFull
 from ctxproxy.proxy.observe.logs import log, request_line
 from ctxproxy.proxy.upstream.answers import usage_figure
 from ctxproxy.proxy.wire import ChatBody
@@ -125,6 +126,21 @@ class Exchange:
         finally:
             if self._locked:
                 self.state.locks.release(self.recorded.session_id)
+
+    async def answer(self, outcome: str, status: int, body: bytes | None,
+                     usage: dict[str, object] | None = None) -> None:
+        """``finish`` before the client has the end of the answer (a buffered body, a stream's ``[DONE]``).
+
+        An agent sends its next request as soon as it has read an answer, and that request may land on another
+        replica, which continues the session only from an answered head (``store.placement``): journaled after
+        the client had it, the answer lost that race and the session forked. A storage failure here is logged,
+        not raised: the writer keeps the answer to write once there is room (``store.writer``), and the client
+        still gets the answer it waits for."""
+        try:
+            await self.finish(outcome, status, body, usage)
+        except (StorageFull, StorageError) as exc:
+            log.warning("the answer of request %s is kept in memory until the journal can take it: %s",
+                        self.recorded.request_id, exc.message)
 
     def planned(self, tally: Tally) -> None:
         """A forward was planned: its tokens, and its new cuts added to the request's."""

@@ -99,9 +99,6 @@ class StreamSink:
             yield b"data: " + orjson.dumps(report) + b"\n\n"
         record.outcome = "ok"
         for out in filtered.closing("stop" if command.took_calls and not command.acts else None):
-            if out == DONE:  # an agent sends its next request as soon as it reads this: the answer must be journaled
-                with anyio.CancelScope(shield=True):
-                    await self._journal()
             yield out
         yield self.exchange.totals_comment()
 
@@ -119,8 +116,17 @@ class StreamSink:
 
     async def respond(self, rounds: AsyncIterator[bytes], opened: Opened) -> Response:
         record = self._record(opened)
-        inner = StreamingResponse(guarded(rounds, record), 200, headers=self.exchange.headers)
+        inner = StreamingResponse(self._journaled(guarded(rounds, record)), 200, headers=self.exchange.headers)
         return FinallyResponse(with_headers(inner, response_headers(opened.upstream)), self._journal)
+
+    async def _journaled(self, events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """The stream, its answer journaled before the ``[DONE]`` that ends it (an answer, a failed follow-up, an
+        error event): an agent sends its next request as soon as it reads it (``_journal``)."""
+        async for out in events:
+            if out.endswith(DONE):
+                with anyio.CancelScope(shield=True):
+                    await self._journal()
+            yield out
 
     async def _journal(self) -> None:
         """Close the upstream's stream and journal the answer (``Exchange.finish`` does it once, releasing the lock).
@@ -134,4 +140,4 @@ class StreamSink:
         assert record is not None
         await record.upstream.aclose()
         text = b"".join(record.chunks)
-        await self.exchange.finish(record.outcome, record.status, text, last_usage(text.decode("utf-8", "replace")))
+        await self.exchange.answer(record.outcome, record.status, text, last_usage(text.decode("utf-8", "replace")))
