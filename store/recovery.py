@@ -20,21 +20,30 @@ ANSWERED = ("EXISTS (SELECT 1 FROM responses p WHERE p.request_id = {request}"
             " AND p.outcome NOT IN ('context_round', 'context_overflow'))")
 """SQL: the request whose id is the expression ``{request}`` has its final answer."""
 
-MARK_ABANDONED = f"""
+def _interrupted_rows(why: str, which: str) -> str:
+    """SQL: a final ``interrupted`` row (status 0, ``why`` as its body; parameters: the time, then ``which``'s) for
+    each request ``which`` selects that has no final answer yet, for the attempt that was never answered."""
+    return f"""
 INSERT INTO responses (request_id, attempt, outcome, status, body, finished_at)
 SELECT r.id,
        (SELECT MAX(a) FROM (SELECT MAX(p.attempt) + 1 AS a FROM responses p WHERE p.request_id = r.id
                             UNION ALL SELECT MAX(f.attempt) FROM forwards f WHERE f.request_id = r.id
                             UNION ALL SELECT 0) attempts),
-       '{INTERRUPTED}', 0,
-       'the ctxproxy process handling this request stopped (killed or crashed) before it was answered; marked by'
-       || ' another process sharing the store, which found it gone.',
-       ?
+       '{INTERRUPTED}', 0, '{why}', ?
   FROM requests r
- WHERE r.id = ? AND NOT {ANSWERED.format(request="r.id")}
+ WHERE {which} NOT {ANSWERED.format(request="r.id")}
 """
+
+
+MARK_ABANDONED = _interrupted_rows(
+    "the ctxproxy process handling this request stopped (killed or crashed) before it was answered; marked by"
+    " another process sharing the store, which found it gone.", "r.id = ? AND")
 """SQL (parameters: the time, the request's id): the final ``interrupted`` row of one request whose process died,
 if it has no final answer yet (``store.claims``, ``store.placement``)."""
+
+_MARK = _interrupted_rows(
+    "ctxproxy stopped (killed or crashed) before this request was answered; marked when it started again.", "")
+"""SQL (parameter: the time): the final ``interrupted`` row of every request in flight when ctxproxy stopped."""
 
 
 class RecoveryMixin:
@@ -74,15 +83,3 @@ class _Probed(Exception):
     """The probe's write went through: rolled back."""
 
 
-_MARK = f"""
-INSERT INTO responses (request_id, attempt, outcome, status, body, finished_at)
-SELECT r.id,
-       (SELECT MAX(a) FROM (SELECT MAX(p.attempt) + 1 AS a FROM responses p WHERE p.request_id = r.id
-                            UNION ALL SELECT MAX(f.attempt) FROM forwards f WHERE f.request_id = r.id
-                            UNION ALL SELECT 0) attempts),
-       '{INTERRUPTED}', 0,
-       'ctxproxy stopped (killed or crashed) before this request was answered; marked when it started again.',
-       ?
-  FROM requests r
- WHERE NOT {ANSWERED.format(request="r.id")}
-"""
