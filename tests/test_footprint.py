@@ -19,7 +19,7 @@ from ctxproxy.proxy.engine.state import Warmup
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = {"tiktoken", "prometheus_client", "sqlite_utils", "fastapi", "fastapi.openapi.models", "pydantic",
-         "uvicorn", "aiohttp", "httpx", "store"}
+         "uvicorn", "aiohttp", "httptools", "httpx", "store"}
 """What ``import ctxproxy.proxy.commands.cli`` must not load: each command imports what it runs."""
 
 

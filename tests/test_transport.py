@@ -1,4 +1,4 @@
-"""The real upstream transport (aiohttp under httpx) against real servers on loopback: failures map to 502/504,
+"""The real upstream transport (proxy/upstream/transport.py) against real servers on loopback: failures map to 502/504,
 nothing is added to or kept from what crosses it."""
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from ctxproxy.config import Settings
 from ctxproxy.proxy.core.tokens import OFFLINE_ENCODING, load_encoding
 from ctxproxy.proxy.upstream.endpoint import Upstream
-from ctxproxy.proxy.upstream.transport import AiohttpTransport
+from ctxproxy.proxy.upstream.transport import Http1Transport
 from ctxproxy.proxy.upstream.window import WindowDetector
 
 __all__ = ["Check", "run_checks"]
@@ -74,7 +74,7 @@ def _tokenizer() -> Check:
 
 
 async def _upstream(settings: Settings, model: str | None) -> list[Check]:
-    transport = AiohttpTransport()
+    transport = Http1Transport()
     upstream = Upstream(settings.upstream, transport, settings.upstream_connect_timeout, 10.0)
     try:
         try:

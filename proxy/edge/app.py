@@ -4,7 +4,7 @@ The lifespan owns the one upstream transport (connection pool) and the journals 
 nothing is built at import time. Starting, it checks the journal (whole, writable) and marks the requests a crash
 left in flight ``interrupted`` (``store.failures``, ``store.recovery``). ``upstream_transport`` lets in-process
 tests put an ``httpx.MockTransport`` (or ``ASGITransport``) where the network is; by default it is
-``proxy.upstream.transport.AiohttpTransport``.
+``proxy.upstream.transport.Http1Transport``.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from ctxproxy.proxy.errors import (
 from ctxproxy.proxy.observe.logs import note_refusal, startup_line
 from ctxproxy.proxy.upstream.endpoint import Upstream, client_headers, response_headers, with_headers
 from ctxproxy.proxy.upstream.loop import VIA_HEADER, refuse_loop
-from ctxproxy.proxy.upstream.transport import AiohttpTransport
+from ctxproxy.proxy.upstream.transport import Http1Transport
 from ctxproxy.proxy.upstream.window import WindowDetector
 from ctxproxy.store import Journal, JournalWriter, MemoryJournal, open_journal, session_locks
 
@@ -139,7 +139,7 @@ def _lifespan(settings: Settings, transport: httpx.AsyncBaseTransport | None
                 log.warning("%d requests were in flight when ctxproxy last stopped: journaled as interrupted", marked)
         incognito = JournalWriter(MemoryJournal(settings.incognito_max_bytes, settings.incognito_max_age),
                                   storage_error)
-        upstream = Upstream(settings.upstream, transport or AiohttpTransport(), settings.upstream_connect_timeout,
+        upstream = Upstream(settings.upstream, transport or Http1Transport(), settings.upstream_connect_timeout,
                             settings.upstream_timeout)
         windows = WindowDetector(upstream, ctx_window=0)  # a configured window is applied per model, in planning
         # On a thread, while the server takes connections. Started last: begun with the lifespan, its imports took
@@ -191,11 +191,11 @@ async def _trim_when_quiet(state: AppState) -> None:
 
 
 EDGE = "ctxproxy.proxy.edge"
-WARM = ("aiohttp", "ctxproxy.proxy.edge.chat", "ctxproxy.proxy.edge.fronts.anthropic.front",
+WARM = ("ctxproxy.proxy.edge.chat", "ctxproxy.proxy.edge.fronts.anthropic.front",
         "ctxproxy.proxy.edge.fronts.anthropic.count", "ctxproxy.proxy.edge.fronts.responses.front")
-"""What the warm-up thread imports before it loads the tokenizer: the upstream wire (``proxy.upstream.transport``), the
-request engine (``proxy.edge.chat``, ``proxy.engine``: 70 ms) and the fronts around it, which the server does not need
-to take connections."""
+"""What the warm-up thread imports before it loads the tokenizer: the request engine (``proxy.edge.chat``,
+``proxy.engine``: 70 ms) and the fronts around it, which the server does not need to take connections. The upstream
+client (``proxy.upstream.transport``) is not among them: it is httptools, which uvicorn has loaded already."""
 
 
 def _engine_route(module: str, name: str) -> Callable[[Request], Awaitable[Response]]:

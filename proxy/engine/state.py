@@ -33,7 +33,7 @@ __all__ = ["AppState", "SessionLocks", "Warmup", "give_back_freed_memory", "one_
 
 class Warmup:
     """What the first chat needs beyond a started server, loaded on a thread of its own: the modules the app names
-    (the request engine, the aiohttp wire: ``proxy.edge.app.WARM``), then the message counter, whose tokenizer
+    (the request engine and the fronts: ``proxy.edge.app.WARM``), then the message counter, whose tokenizer
     (tiktoken's cl100k) takes about 0.15 s and 25 MB.
 
     The lifespan starts it and the server takes requests at once (issue #13: start to ready). Nothing counts with

@@ -1,134 +1,153 @@
-"""The upstream transport: httpx's API on top of aiohttp's connection pool.
+"""The upstream transport: httpx's transport API on the proxy's own HTTP/1.1 client (asyncio + httptools).
 
-Why: on this 2-core machine httpx's own HTTP/1.1 stack (httpcore + h11, pure Python) costs about 1.1 ms per
-request; aiohttp's (C parser) about a third of that (bench/latency.py, docs/benchmarks.md). The proxy keeps
-httpx as its client API — requests, streaming, timeouts, and ``MockTransport``/``ASGITransport`` in tests — and
-only the bytes on the wire go through aiohttp.
+Why: the proxy keeps httpx as its client API — requests, streaming responses, timeouts, and ``MockTransport`` /
+``ASGITransport`` in tests — but not httpx's own wire (httpcore + h11, pure Python: ~1.1 ms a request on this
+2-core machine) nor aiohttp's (~0.4 ms more than a hand-written client per request, and ~7 MB of the idle
+process: its modules and two TLS contexts built at start). Under this class a request is one ``write`` of bytes
+built here and its answer is parsed by httptools, the C parser uvicorn already uses (docs/benchmarks.md, "Where
+the time goes"). ``proxy.upstream.connection`` is one connection, ``proxy.upstream.pool`` the keep-alive pool.
 
-Faithfulness: aiohttp is told to add nothing (no default User-Agent, Accept or Accept-Encoding), keep no cookies
-(one pool serves every agent) and decompress nothing (bytes are relayed as they came, with their headers).
-Its exceptions become httpx's, so ``proxy.upstream.endpoint.send`` maps them to 502/504 like any other transport's.
+Faithful, as a proxy must be: the request's headers go out as given, in their order and case (``Host`` is added
+only if missing; a body is always sent whole with its ``Content-Length``); nothing else is added (no User-Agent,
+Accept, Accept-Encoding), no cookie is kept, no redirect followed, and the answer's bytes are relayed as they
+came (nothing decompressed, headers untouched), chunk by chunk as they arrive (an SSE stream is not buffered).
 
-aiohttp is imported when the first request goes out (or earlier, on the thread ``proxy.engine.state.Warmup`` starts with
-the server), not when this module is: it is a third of the proxy's import time (about 0.1 s), and start to ready
-does not wait for it (issue #13).
+Timeouts come from the request's httpx ``timeout`` extension: ``connect`` (TCP and TLS), ``read`` (between two
+bytes of the answer) and ``pool`` (waiting for a free connection at the limit); failures are httpx's exceptions,
+which ``proxy.upstream.endpoint`` maps to 502 and 504.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+import ssl
+from collections.abc import AsyncIterator, Callable
 
 import httpx
 
-if TYPE_CHECKING:
-    import aiohttp
+from ctxproxy.proxy.upstream.connection import Answer, Connection, Stage, Unanswered
+from ctxproxy.proxy.upstream.pool import Origin, Pool
 
-__all__ = ["AiohttpTransport"]
+__all__ = ["Http1Transport"]
 
-_NO_AUTO_HEADERS = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+_BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+"""Methods whose request carries ``Content-Length: 0`` when its body is empty (as httpx sets it)."""
 
 
-def _as_httpx_error(exc: Exception, request: httpx.Request) -> httpx.TransportError:
-    """The httpx exception for an aiohttp (or asyncio) failure; the most specific kind wins."""
-    import aiohttp
+class Http1Transport(httpx.AsyncBaseTransport):
+    """An ``httpx.AsyncBaseTransport`` on the proxy's own connections. Used inside one running loop.
 
-    if isinstance(exc, aiohttp.ConnectionTimeoutError):
-        return httpx.ConnectTimeout(str(exc) or "connect timeout", request=request)
-    if isinstance(exc, aiohttp.ServerTimeoutError | TimeoutError):
-        return httpx.ReadTimeout(str(exc) or "read timeout", request=request)
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        return httpx.ConnectError(str(exc), request=request)
-    if isinstance(exc, aiohttp.ClientPayloadError):
-        return httpx.ReadError(str(exc), request=request)
-    return httpx.RemoteProtocolError(str(exc) or type(exc).__name__, request=request)
+    ``max_connections``: at most this many connections at once (0: no limit); ``keepalive_seconds``: how long an
+    idle one is kept; ``tls``: builds the context ``https`` connections verify with, on the first of them (by
+    default the system's CAs, hostnames checked).
+    """
+
+    def __init__(self, max_connections: int = 0, keepalive_seconds: float = 60.0,
+                 tls: Callable[[], ssl.SSLContext] = ssl.create_default_context) -> None:
+        self.pool = Pool(max_connections, keepalive_seconds, tls)
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        head, body, close_after = await _serialised(request)
+        timeout: dict[str, float | None] = request.extensions.get("timeout", {})
+        origin = _origin(request.url)
+        connection = await self.pool.acquire(origin, timeout, request)
+        try:
+            answer = await self._exchange(connection, request, (head, body, close_after), timeout)
+        except Unanswered:
+            if connection.exchanges < 2 or not _replayable(request):
+                raise
+            connection = await self.pool.acquire(origin, timeout, request, fresh=True)
+            answer = await self._exchange(connection, request, (head, body, close_after), timeout)
+        return self._response(request, connection, answer, timeout.get("read"))
+
+    async def _exchange(self, connection: Connection, request: httpx.Request, wire: tuple[bytes, bytes, bool],
+                        timeout: dict[str, float | None]) -> Answer:
+        """Send ``request`` on ``connection``; its answer once the head is in. Any failure (a cancelled request
+        too: the client went away) closes the connection."""
+        try:
+            connection.send(request, *wire)
+            return await connection.head(timeout.get("read"))
+        except BaseException:
+            self.pool.discard(connection)
+            raise
+
+    def _response(self, request: httpx.Request, connection: Connection, answer: Answer,
+                  read_timeout: float | None) -> httpx.Response:
+        stream: httpx.AsyncByteStream
+        if answer.stage is Stage.DONE:  # the whole answer came with its head: the connection is free at once
+            stream = httpx.ByteStream(connection.take() if answer.chunks else b"")
+            self.pool.release(connection)
+        else:
+            stream = _Body(self.pool, connection, read_timeout)
+        return httpx.Response(answer.status, headers=answer.headers, stream=stream, request=request,
+                              extensions={"http_version": answer.version, "reason_phrase": answer.reason})
+
+    async def aclose(self) -> None:
+        await self.pool.aclose()
 
 
 class _Body(httpx.AsyncByteStream):
-    """The response body as it arrives, chunk by chunk, with aiohttp's errors translated."""
+    """The answer's body as it arrives; its connection goes back to the pool when it is closed (reused only if
+    the body was read to the end)."""
 
-    def __init__(self, response: aiohttp.ClientResponse, request: httpx.Request) -> None:
-        self._response, self._request = response, request
+    def __init__(self, pool: Pool, connection: Connection, timeout: float | None) -> None:
+        self._pool, self._timeout = pool, timeout
+        self._connection: Connection | None = connection
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
-        import aiohttp
-
-        try:
-            async for chunk in self._response.content.iter_any():
-                yield chunk
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            raise _as_httpx_error(exc, self._request) from exc
-
-    async def aclose(self) -> None:
-        self._response.release()
-
-
-class AiohttpTransport(httpx.AsyncBaseTransport):
-    """An ``httpx.AsyncBaseTransport`` whose connections are aiohttp's. Used inside one running loop: its session
-    (the pool) is made there by the first request."""
-
-    def __init__(self, max_connections: int = 0, keepalive_seconds: float = 60.0) -> None:
-        self._limits = (max_connections, keepalive_seconds)
-        self._session: aiohttp.ClientSession | None = None
-        self._errors: tuple[type[Exception], ...] = (TimeoutError,)
-
-    def _pool(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            import aiohttp
-
-            connector = aiohttp.TCPConnector(limit=self._limits[0], keepalive_timeout=self._limits[1])
-            self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
-                                                  cookie_jar=aiohttp.DummyCookieJar(),
-                                                  skip_auto_headers=_NO_AUTO_HEADERS)
-            self._errors = (TimeoutError, aiohttp.ClientError)
-        return self._session
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        for attempt in range(2):
-            try:
-                response = await self._send(request)
-            except self._errors as exc:
-                if attempt == 0 and _replayable(request) and _dropped_unanswered(exc):
-                    continue
-                raise _as_httpx_error(exc, request) from exc
-            return httpx.Response(response.status, headers=response.raw_headers, stream=_Body(response, request),
-                                  request=request, extensions={"reason_phrase": (response.reason or "").encode()})
-        raise AssertionError("unreachable: the second attempt returns or raises")
-
-    async def _send(self, request: httpx.Request) -> aiohttp.ClientResponse:
-        import aiohttp
-
-        timeout: dict[str, Any] = request.extensions.get("timeout", {})
-        return await self._pool().request(
-            request.method, str(request.url), headers=request.headers.multi_items(), data=await _body_of(request),
-            allow_redirects=False, compress=None, auto_decompress=False,
-            timeout=aiohttp.ClientTimeout(sock_connect=timeout.get("connect"), sock_read=timeout.get("read"),
-                                          connect=timeout.get("pool")))
+        connection = self._connection
+        if connection is None:
+            return
+        while chunk := await connection.read(self._timeout):
+            yield chunk
+        await self.aclose()
 
     async def aclose(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        if self._connection is not None:
+            connection, self._connection = self._connection, None
+            self._pool.release(connection)
+
+
+async def _serialised(request: httpx.Request) -> tuple[bytes, bytes, bool]:
+    """``request`` as it goes on the wire: its head, its body, and whether it asks to close the connection after."""
+    try:
+        body = request.content
+    except httpx.RequestNotRead:  # a streamed body: read whole, sent with its length (no chunked request)
+        body = await request.aread()
+    method = request.method.encode("ascii")
+    lines = [method + b" " + request.url.raw_path + b" HTTP/1.1"]
+    host = length = close = False
+    for name, value in request.headers.raw:
+        lower = name.lower()
+        if lower == b"transfer-encoding":
+            continue
+        host |= lower == b"host"
+        length |= lower == b"content-length"
+        close |= lower == b"connection" and b"close" in value.lower()
+        lines.append(name + b": " + value)
+    if not host:
+        lines.insert(1, b"Host: " + request.url.netloc)
+    if not length and (body or request.method in _BODY_METHODS):
+        lines.append(b"Content-Length: " + str(len(body)).encode("ascii"))
+    head = b"\r\n".join(lines) + b"\r\n\r\n"
+    if head.count(b"\n") != len(lines) + 1 or head.count(b"\r") != len(lines) + 1:
+        raise httpx.LocalProtocolError("a header name or value holds a line break", request=request)
+    return head, body, close
+
+
+def _origin(url: httpx.URL) -> Origin:
+    if url.scheme not in _DEFAULT_PORTS:
+        raise httpx.UnsupportedProtocol(f"the upstream URL must be http:// or https://, not {url.scheme}://")
+    return url.scheme, url.host, url.port or _DEFAULT_PORTS[url.scheme]
 
 
 def _replayable(request: httpx.Request) -> bool:
-    """Whether ``request`` may be sent a second time, on a new connection, when the upstream closed the connection
-    before answering. aiohttp does this by itself for idempotent methods only (RFC 9112 §9.3.1); a POST to
+    """Whether ``request`` may be sent a second time, on a new connection, when the upstream closed a reused
+    connection before answering. RFC 9112 §9.3.1 allows it for idempotent methods; a POST to
     ``/chat/completions`` (or Anthropic's ``/messages``) qualifies too, as its only effect is its answer. Why it
     matters: a pooled keep-alive connection the upstream closes for idleness (uvicorn, vLLM, llama.cpp: after 5 s)
     at the moment the proxy reuses it fails without a byte of answer; under load (bench/load.py) one request in
-    about 1,500 met this as a 502."""
+    about 1,500 met this as a 502. Never for a new connection, a timeout, or after any byte of an answer."""
+    if request.method in ("GET", "HEAD", "OPTIONS"):
+        return True
     return request.method == "POST" and request.url.path.endswith(("/chat/completions", "/messages"))
-
-
-def _dropped_unanswered(exc: BaseException) -> bool:
-    """The upstream closed or reset the connection before any answer (not: could not connect, timed out)."""
-    import aiohttp
-
-    if isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ServerTimeoutError | TimeoutError):
-        return False
-    return isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError)
-
-
-async def _body_of(request: httpx.Request) -> bytes | None:
-    body = await request.aread()
-    return body or None
