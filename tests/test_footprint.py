@@ -46,11 +46,38 @@ def test_ctxproxy_version_answers_without_loading_the_server() -> None:
     assert loaded & HEAVY == set()
 
 
-def test_the_app_module_leaves_the_engine_the_wire_and_the_tokenizer_to_the_warmup() -> None:
+def test_the_app_module_leaves_the_engine_and_the_tokenizer_to_the_warmup() -> None:
     loaded = modules_after("import uvicorn\nfrom ctxproxy.proxy.edge.app import create_app")
     turn_engine = {f"ctxproxy.proxy.engine.{m}" for m in ("driver", "turn", "forward", "planning", "exchange")}
     assert loaded & {"ctxproxy.proxy.edge.chat", *turn_engine, "aiohttp", "tiktoken", "fastapi",
                      "prometheus_client"} == set()
+
+
+SERVE_OVER_LOOPBACK = """
+import httpx
+from ctxproxy.config import load_settings
+from ctxproxy.proxy.edge.app import create_app
+from tests.fakes import FakeUpstream, serve_in_thread
+with serve_in_thread(FakeUpstream()) as upstream:
+    settings = load_settings(env={"CTXPROXY_DATA_DIR": sys.argv[1], "CTXPROXY_UPSTREAM": upstream + "/v1"})
+    app = create_app(settings)
+    with serve_in_thread(app) as proxy:
+        for stream in (False, True):
+            assert httpx.post(proxy + "/v1/chat/completions", timeout=30, json={"model": "m", "stream": stream,
+                              "messages": [{"role": "user", "content": "hi"}]}).status_code == 200
+        tls = app.state.ctx.upstream.transport.pool.tls
+print(json.dumps({"aiohttp": "aiohttp" in sys.modules, "tls context": tls is not None}))
+"""
+
+
+@pytest.mark.e2e
+def test_the_upstream_client_loads_no_aiohttp_and_no_tls_context_for_an_http_upstream(tmp_path: Path) -> None:
+    """aiohttp and its two TLS contexts were ~7 MB of the idle process (issue #13); the proxy's own client needs
+    neither, and builds its TLS context only for an https upstream."""
+    done = subprocess.run([sys.executable, "-c", "import json, sys\n" + SERVE_OVER_LOOPBACK, str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == {"aiohttp": False, "tls context": False}
 
 
 SERVE_AND_ASK = """
