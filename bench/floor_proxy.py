@@ -7,7 +7,9 @@ the answer whole; no parsing, no journal, no headers beyond ``content-type``:
 - ``raw``: pure ASGI + a minimal keep-alive HTTP/1.1 client on asyncio streams with the ``httptools`` parser;
 - ``httpx``: pure ASGI + one ``httpx.AsyncClient`` (httpx on its own HTTP/1.1 stack);
 - ``fastapi``: a FastAPI route + ``httpx.AsyncClient`` (the stack ctxproxy started from);
-- ``aiohttp``: pure ASGI + one ``aiohttp.ClientSession`` (the wire ctxproxy uses under httpx).
+- ``aiohttp``: pure ASGI + one ``aiohttp.ClientSession`` (the wire ctxproxy used under httpx until issue #13);
+- ``own``: pure ASGI + ctxproxy's own client (``proxy.upstream.transport.Http1Transport``, asyncio + httptools)
+  under httpx's ``Request``/``Response``, as ctxproxy's ``Upstream.send`` drives it.
 
 Run through the benchmark: ``.venv/bin/python bench/latency.py --proxy floor-httpx --markdown``.
 """
@@ -26,7 +28,7 @@ from fake_upstream import Receive, Scope, Send, lifespan, read_body, send_bytes
 from fastapi import FastAPI, Request, Response
 
 Forward = Callable[[bytes], Awaitable[tuple[int, bytes]]]
-MODES = ("raw", "httpx", "fastapi", "aiohttp")
+MODES = ("raw", "httpx", "fastapi", "aiohttp", "own")
 
 
 class RawClient:
@@ -73,6 +75,8 @@ def _forwarder(mode: str, upstream: str) -> tuple[Forward, Callable[[], Awaitabl
     if mode == "raw":
         raw = RawClient(url.host, url.port or 80, url.raw_path.decode())
         return raw.post, _nothing
+    if mode == "own":
+        return _own_client(url)
     if mode == "aiohttp":
         import aiohttp
 
@@ -91,6 +95,25 @@ def _forwarder(mode: str, upstream: str) -> tuple[Forward, Callable[[], Awaitabl
         return r.status_code, r.content
 
     return post_httpx, client.aclose
+
+
+def _own_client(url: httpx.URL) -> tuple[Forward, Callable[[], Awaitable[None]]]:
+    """ctxproxy's upstream transport, imported from the tree on PYTHONPATH (or the installed one)."""
+    from ctxproxy.proxy.upstream.transport import Http1Transport
+
+    transport = Http1Transport()
+    timeout = {"connect": 30.0, "read": 30.0, "write": 30.0, "pool": 30.0}
+
+    async def post_own(body: bytes) -> tuple[int, bytes]:
+        request = httpx.Request("POST", url, headers=[(b"content-type", b"application/json")], content=body,
+                                extensions={"timeout": timeout})
+        response = await transport.handle_async_request(request)
+        try:
+            return response.status_code, await response.aread()
+        finally:
+            await response.aclose()
+
+    return post_own, transport.aclose
 
 
 async def _nothing() -> None:

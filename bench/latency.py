@@ -14,8 +14,8 @@ request, alternating which goes first, so drifts of the machine hit both sides a
 the first body byte). Reported: median and p90 of each side, added = median(proxied) - median(direct), and the
 median of the per-pair differences. Nothing leaves 127.0.0.1; only the two processes started here are stopped.
 
-``--proxy floor-raw|floor-httpx|floor-fastapi|floor-aiohttp`` puts a bare hop (``bench/floor_proxy.py``) in
-ctxproxy's place: what any Python proxy with that stack costs, to tell ctxproxy's own cost from the hop's.
+``--proxy floor-raw|floor-httpx|floor-fastapi|floor-aiohttp|floor-own`` puts a bare hop (``bench/floor_proxy.py``)
+in ctxproxy's place: what any Python proxy with that stack costs, to tell ctxproxy's own cost from the hop's.
 ``bench/profile_proxy.py`` shows where ctxproxy's time goes.
 
 ``--method peers`` (or ``both``) also measures the peers' way (``bench/latency_peers.py``): after the 60-request
@@ -62,7 +62,7 @@ DEFAULT_JSON = BENCH / "results" / "latency.json"
 WARMUP = 10
 CHAT_PATH = "/v1/chat/completions"
 HEADERS = {"content-type": "application/json", "authorization": "Bearer sk-bench"}
-PROXIES = ("ctxproxy", "floor-raw", "floor-httpx", "floor-fastapi", "floor-aiohttp")
+PROXIES = ("ctxproxy", "floor-raw", "floor-httpx", "floor-fastapi", "floor-aiohttp", "floor-own")
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,8 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from ctxproxy.proxy.upstream.connection import Connection, Stage
+from ctxproxy.proxy.upstream.endpoint import Upstream
+from ctxproxy.proxy.upstream.loop import VIA_HEADER
 from ctxproxy.proxy.upstream.transport import Http1Transport
 from tests.fakes import FakeUpstream, serve_in_thread
 
@@ -119,6 +121,30 @@ def test_the_request_goes_out_as_given_and_nothing_is_added() -> None:
                              b"X-Mixed-Case: A\r\nauthorization: Bearer k\r\nx-twice: 1\r\nx-twice: 2\r\n"
                              b"Content-Length: 3\r\n\r\n"]
         assert raw.bodies == [b"abc"]
+
+    run(scenario())
+
+
+def test_the_upstream_endpoint_sends_the_headers_httpx_would_add_and_no_others() -> None:
+    """``Upstream.send`` builds its request from ``stream=`` and adds Host and Content-Length itself, where and
+    when httpx's ``content=`` would (Host first, the length last, ``0`` only for a method that carries a body)."""
+    async def scenario() -> None:
+        raw = Raw(answering(ok()))
+        async with raw.serving() as url:
+            upstream = Upstream(url + "/v1", Http1Transport(), 5.0, 5.0)
+            for method, path, query, body in (("POST", "/v1/chat/completions", "a=1", b"{}"),
+                                              ("GET", "/v1/models", "", b""), ("POST", "/v1/files", "", b"")):
+                answer = await upstream.send(method, path, query, [(b"Content-Type", b"application/json")], body)
+                assert await answer.aread() == b"ok"
+                await answer.aclose()
+            await upstream.aclose()
+        host = b"Host: " + url.removeprefix("http://").encode() + b"\r\n"
+        headers = b"Content-Type: application/json\r\n" + VIA_HEADER.encode() + b": " + upstream.instance.encode()
+        assert raw.heads == [b"POST /v1/chat/completions?a=1 HTTP/1.1\r\n" + host + headers + b"\r\n"
+                             b"Content-Length: 2\r\n\r\n",
+                             b"GET /v1/models HTTP/1.1\r\n" + host + headers + b"\r\n\r\n",
+                             b"POST /v1/files HTTP/1.1\r\n" + host + headers + b"\r\nContent-Length: 0\r\n\r\n"]
+        assert raw.bodies == [b"{}", b"", b""]
 
     run(scenario())
 

@@ -33,6 +33,8 @@ __all__ = ["HIGH_WATER", "Answer", "Connection", "Stage", "Unanswered"]
 
 HIGH_WATER = 256 * 1024
 """Body bytes received but not yet read by the caller above which the socket is paused."""
+_JOINED = 64 * 1024
+"""Bodies below this size are copied behind the head and written in one call."""
 
 
 class Unanswered(httpx.RemoteProtocolError):
@@ -48,8 +50,8 @@ class Stage(Enum):
 class Answer:
     """One response as httptools reports it: its callbacks, called from ``feed_data``."""
 
-    __slots__ = ("chunks", "head_only", "headers", "keep_alive", "parser", "reason", "received", "stage", "status",
-                 "stray", "until_close", "version")
+    __slots__ = ("buffered", "chunks", "head_only", "headers", "keep_alive", "parser", "reason", "received", "stage",
+                 "status", "stray", "until_close", "version")
 
     def __init__(self, head_only: bool) -> None:
         self.parser = httptools.HttpResponseParser(self)
@@ -60,6 +62,8 @@ class Answer:
         self.headers: list[tuple[bytes, bytes]] = []
         self.chunks: list[bytes] = []
         """Body bytes received and not yet read."""
+        self.buffered = 0
+        """How many: above ``HIGH_WATER`` the socket is not read."""
         self.received = False
         """Whether any byte of the answer came (then it is never sent again)."""
         self.keep_alive = self.until_close = self.stray = False
@@ -89,6 +93,7 @@ class Answer:
             self.stray = True  # a body after a HEAD answer: the connection's framing can no longer be trusted
         else:
             self.chunks.append(chunk)
+            self.buffered += len(chunk)
 
     def on_message_complete(self) -> None:
         if self.stage is Stage.BODY:
@@ -119,7 +124,7 @@ class Connection(asyncio.Protocol):
         self._close_after = False
         self._error: httpx.TransportError | None = None
         self._waiter: asyncio.Future[bool] | None = None
-        self._buffered, self._paused = 0, False
+        self._paused = False
         self._on_lost = on_lost
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -139,8 +144,7 @@ class Connection(asyncio.Protocol):
             self._error = httpx.RemoteProtocolError(f"the upstream's answer is not HTTP/1.1: {exc}",
                                                     request=self._request)
             self.close()
-        self._buffered += len(data)
-        if self._buffered > HIGH_WATER and not self._paused and self._transport is not None:
+        if answer.buffered > HIGH_WATER and not self._paused and self._transport is not None:
             self._paused = True
             self._transport.pause_reading()
         self._wake()
@@ -176,7 +180,10 @@ class Connection(asyncio.Protocol):
         if self.lost:  # lost while it was being opened: nothing will come
             self._error = Unanswered("the upstream closed the connection before the request", request=request)
             return
-        self._transport.writelines((head, body) if body else (head,))
+        if len(body) < _JOINED:
+            self._transport.write(head + body)  # one segment, one syscall
+        else:
+            self._transport.writelines((head, body))  # no copy of a large body
 
     async def head(self, timeout: float | None) -> Answer:
         """The answer, once its head is in (status, reason, headers); its body follows through ``read``."""
@@ -203,8 +210,7 @@ class Connection(asyncio.Protocol):
     def take(self) -> bytes:
         """The body bytes received and not yet read, at once."""
         assert self.answer is not None
-        chunks, self.answer.chunks = self.answer.chunks, []
-        self._buffered = 0
+        chunks, self.answer.chunks, self.answer.buffered = self.answer.chunks, [], 0
         if self._paused and self._transport is not None:
             self._paused = False
             self._transport.resume_reading()

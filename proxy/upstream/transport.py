@@ -98,9 +98,11 @@ class _Body(httpx.AsyncByteStream):
         connection = self._connection
         if connection is None:
             return
-        while chunk := await connection.read(self._timeout):
-            yield chunk
-        await self.aclose()
+        try:
+            while chunk := await connection.read(self._timeout):
+                yield chunk
+        finally:  # the end, or a failure: either way the connection's exchange is over
+            await self.aclose()
 
     async def aclose(self) -> None:
         if self._connection is not None:
@@ -110,10 +112,7 @@ class _Body(httpx.AsyncByteStream):
 
 async def _serialised(request: httpx.Request) -> tuple[bytes, bytes, bool]:
     """``request`` as it goes on the wire: its head, its body, and whether it asks to close the connection after."""
-    try:
-        body = request.content
-    except httpx.RequestNotRead:  # a streamed body: read whole, sent with its length (no chunked request)
-        body = await request.aread()
+    body = await request.aread()  # a streamed body too: read whole, sent with its length (no chunked request)
     method = request.method.encode("ascii")
     lines = [method + b" " + request.url.raw_path + b" HTTP/1.1"]
     host = length = close = False
