@@ -10,10 +10,11 @@ How: ``bench/fake_upstream.py`` runs in its own process; ``ctxproxy serve`` (as 
 /healthz`` answered 200 (polled every 2 ms); the CPU time it spent until then is read (user + system,
 ``/proc/PID/stat``: what a busy machine changes least), and its resident set (``VmRSS`` of ``/proc/PID/status``) at
 ready, ``--settle`` seconds later with no request (idle: what the server loads on its warm-up thread after ready, the
-tokenizer and aiohttp, has loaded by then), and after one small chat request. Medians over the restarts. ``--starts``
-more starts send a chat the moment ``/healthz`` answers: exec to that chat's answer is what a client that starts the
-proxy and uses it at once sees (the chat waits for the warm-up). ``import ctxproxy.proxy.commands.cli`` and ``import
-ctxproxy.proxy.edge.app`` are timed the same way, each in a fresh interpreter. Then ``bench/load.py``'s agents run
+request engine and the tokenizer, has loaded by then), and after one small chat request. Medians over the restarts.
+``--starts`` more starts send a chat the moment ``/healthz`` answers: exec to that chat's answer is what a client
+that starts the proxy and uses it at once sees (the chat waits for the warm-up). ``import
+ctxproxy.proxy.commands.cli`` and ``import ctxproxy.proxy.edge.app`` are timed the same way, each in a fresh
+interpreter. Then ``bench/load.py``'s agents run
 ``--waves`` times (``--sessions`` new agent runs of ``--rounds`` rounds each, no pause) through one more proxy, against
 ``bench/load.py``'s fake upstream minus its record of every body (``ForgetfulUpstream``); the proxy's RSS is read when
 it is idle before, and ``--rest`` seconds after each run. Flat means the later runs add next to nothing. ``bench/load.py
