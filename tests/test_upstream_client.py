@@ -300,6 +300,39 @@ def test_a_connection_is_reused_unless_either_side_says_close(answer: bytes, reu
     run(scenario())
 
 
+@pytest.mark.parametrize(("answer", "method"), [(ok() + b"HTTP/1.1 200 OK\r\n", "POST"),
+                                               (ok(extra=b"Connection: close\r\n") + b"junk", "POST"),
+                                               (ok().replace(b"\r\n\r\nok", b"\r\n\r\n") + b"ok", "HEAD")])
+def test_bytes_beyond_the_answer_mean_the_connection_is_not_used_again(answer: bytes, method: str) -> None:
+    """A server that sends more than its answer (a body after a HEAD answer, a stray line) leaves the connection's
+    framing in doubt: the answer stands, the next request goes on a new connection."""
+    async def scenario() -> None:
+        raw = Raw(answering(answer))
+        async with raw.serving() as url:
+            transport = Http1Transport()
+            for _ in range(2):
+                response, body = await send(transport, url, method=method)
+                assert response.status_code == 200 and body == (b"" if method == "HEAD" else b"ok")
+                await asyncio.sleep(0.05)
+            await transport.aclose()
+        assert raw.connections == 2
+
+    run(scenario())
+
+
+def test_at_the_limit_an_idle_connection_to_another_upstream_is_closed_to_make_room() -> None:
+    async def scenario() -> None:
+        first, second = Raw(answering(ok(b"first"))), Raw(answering(ok(b"second")))
+        async with first.serving() as one, second.serving() as two:
+            transport = Http1Transport(max_connections=1)
+            assert (await send(transport, one))[1] == b"first"
+            assert (await send(transport, two, timeout=TIMEOUT | {"pool": 0.2}))[1] == b"second"
+            await asyncio.wait_for(first.closed.wait(), 5)
+            await transport.aclose()
+
+    run(scenario())
+
+
 # --- failures -----------------------------------------------------------------------------------------------------
 
 

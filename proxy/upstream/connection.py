@@ -68,6 +68,14 @@ class Answer:
         """Whether any byte of the answer came (then it is never sent again)."""
         self.keep_alive = self.until_close = self.stray = False
 
+    @property
+    def done(self) -> bool:
+        return self.stage is Stage.DONE
+
+    def on_message_begin(self) -> None:
+        if self.stage is Stage.DONE:
+            self.stray = True  # another answer after this one, in the same read: no request asked for it
+
     def on_status(self, fragment: bytes) -> None:
         self.reason += fragment  # llhttp hands the reason phrase over in as many pieces as it arrived in
 
@@ -141,8 +149,11 @@ class Connection(asyncio.Protocol):
         except httptools.HttpParserUpgrade:
             pass  # a 101's bytes after its head: not HTTP any more, the connection is not reused
         except httptools.HttpParserError as exc:
-            self._error = httpx.RemoteProtocolError(f"the upstream's answer is not HTTP/1.1: {exc}",
-                                                    request=self._request)
+            if answer.done:  # (the parser's callbacks moved it on: not the stage checked above)
+                answer.stray = True  # bytes after a whole answer: it stands, the connection does not
+            else:
+                self._error = httpx.RemoteProtocolError(f"the upstream's answer is not HTTP/1.1: {exc}",
+                                                        request=self._request)
             self.close()
         if answer.buffered > HIGH_WATER and not self._paused and self._transport is not None:
             self._paused = True
@@ -161,15 +172,15 @@ class Connection(asyncio.Protocol):
 
     def _broken(self, answer: Answer, exc: Exception | None) -> httpx.TransportError | None:
         """What the connection's loss means for the answer under way; None: it ended the answer (until close)."""
-        how = f"reset ({exc})" if exc else "closed"
+        how, why = ("reset", f" ({exc})") if exc else ("closed", "")
         if not answer.received:
-            return Unanswered(f"the upstream {how} the connection without answering", request=self._request)
+            return Unanswered(f"the upstream {how} the connection without answering{why}", request=self._request)
         if answer.stage is Stage.HEAD:
             return httpx.RemoteProtocolError(f"the upstream {how} the connection in the middle of the answer's "
-                                             "head", request=self._request)
+                                             f"head{why}", request=self._request)
         if answer.until_close and exc is None:
             return None
-        return httpx.ReadError(f"the upstream {how} the connection in the middle of the answer's body",
+        return httpx.ReadError(f"the upstream {how} the connection in the middle of the answer's body{why}",
                                request=self._request)
 
     def send(self, request: httpx.Request, head: bytes, body: bytes, close_after: bool) -> None:

@@ -13,8 +13,9 @@ Accept, Accept-Encoding), no cookie is kept, no redirect followed, and the answe
 came (nothing decompressed, headers untouched), chunk by chunk as they arrive (an SSE stream is not buffered).
 
 Timeouts come from the request's httpx ``timeout`` extension: ``connect`` (TCP and TLS), ``read`` (between two
-bytes of the answer) and ``pool`` (waiting for a free connection at the limit); failures are httpx's exceptions,
-which ``proxy.upstream.endpoint`` maps to 502 and 504.
+bytes of the answer) and ``pool`` (waiting for a free connection at the limit); ``write`` is not applied (the
+request is handed to the kernel whole: an upstream that does not read it does not answer either, which the read
+timeout catches). Failures are httpx's exceptions, which ``proxy.upstream.endpoint`` maps to 502 and 504.
 """
 
 from __future__ import annotations
