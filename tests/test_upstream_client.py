@@ -495,20 +495,22 @@ def _drops_second_request(raw: Raw) -> Handler:
     return handler
 
 
-@pytest.mark.parametrize(("path", "replayed"), [("/v1/chat/completions", True), ("/v1/messages", True),
-                                                 ("/v1/files", False)])
-def test_a_chat_sent_on_a_reused_connection_that_was_dropped_unanswered_is_sent_once_more(path: str,
+@pytest.mark.parametrize(("method", "path", "replayed"), [
+    ("POST", "/v1/chat/completions", True), ("POST", "/v1/messages", True), ("GET", "/v1/models", True),
+    ("DELETE", "/v1/files/f", True), ("POST", "/v1/files", False), ("PATCH", "/v1/chat/completions", False)])
+def test_a_chat_sent_on_a_reused_connection_that_was_dropped_unanswered_is_sent_once_more(method: str, path: str,
                                                                                          replayed: bool) -> None:
+    """As the other idempotent methods (RFC 9112 §9.3.1; aiohttp, the client before, did it for those too)."""
     async def scenario() -> None:
         raw = Raw(_drops_second_request)
         async with raw.serving() as url:
             transport = Http1Transport()
-            assert (await send(transport, url, path=path))[1] == b"fresh"
+            assert (await send(transport, url, method, path))[1] == b"fresh"
             if replayed:
-                assert (await send(transport, url, path=path))[1] == b"fresh"
+                assert (await send(transport, url, method, path))[1] == b"fresh"
             else:
                 with pytest.raises(httpx.RemoteProtocolError, match="without answering"):
-                    await send(transport, url, path=path)
+                    await send(transport, url, method, path)
             await transport.aclose()
         assert (len(raw.heads), raw.connections) == ((3, 2) if replayed else (2, 1))
 

@@ -31,6 +31,8 @@ from ctxproxy.proxy.upstream.pool import Origin, Pool
 __all__ = ["Http1Transport"]
 
 _DEFAULT_PORTS = {"http": 80, "https": 443}
+_IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
+"""RFC 9110 §9.2.2."""
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 """Methods whose request carries ``Content-Length: 0`` when its body is empty (as httpx sets it)."""
 
@@ -146,11 +148,12 @@ def _origin(url: httpx.URL) -> Origin:
 
 def _replayable(request: httpx.Request) -> bool:
     """Whether ``request`` may be sent a second time, on a new connection, when the upstream closed a reused
-    connection before answering. RFC 9112 §9.3.1 allows it for idempotent methods; a POST to
-    ``/chat/completions`` (or Anthropic's ``/messages``) qualifies too, as its only effect is its answer. Why it
+    connection before answering. RFC 9112 §9.3.1 allows it for idempotent methods (aiohttp, the client before,
+    did it for those); a POST to ``/chat/completions`` (or Anthropic's ``/messages``) qualifies too, as its only
+    effect is its answer. Why it
     matters: a pooled keep-alive connection the upstream closes for idleness (uvicorn, vLLM, llama.cpp: after 5 s)
     at the moment the proxy reuses it fails without a byte of answer; under load (bench/load.py) one request in
     about 1,500 met this as a 502. Never for a new connection, a timeout, or after any byte of an answer."""
-    if request.method in ("GET", "HEAD", "OPTIONS"):
+    if request.method in _IDEMPOTENT:
         return True
     return request.method == "POST" and request.url.path.endswith(("/chat/completions", "/messages"))
