@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+import httptools
 import httpx
 import pytest
 from hypothesis import example, given
@@ -25,7 +26,7 @@ from hypothesis import strategies as st
 from ctxproxy.proxy.upstream.connection import Connection, Stage
 from ctxproxy.proxy.upstream.endpoint import Upstream
 from ctxproxy.proxy.upstream.loop import VIA_HEADER
-from ctxproxy.proxy.upstream.transport import Http1Transport
+from ctxproxy.proxy.upstream.transport import Http1Transport, _serialised
 from tests.fakes import FakeUpstream, serve_in_thread
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -147,6 +148,39 @@ def test_the_upstream_endpoint_sends_the_headers_httpx_would_add_and_no_others()
         assert raw.bodies == [b"{}", b"", b""]
 
     run(scenario())
+
+
+TOKEN = st.text(alphabet="abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.!#$%&'*+^`|~",
+                min_size=1, max_size=20).filter(lambda name: name.lower() not in ("host", "content-length",
+                                                                                  "transfer-encoding", "connection"))
+VALUE = st.text(alphabet=st.characters(min_codepoint=0x21, max_codepoint=0x7E), max_size=40)
+
+
+@given(headers=st.lists(st.tuples(TOKEN, VALUE), max_size=12), body=st.binary(max_size=300),
+       method=st.sampled_from(["GET", "POST", "PUT", "DELETE"]), path=st.sampled_from(["/", "/v1/x?a=1&b=%2F"]))
+def test_any_request_head_reads_back_as_it_was_given(headers: list[tuple[str, str]], body: bytes, method: str,
+                                                     path: str) -> None:
+    """What the transport writes, read by httptools' request parser (uvicorn's): the method, the target, each
+    header in its order and case, then Host, if it was not given, and the body's length."""
+    request = httpx.Request(method, "http://upstream.test:8080" + path, headers=headers, content=body)
+    head, sent, _ = asyncio.run(_serialised(request))
+    seen: dict[str, Any] = {"headers": [], "body": b""}
+
+    class Events:
+        def on_url(self, url: bytes) -> None:
+            seen["url"] = seen.get("url", b"") + url
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            seen["headers"].append((name.decode(), value.decode()))
+
+        def on_body(self, chunk: bytes) -> None:
+            seen["body"] += chunk
+
+    parser = httptools.HttpRequestParser(Events())
+    parser.feed_data(head + sent)
+    assert (parser.get_method().decode(), seen["url"].decode()) == (method, path)
+    assert seen["headers"] == [(k.decode(), v.decode()) for k, v in request.headers.raw]
+    assert seen["headers"][0] == ("Host", "upstream.test:8080") and seen["body"] == sent == body
 
 
 def test_a_streamed_request_body_goes_whole_with_its_length() -> None:
