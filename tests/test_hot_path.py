@@ -23,9 +23,9 @@ from ctxproxy.proxy.core.identity import message_hash
 from ctxproxy.proxy.core.project import _out_hash
 from ctxproxy.proxy.core.tokens import Calibration, MessageCounter, TextCounter
 from ctxproxy.proxy.edge.chat import url_path
-from ctxproxy.proxy.engine.context import SessionContexts
+from ctxproxy.proxy.engine.context import SessionContexts, read_new_session
 from ctxproxy.proxy.engine.state import AppState, Warmup
-from ctxproxy.store import Journal, JournalWriter
+from ctxproxy.store import Journal, JournalWriter, claim
 from tests.conftest import app_client
 from tests.fakes import FakeUpstream
 from tests.test_journal import incoming, record
@@ -190,6 +190,52 @@ def test_a_new_run_is_journaled_and_its_context_read_back_in_one_hop(tmp_path: P
         finally:
             writer.close()
     assert "_read_back" not in writer.names and writer.names.count("record_request_and_read") == 2
+
+
+def test_a_new_run_is_claimed_in_the_call_that_journals_it(tmp_path: Path) -> None:
+    """A session opened by its opening is claimed (``store.claims``) in the call that journals its request, not in
+    a hop of its own once its lock is taken: nothing can join it before its answer. Its next request, handled by
+    the same process, still finds its memory valid (no read back)."""
+    settings = load_settings(env={"CTXPROXY_DATA_DIR": str(tmp_path), "CTXPROXY_UPSTREAM": "http://u.test/v1",
+                                  "CTXPROXY_CTX_WINDOW": "8192"})
+    with app_client(settings, httpx.ASGITransport(app=FakeUpstream())) as client:
+        state: AppState = client.app.state.ctx  # type: ignore[attr-defined]
+        messages = history(3)
+        _send(client, messages[:4])
+        state.journal = writer = CountingWriter(state.journal.journal)
+        try:
+            _send(client, [*messages[:2], {"role": "user", "content": "continue (nonce 1)"}])
+            opened = writer.names[:]
+            _send(client, [*messages[:2], {"role": "user", "content": "continue (nonce 1)"},
+                           {"role": "assistant", "content": "ok"}, {"role": "user", "content": "go on"}])
+        finally:
+            writer.close()
+    assert opened[0] == "record_request_and_read" and "claim" not in opened and "_read_back" not in opened
+    assert writer.names[len(opened)] == "record_request_and_read" and "claim" in writer.names[len(opened):]
+    assert "_read_back" not in writer.names
+
+
+def test_a_named_session_is_claimed_under_its_lock_not_when_it_opens(tmp_path: Path) -> None:
+    """Two requests of a new named session in parallel: the second joins the session before the first took its
+    lock, and may take it first. Had the first claimed the session when it opened it, the second's claim would
+    find an unanswered holder and journal it as abandoned (``store.claims``) while it waits for the lock."""
+    journal = Journal(tmp_path / "journal.db")
+    try:
+        first = journal.record_request(incoming(history(1)[:2], session="named"))
+        assert first.created
+        saved = read_new_session("m", named=True)(journal, first)
+        assert saved is not None and not saved.claimed
+        second = journal.record_request(incoming(history(2)[:4], session="named", n=1))
+        assert second.session_id == first.session_id
+        assert claim(journal, "named", second.request_id) is None
+        assert journal.conn.execute("SELECT COUNT(*) FROM responses WHERE request_id = ?",
+                                    [first.request_id]).fetchone()[0] == 0
+        opened = journal.record_request(incoming([*history(1)[:2], {"role": "user", "content": "x"}], n=2))
+        saved = read_new_session("m", named=False)(journal, opened)
+        assert saved is not None and saved.claimed
+        assert claim(journal, opened.session_id, opened.request_id) == opened.request_id
+    finally:
+        journal.close()
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/chat/completions/", "/v1/a?b#c\\d", "/v1/é ü"])

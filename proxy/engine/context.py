@@ -19,7 +19,7 @@ import json
 from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -239,8 +239,8 @@ class SessionContexts:
 
     async def _load(self, writer: JournalWriter, session_id: str, model: str | None,
                     request_id: int | None = None, saved: Saved | None = None) -> SessionContext:
-        if saved is not None and request_id is not None and await self._claimed_elsewhere(writer, session_id,
-                                                                                           request_id):
+        if saved is not None and request_id is not None and not saved.claimed and await self._claimed_elsewhere(
+                writer, session_id, request_id):
             saved, request_id = None, None  # the new session was handled elsewhere since it was read: read again
         if saved is None:
             saved = await writer.call(_read_back, session_id, model, request_id)  # one hop to the journal, not six
@@ -285,14 +285,24 @@ class Saved:
     samples: list[tuple[int, int]]
     revisions: int
     state: SessionState
+    claimed: bool = False
+    """The request that opened the session claimed it in the same call (``read_new_session``)."""
 
 
-def read_new_session(model: str | None) -> Callable[[Journal, RecordedRequest], Saved | None]:
+def read_new_session(model: str | None, named: bool) -> Callable[[Journal, RecordedRequest], Saved | None]:
     """For ``Journal.record_request_and_read``: a session the request opened, read back in the same call on the
     journal's thread as its request row (a new run or a fork, e.g. every request of the peers' benchmark, saves a
-    hop). Only a new session: one the proxy already knows may be in memory, ahead of the journal."""
+    hop). Only a new session: one the proxy already knows may be in memory, ahead of the journal.
+
+    A session opened by its opening (not ``named``) is claimed in that call too, before its lock is taken, which
+    saves the claim's own hop (and transaction) after it: no other request can join it until its first answer is
+    journaled (placement continues no pending head), so nothing can claim it in between. A named session can be
+    joined at once (the same name, in parallel); it is claimed under its lock, as any session."""
     def read(journal: Journal, recorded: RecordedRequest) -> Saved | None:
-        return _read_back(journal, recorded.session_id, model, None) if recorded.created else None
+        if not recorded.created:
+            return None
+        claimed = None if named else recorded.request_id
+        return replace(_read_back(journal, recorded.session_id, model, claimed), claimed=claimed is not None)
     return read
 
 
