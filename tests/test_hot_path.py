@@ -238,6 +238,28 @@ def test_a_named_session_is_claimed_under_its_lock_not_when_it_opens(tmp_path: P
         journal.close()
 
 
+def test_a_new_run_shares_only_the_ancestors_that_hold_decisions(tmp_path: Path) -> None:
+    """Runs forking runs (the peers' method: each request a new run of the last) make a chain of up to 64
+    ancestors, most with no decision of their own: each was a step of the read back and an entry pushing the long
+    run's shared decisions out of ``SessionContexts``."""
+    journal = Journal(tmp_path / "journal.db")
+    messages = history(2)
+    long = record(journal, incoming(messages))
+    cut = {"kind": "spill", "target": "tool:call_0", "message_hash": "h", "replacement": "stub", "overflow_id": "",
+           "until": "", "count": 0, "source": "auto"}
+    journal.add_decisions(long.session_id, [cut], "t")
+    last = long
+    for i in range(10):
+        last = record(journal, incoming([*messages[:2], {"role": "user", "content": f"continue (nonce {i})"}], n=i))
+    writer, contexts = JournalWriter(journal), SessionContexts()
+    try:
+        context = asyncio.run(contexts.get(writer, last.session_id, "m"))
+    finally:
+        writer.close()
+    assert [d.target for d in context.decisions] == ["tool:call_0"]
+    assert [key[2] for key in contexts._shared] == [long.session_id]
+
+
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/chat/completions/", "/v1/a?b#c\\d", "/v1/é ü"])
 def test_the_journaled_path_is_starlette_s_url_path(path: str) -> None:
     scope = {"type": "http", "method": "POST", "path": path, "query_string": b"x=1", "root_path": "",

@@ -230,7 +230,8 @@ class SessionContexts:
         self._shared[key] = shared
         if len(self._shared) > SHARED_DECISIONS:
             self._shared.popitem(last=False)
-        return shared.decisions[:bisect_right(shared.ids, upto)]
+        n = bisect_right(shared.ids, upto)
+        return shared.decisions if n == len(shared.decisions) else shared.decisions[:n]  # read, never changed
 
     @staticmethod
     async def _claimed_elsewhere(writer: JournalWriter, session_id: str, request_id: int) -> bool:
@@ -246,7 +247,8 @@ class SessionContexts:
             saved = await writer.call(_read_back, session_id, model, request_id)  # one hop to the journal, not six
         decisions: list[Decision] = []
         for ancestor, upto in saved.ancestors:
-            decisions += await self._inherited(writer, ancestor, upto)
+            if upto:  # 0: the ancestor had no decision of its own when its child forked (runs forking runs)
+                decisions += await self._inherited(writer, ancestor, upto)
         decisions += [Decision(**row) for row in saved.decisions]
         context = SessionContext(decisions, calibrations={model: self._calibration(saved, model)},
                                  mirror_revision=saved.revisions)
