@@ -24,6 +24,7 @@ from ctxproxy.proxy.core.project import _out_hash
 from ctxproxy.proxy.core.tokens import Calibration, MessageCounter, TextCounter
 from ctxproxy.proxy.edge.chat import url_path
 from ctxproxy.proxy.engine.context import SessionContexts, read_new_session
+from ctxproxy.proxy.engine.exchange import target_of
 from ctxproxy.proxy.engine.state import AppState, Warmup
 from ctxproxy.store import Journal, JournalWriter, claim
 from tests.conftest import app_client
@@ -265,6 +266,16 @@ def test_the_journaled_path_is_starlette_s_url_path(path: str) -> None:
     scope = {"type": "http", "method": "POST", "path": path, "query_string": b"x=1", "root_path": "",
              "headers": [(b"host", b"proxy.test:8080")], "server": ("127.0.0.1", 8080), "scheme": "http"}
     assert url_path(Request(scope)) == Request(scope).url.path
+
+
+@pytest.mark.parametrize(("path", "query"), [("/v1/chat/completions", b""), ("/v1/a?b#c\\d", b"x=1&y=%20"),
+                                           ("/v1/é ü", b"q=a#frag"), ("/v1/t\tab\n", b"a=\tb\r")])
+def test_the_forwarded_path_and_query_are_starlette_s(path: str, query: bytes) -> None:
+    """What the forward sends upstream and the log line names, read from the scope without building the URL."""
+    scope = {"type": "http", "method": "POST", "path": path, "query_string": query, "root_path": "",
+             "headers": [(b"host", b"proxy.test:8080")], "server": ("127.0.0.1", 8080), "scheme": "http"}
+    url = Request(scope).url
+    assert target_of(Request(scope)) == (url.path, url.query)
 
 
 def test_a_stub_s_kept_hash_is_the_hash_of_the_stub() -> None:

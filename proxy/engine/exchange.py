@@ -22,7 +22,7 @@ from ctxproxy.proxy.upstream.answers import usage_figure
 from ctxproxy.proxy.wire import ChatBody
 from ctxproxy.store import ForwardRecord, IncomingRequest, Journal, JournalWriter, RecordedRequest, ResponseRecord
 
-__all__ = ["SESSION_RESPONSE_HEADER", "Exchange", "now"]
+__all__ = ["SESSION_RESPONSE_HEADER", "Exchange", "now", "target_of"]
 
 SESSION_RESPONSE_HEADER = "X-Ctx-Session"
 
@@ -151,7 +151,7 @@ class Exchange:
     def _log(self, outcome: str, status: int) -> None:
         """The request's one line at info: who, where, what happened, the tokens, the cuts, the time."""
         fields = {"event": "request", "session": self.recorded.session_id, "request_id": self.recorded.request_id,
-                  "route": f"{self.request.method} {self.request.url.path}", "status": status, "outcome": outcome,
+                  "route": f"{self.request.method} {target_of(self.request)[0]}", "status": status, "outcome": outcome,
                   "tokens_in": self.tally.tokens_in if self.tally else None,
                   "tokens_out": self.tally.tokens_out if self.tally else None, "cuts": self.cuts,
                   "retries": self.retries, "rounds": self.internal_rounds, "added_ms": self.sent_ms,
@@ -172,6 +172,18 @@ class Exchange:
 
     def elapsed(self) -> float:
         return round((time.perf_counter() - self.started) * 1000, 3)
+
+
+def target_of(request: Request) -> tuple[str, str]:
+    """``request.url.path`` and ``request.url.query`` without building the URL (it parses the host header, then
+    splits the URL it assembled: 1.3% of a small request, once per forward and once for the log line): the
+    scope's path and query string, escaped and cut as Starlette's ``URL`` does."""
+    path: str = request.scope["path"]
+    path = path.replace("?", "%3F").replace("#", "%23").replace("\\", "%5C")
+    query = request.scope.get("query_string", b"").decode().partition("#")[0]
+    if "\t" in path + query or "\r" in path + query or "\n" in path + query:  # what ``urlsplit`` drops
+        path, query = (x.replace("\t", "").replace("\r", "").replace("\n", "") for x in (path, query))
+    return path, query
 
 
 def now() -> str:
