@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -23,10 +24,18 @@ from ctxproxy.proxy.core.identity import message_hash
 from ctxproxy.proxy.core.project import _out_hash
 from ctxproxy.proxy.core.tokens import Calibration, MessageCounter, TextCounter
 from ctxproxy.proxy.edge.chat import url_path
-from ctxproxy.proxy.engine.context import SessionContexts, read_new_session
+from ctxproxy.proxy.engine.context import SessionContexts, _read_back, read_new_session
 from ctxproxy.proxy.engine.exchange import target_of
 from ctxproxy.proxy.engine.state import AppState, Warmup
-from ctxproxy.store import Journal, JournalWriter, claim
+from ctxproxy.store import (
+    ForwardRecord,
+    Journal,
+    JournalWriter,
+    ResponseRecord,
+    SessionState,
+    claim,
+    record_session_state,
+)
 from tests.conftest import app_client
 from tests.fakes import FakeUpstream
 from tests.test_journal import incoming, record
@@ -266,6 +275,35 @@ def test_the_journaled_path_is_starlette_s_url_path(path: str) -> None:
     scope = {"type": "http", "method": "POST", "path": path, "query_string": b"x=1", "root_path": "",
              "headers": [(b"host", b"proxy.test:8080")], "server": ("127.0.0.1", 8080), "scheme": "http"}
     assert url_path(Request(scope)) == Request(scope).url.path
+
+
+def test_a_session_just_opened_reads_back_as_the_full_read_would(tmp_path: Path) -> None:
+    """``read_new_session`` skips the reads of what a session has only once its requests made it (forwards,
+    answers, decisions, mirror revisions, working state): a fork of a session that has all of them reads back the
+    same as the full read, and an existing session would not."""
+    journal = Journal(tmp_path / "journal.db")
+    try:
+        messages = history(2)
+        parent = journal.record_request(incoming(messages))
+        params = incoming(messages).params_hash
+        journal.record_forward(ForwardRecord(parent.request_id, 0, parent.session_id, "t", params, verbatim=True,
+                                             estimate=900, k=1.2, samples=3))
+        journal.record_response(ResponseRecord(parent.request_id, 0, "ok", 200, "{}", {"prompt_tokens": 1000}, 1.0,
+                                               2.0, "t"))
+        cut = {"kind": "spill", "target": "tool:call_0", "message_hash": "h", "replacement": "stub",
+               "overflow_id": "", "until": "", "count": 0, "source": "auto"}
+        journal.add_decisions(parent.session_id, [cut], "t")
+        record_session_state(journal, parent.session_id, parent.request_id,
+                             SessionState("turn", "turn", ("done",), "/m.json", "{}"), "t")
+        fork = journal.record_request(incoming([*messages[:2], {"role": "user", "content": "continue (nonce 1)"}]))
+        read = read_new_session("m", named=False)(journal, fork)
+        assert read is not None and read.claimed and read.latest is not None and read.ancestors
+        assert replace(read, claimed=False) == _read_back(journal, fork.session_id, "m", None)
+        again = journal.record_request(incoming(messages, n=1))
+        assert not again.created and read_new_session("m", named=False)(journal, again) is None
+        assert _read_back(journal, parent.session_id, "m", None).state.offered_turn == "turn"
+    finally:
+        journal.close()
 
 
 @pytest.mark.parametrize(("path", "query"), [("/v1/chat/completions", b""), ("/v1/a?b#c\\d", b"x=1&y=%20"),

@@ -19,7 +19,7 @@ import json
 from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -303,9 +303,18 @@ def read_new_session(model: str | None, named: bool) -> Callable[[Journal, Recor
     def read(journal: Journal, recorded: RecordedRequest) -> Saved | None:
         if not recorded.created:
             return None
-        claimed = None if named else recorded.request_id
-        return replace(_read_back(journal, recorded.session_id, model, claimed), claimed=claimed is not None)
+        if not named:
+            claim(journal, recorded.session_id, recorded.request_id)
+        return _read_opened(journal, recorded.session_id, model, claimed=not named)
     return read
+
+
+def _read_opened(journal: Journal, session_id: str, model: str | None, claimed: bool) -> Saved:
+    """``_read_back`` of a session its request has just opened: the ancestors it inherits decisions from and the
+    model's latest calibration are all it can have. No forward, answer, decision, mirror revision or working state
+    of its own exists yet: the four reads of those would find nothing (a third of a new run's read back)."""
+    ancestors, own = journal.decision_chain(session_id)
+    return Saved(ancestors, own, None, latest_calibration(journal, model), [], 0, SessionState(), claimed)
 
 
 def _read_back(journal: Journal, session_id: str, model: str | None, request_id: int | None) -> Saved:
