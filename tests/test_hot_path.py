@@ -11,6 +11,7 @@ import asyncio
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import replace
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -25,7 +26,7 @@ from ctxproxy.proxy.core.project import _out_hash
 from ctxproxy.proxy.core.tokens import Calibration, MessageCounter, TextCounter
 from ctxproxy.proxy.edge.chat import url_path
 from ctxproxy.proxy.engine.context import SessionContexts, _read_back, read_new_session
-from ctxproxy.proxy.engine.exchange import target_of
+from ctxproxy.proxy.engine.exchange import iso_ms, target_of
 from ctxproxy.proxy.engine.state import AppState, Warmup
 from ctxproxy.store import (
     ForwardRecord,
@@ -314,6 +315,17 @@ def test_the_forwarded_path_and_query_are_starlette_s(path: str, query: bytes) -
              "headers": [(b"host", b"proxy.test:8080")], "server": ("127.0.0.1", 8080), "scheme": "http"}
     url = Request(scope).url
     assert target_of(Request(scope)) == (url.path, url.query)
+
+
+@pytest.mark.parametrize("ns", [0, 999_999, 1_000_000, 1_764_572_400_999_999_999, 1_764_572_401_000_000_000,
+                                1_764_572_401_123_456_789, 4_102_444_799_999_000_000])
+def test_the_journal_s_time_is_isoformat_s(ns: int) -> None:
+    """``now`` formats each second once: the text must be ``isoformat``'s for the same instant, the millisecond
+    truncated, across second boundaries and back again (several threads ask)."""
+    instant = datetime(1970, 1, 1, tzinfo=UTC) + timedelta(microseconds=ns // 1000)
+    expected = instant.isoformat(timespec="milliseconds")
+    assert iso_ms(ns) == expected
+    assert iso_ms(ns + 1_000_000_000)[:19] != expected[:19] and iso_ms(ns) == expected
 
 
 def test_a_stub_s_kept_hash_is_the_hash_of_the_stub() -> None:

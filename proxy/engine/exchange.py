@@ -22,7 +22,7 @@ from ctxproxy.proxy.upstream.answers import usage_figure
 from ctxproxy.proxy.wire import ChatBody
 from ctxproxy.store import ForwardRecord, IncomingRequest, Journal, JournalWriter, RecordedRequest, ResponseRecord
 
-__all__ = ["SESSION_RESPONSE_HEADER", "Exchange", "now", "target_of"]
+__all__ = ["SESSION_RESPONSE_HEADER", "Exchange", "iso_ms", "now", "target_of"]
 
 SESSION_RESPONSE_HEADER = "X-Ctx-Session"
 
@@ -187,4 +187,21 @@ def target_of(request: Request) -> tuple[str, str]:
 
 
 def now() -> str:
-    return datetime.now(UTC).isoformat(timespec="milliseconds")
+    """The time as the journal keeps it: ``datetime.now(UTC).isoformat(timespec="milliseconds")``, whose second is
+    formatted once a second (it is asked for several times on every request: 2% of a small one's loop time)."""
+    return iso_ms(time.time_ns())
+
+
+class _Second:
+    """The latest second ``iso_ms`` formatted, with its text: one tuple, replaced whole (read from several threads)."""
+
+    latest: tuple[int, str] = (-1, "")
+
+
+def iso_ms(ns: int) -> str:
+    """``ns`` nanoseconds since the epoch as ISO 8601 in UTC, to the millisecond (truncated, as ``isoformat`` does)."""
+    second, ms = divmod(ns // 1_000_000, 1000)
+    latest = _Second.latest
+    if latest[0] != second:
+        latest = _Second.latest = (second, datetime.fromtimestamp(second, UTC).isoformat()[:19])
+    return f"{latest[1]}.{ms:03d}+00:00"
