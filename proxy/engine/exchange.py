@@ -63,6 +63,8 @@ class Exchange:
         """Each round trip's wait for the upstream's headers."""
         self.deferred: ForwardRecord | None = None
         """The current attempt's forward row, when it is journaled with its answer."""
+        self._line: dict[str, object] | None = None
+        """The request's log line, written once the answer has left (``answer``, then ``finish`` again)."""
         self._locked = False
         self._finished = False
 
@@ -109,9 +111,12 @@ class Exchange:
         self.attempt += 1
 
     async def finish(self, outcome: str, status: int, body: bytes | None,
-                     usage: dict[str, object] | None = None) -> None:
-        """Journal the answer (exactly once), learn from its usage, and release the session's lock."""
+                     usage: dict[str, object] | None = None, *, log_later: bool = False) -> None:
+        """Journal the answer (exactly once), learn from its usage, and release the session's lock. ``log_later``:
+        the request's line waits for the next call (the response's cleanup, once the answer has left): formatting
+        and writing it was 5% of a small request's time before the client had its answer."""
         if self._finished:
+            self._write_line()
             return
         self._finished = True
         try:  # the row first: what is learnt from the answer after, so that nothing in it can cost the row
@@ -122,7 +127,9 @@ class Exchange:
             self._calibrate(usage)
             self.state.metrics.answered(outcome, usage)
             self.state.metrics.timed(self.sent_ms, self.upstream_ms)
-            self._log(outcome, status)
+            self._line = self._fields(outcome, status)
+            if not log_later:
+                self._write_line()
         finally:
             if self._locked:
                 self.state.locks.release(self.recorded.session_id)
@@ -135,9 +142,10 @@ class Exchange:
         replica, which continues the session only from an answered head (``store.placement``): journaled after
         the client had it, the answer lost that race and the session forked. A storage failure here is logged,
         not raised: the writer keeps the answer to write once there is room (``store.writer``), and the client
-        still gets the answer it waits for."""
+        still gets the answer it waits for. The request's log line is written by the ``finish`` the response's
+        cleanup calls (``FinallyResponse``), once the answer has left."""
         try:
-            await self.finish(outcome, status, body, usage)
+            await self.finish(outcome, status, body, usage, log_later=True)
         except (StorageFull, StorageError) as exc:
             log.warning("the answer of request %s is kept in memory until the journal can take it: %s",
                         self.recorded.request_id, exc.message)
@@ -148,15 +156,19 @@ class Exchange:
         for kind, n in tally.cuts.items():
             self.cuts[kind] = self.cuts.get(kind, 0) + n
 
-    def _log(self, outcome: str, status: int) -> None:
+    def _fields(self, outcome: str, status: int) -> dict[str, object]:
         """The request's one line at info: who, where, what happened, the tokens, the cuts, the time."""
-        fields = {"event": "request", "session": self.recorded.session_id, "request_id": self.recorded.request_id,
+        return {"event": "request", "session": self.recorded.session_id, "request_id": self.recorded.request_id,
                   "route": f"{self.request.method} {target_of(self.request)[0]}", "status": status, "outcome": outcome,
                   "tokens_in": self.tally.tokens_in if self.tally else None,
                   "tokens_out": self.tally.tokens_out if self.tally else None, "cuts": self.cuts,
                   "retries": self.retries, "rounds": self.internal_rounds, "added_ms": self.sent_ms,
                   "total_ms": self.elapsed()}
-        log.info(request_line(fields), extra={"ctx": fields})
+
+    def _write_line(self) -> None:
+        fields, self._line = self._line, None
+        if fields is not None:
+            log.info(request_line(fields), extra={"ctx": fields})
 
     def _calibrate(self, usage: dict[str, object] | None) -> None:
         prompt = usage_figure(usage, "prompt_tokens")
