@@ -307,6 +307,33 @@ def test_a_session_just_opened_reads_back_as_the_full_read_would(tmp_path: Path)
         journal.close()
 
 
+def test_an_answer_is_written_without_looking_for_other_writers_who_are_still_noticed(tmp_path: Path) -> None:
+    """Every call on the journal's thread first read ``PRAGMA data_version`` (a round trip on PostgreSQL): three a
+    request. A call that only writes (a forward, an answer) reads nothing the process remembers; the next call that
+    reads still sees what another process wrote in between (here a prune)."""
+    journal = Journal(tmp_path / "journal.db")
+    statements: list[str] = []
+    journal.conn.raw.set_trace_callback(statements.append)  # type: ignore[attr-defined]
+    writer = JournalWriter(journal)
+
+    async def go() -> None:
+        recorded = await writer.call(Journal.record_request, incoming(history(1)))
+        before, statements[:] = writer.generation, []
+        await writer.call(Journal.record_response, ResponseRecord(recorded.request_id, 0, "ok", 200, "{}", None, 1.0,
+                                                                  2.0, "t"))
+        assert statements and not [s for s in statements if "data_version" in s]
+        other = Journal(tmp_path / "journal.db")
+        other.prune("9999")  # another process removes every session
+        other.close()
+        await writer.call(Journal.sessions)
+        assert writer.generation == before + 1
+
+    try:
+        asyncio.run(go())
+    finally:
+        writer.close()
+
+
 @pytest.mark.parametrize(("path", "query"), [("/v1/chat/completions", b""), ("/v1/a?b#c\\d", b"x=1&y=%20"),
                                            ("/v1/é ü", b"q=a#frag"), ("/v1/t\tab\n", b"a=\tb\r")])
 def test_the_forwarded_path_and_query_are_starlette_s(path: str, query: bytes) -> None:
