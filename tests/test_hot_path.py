@@ -25,6 +25,7 @@ from ctxproxy.proxy.core.identity import message_hash
 from ctxproxy.proxy.core.project import _out_hash
 from ctxproxy.proxy.core.tokens import Calibration, MessageCounter, TextCounter
 from ctxproxy.proxy.edge.chat import url_path
+from ctxproxy.proxy.engine.budgets import budget_for
 from ctxproxy.proxy.engine.context import SessionContexts, _read_back, read_new_session
 from ctxproxy.proxy.engine.exchange import iso_ms, target_of
 from ctxproxy.proxy.engine.state import AppState, Warmup
@@ -40,6 +41,7 @@ from ctxproxy.store import (
 from tests.conftest import app_client
 from tests.fakes import FakeUpstream
 from tests.test_journal import incoming, record
+from tests.test_settings import PROFILES, write
 
 T = TypeVar("T")
 
@@ -332,6 +334,19 @@ def test_an_answer_is_written_without_looking_for_other_writers_who_are_still_no
         asyncio.run(go())
     finally:
         writer.close()
+
+
+def test_the_budget_kept_per_model_and_window_is_the_model_s(tmp_path: Path) -> None:
+    """``AppState.budget`` works a budget out once per model and window: each model's profile still gets its own."""
+    settings = load_settings(write(tmp_path, PROFILES), {"CTXPROXY_DATA_DIR": str(tmp_path),
+                                                         "CTXPROXY_UPSTREAM": "http://u.test/v1"})
+    with app_client(settings, httpx.ASGITransport(app=FakeUpstream())) as client:
+        state: AppState = client.app.state.ctx  # type: ignore[attr-defined]
+        for _ in range(2):
+            for model in ("qwen/qwen3-coder-30b", "qwen/qwen2.5", "llama-3", None):
+                for window in (131072, 1_000_000):
+                    assert state.budget(model, window) == budget_for(settings.for_model(model), window)
+        assert state.budget("qwen/qwen2.5", 131072) != state.budget("llama-3", 131072)
 
 
 @pytest.mark.parametrize(("path", "query"), [("/v1/chat/completions", b""), ("/v1/a?b#c\\d", b"x=1&y=%20"),

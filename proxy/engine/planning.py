@@ -32,7 +32,6 @@ from ctxproxy.proxy.core.fenced import presets_for, route_of
 from ctxproxy.proxy.core.identity import content_text
 from ctxproxy.proxy.core.state import sha256_text
 from ctxproxy.proxy.core.tokens import MessageCounter
-from ctxproxy.proxy.engine.budgets import budget_for
 from ctxproxy.proxy.engine.context import ParentState, SessionContext
 from ctxproxy.proxy.engine.exchange import now
 from ctxproxy.proxy.engine.heavy import is_large
@@ -193,7 +192,7 @@ def _rules(app: AppState, settings: Settings, ctx: SessionContext, ask: Ask, win
     presets = presets_for(settings.fenced_presets)
     messages = cast(list[dict[str, Any]], body["messages"])
     fenced = presets if route_of(messages, body.get("tools"), settings.route, presets) == "fenced" else ()
-    budget = budget_for(settings, window)
+    budget = app.budget(body.get("model"), window)  # ``settings`` is the model's: the same budget, kept
     tools = app.counter.count_tools(body.get("tools")) + _context_tools_cost(app, settings, body, bool(fenced),
                                                                              budget.budget)
     k = ctx.calibration(body.get("model")).k
