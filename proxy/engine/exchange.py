@@ -63,8 +63,7 @@ class Exchange:
         """Each round trip's wait for the upstream's headers."""
         self.deferred: ForwardRecord | None = None
         """The current attempt's forward row, when it is journaled with its answer."""
-        self._line: dict[str, object] | None = None
-        """The request's log line, written once the answer has left (``answer``, then ``finish`` again)."""
+        self._line: dict[str, object] | None = None  # the log line's fields, until the answer has left (``answer``)
         self._locked = False
         self._finished = False
 
