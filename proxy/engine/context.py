@@ -164,14 +164,15 @@ class SessionContexts:
         """Windows the upstream proved smaller than configured or detected (it refused a prompt as too long)."""
 
     async def get(self, writer: JournalWriter, session_id: str, model: str | None,
-                  request_id: int | None = None, saved: Saved | None = None) -> SessionContext:
+                  request_id: int | None = None, saved: Saved | None = None, opened: bool = False) -> SessionContext:
         """The session's context, for ``request_id`` holding the session's lock. What this process remembers is
         used only while no other process handled the session since (``store.claims``): otherwise it is read back,
         as after a restart. Without ``request_id`` (nothing claims the session) what is remembered is used.
-        ``saved``: the session as read back with its request (``read_new_session``), used if none is kept."""
+        ``saved``: the session as read back with its request (``read_new_session``). ``opened``: the request opened
+        the session, so nothing remembered under its id is its own (an earlier session of the same id, pruned)."""
         key = (id(writer), session_id)
         context = self._items.pop(key, None)
-        if context is None:
+        if context is None or opened:
             context = await self._load(writer, session_id, model, request_id, saved)  # claimed in the same call
         elif request_id is not None:
             previous = await writer.call(claim, session_id, request_id)

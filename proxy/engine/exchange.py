@@ -99,7 +99,7 @@ class Exchange:
     async def load_context(self) -> SessionContext:
         saved, self.saved = self.saved, None
         self.context = await self.state.contexts.get(self.writer, self.recorded.session_id, self.model,
-                                                     self.recorded.request_id, saved)
+                                                     self.recorded.request_id, saved, self.recorded.created)
         return self.context
 
     async def record(self, outcome: str, status: int, body: str | None, usage: dict[str, object] | None) -> None:
