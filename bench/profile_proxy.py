@@ -130,7 +130,7 @@ def spy_report(raw: Path, requests: int, rate: int, top: int) -> str:
         tables["package (self time)"][_group(frames[-1])] += count
         tables["function (self time)"][frames[-1]] += count
         for frame in {_no_line(f) for f in frames[1:]}:
-            if _group(frame) in ("proxy", "store") and not frame.startswith(("main (", "_serve (")):
+            if _group(frame) in ("proxy", "store", "ctxproxy") and not frame.startswith(("main (", "_serve (")):
                 tables["ctxproxy function (inclusive)"][frame] += count
     out = [f"py-spy: {total} busy samples (idle waits dropped) at {rate}/s over {requests} requests; "
            f"ms/request = samples x {per_request:.4f}", ""]

@@ -41,6 +41,11 @@ POSTGRES_WRITERS = 4
 _PLACING = (Journal.record_request, Journal.record_request_and_read)
 """The calls that place a request: they wait for the answers handed in before them."""
 
+_BLIND_WRITES = (Journal.record_response, Journal.record_forward)
+"""Calls that only write, reading nothing the process keeps in memory: they do not look whether another process
+wrote the journal (``PRAGMA data_version``; a round trip on PostgreSQL). The next call that reads looks, and sees any
+such write all the same: the version it compares with is the one the last look saw."""
+
 UNWRITTEN = 10_000
 """Answers kept in memory while the disk is full; beyond, the oldest are dropped (a restart marks their requests
 interrupted)."""
@@ -83,7 +88,8 @@ class JournalWriter:
 
     def _guarded(self, method: Callable[..., T], *args: object) -> T:
         journal = self._own()
-        self._notice_other_writers(journal)
+        if method not in _BLIND_WRITES:
+            self._notice_other_writers(journal)
         self._write_unwritten(journal)
         try:
             return method(journal, *args)

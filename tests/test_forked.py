@@ -81,6 +81,25 @@ def test_a_fork_ingests_only_its_own_messages() -> None:
     assert counter.calls <= 2 * (len(messages) - at)  # each own message, and its stub if one is cut now
 
 
+def test_a_new_run_at_the_opening_does_not_walk_the_parent_s_history() -> None:
+    """A new run forks a long session at its opening (2 of 120 messages, every request of the peers' benchmark):
+    the counts of its 2 messages are taken from them, not from the parent's 118 others subtracted (100 µs a request)."""
+    rules = Rules(budget(8192, spill_chars=4000))
+    messages = history([("q" * n) for n in (100, 5000, 3000, 9000, 2500, 3000, 700, 3000, 3000, 3000, 2000)])
+    parent, decisions = _parent(messages, rules)
+    fork = [*messages[:2], {"role": "user", "content": "continue (nonce 1)"}]
+    hashes = [message_hash(m) for m in fork]
+    expected = prefix_state(parent, 2, fork, hashes, len(decisions))
+    unread = parent.copy()
+    unread.out = [*parent.out[:2], *[None] * (len(parent.out) - 2)]  # what is never read may be anything
+    cut = prefix_state(unread, 2, fork, hashes, len(decisions))
+    assert cut is not None and expected is not None
+    assert all(getattr(cut, f.name) == getattr(expected, f.name) for f in fields(State))
+    fresh, projected = _both(fork, 2, parent, decisions, rules)
+    assert projected is not None
+    _same(fresh, projected)
+
+
 def test_the_parents_state_is_left_as_it_was() -> None:
     rules = Rules(budget(8192, spill_chars=4000))
     messages = history([("q" * n) for n in (100, 5000, 3000, 9000, 2500, 3000, 700, 3000)])

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -23,12 +25,23 @@ from ctxproxy.proxy.core.identity import message_hash
 from ctxproxy.proxy.core.project import _out_hash
 from ctxproxy.proxy.core.tokens import Calibration, MessageCounter, TextCounter
 from ctxproxy.proxy.edge.chat import url_path
-from ctxproxy.proxy.engine.context import SessionContexts
+from ctxproxy.proxy.engine.budgets import budget_for
+from ctxproxy.proxy.engine.context import SessionContexts, _read_back, read_new_session
+from ctxproxy.proxy.engine.exchange import iso_ms, target_of
 from ctxproxy.proxy.engine.state import AppState, Warmup
-from ctxproxy.store import Journal, JournalWriter
+from ctxproxy.store import (
+    ForwardRecord,
+    Journal,
+    JournalWriter,
+    ResponseRecord,
+    SessionState,
+    claim,
+    record_session_state,
+)
 from tests.conftest import app_client
 from tests.fakes import FakeUpstream
 from tests.test_journal import incoming, record
+from tests.test_settings import PROFILES, write
 
 T = TypeVar("T")
 
@@ -192,11 +205,169 @@ def test_a_new_run_is_journaled_and_its_context_read_back_in_one_hop(tmp_path: P
     assert "_read_back" not in writer.names and writer.names.count("record_request_and_read") == 2
 
 
+def test_a_new_run_is_claimed_in_the_call_that_journals_it(tmp_path: Path) -> None:
+    """A session opened by its opening is claimed (``store.claims``) in the call that journals its request, not in
+    a hop of its own once its lock is taken: nothing can join it before its answer. Its next request, handled by
+    the same process, still finds its memory valid (no read back)."""
+    settings = load_settings(env={"CTXPROXY_DATA_DIR": str(tmp_path), "CTXPROXY_UPSTREAM": "http://u.test/v1",
+                                  "CTXPROXY_CTX_WINDOW": "8192"})
+    with app_client(settings, httpx.ASGITransport(app=FakeUpstream())) as client:
+        state: AppState = client.app.state.ctx  # type: ignore[attr-defined]
+        messages = history(3)
+        _send(client, messages[:4])
+        state.journal = writer = CountingWriter(state.journal.journal)
+        try:
+            _send(client, [*messages[:2], {"role": "user", "content": "continue (nonce 1)"}])
+            opened = writer.names[:]
+            _send(client, [*messages[:2], {"role": "user", "content": "continue (nonce 1)"},
+                           {"role": "assistant", "content": "ok"}, {"role": "user", "content": "go on"}])
+        finally:
+            writer.close()
+    assert opened[0] == "record_request_and_read" and "claim" not in opened and "_read_back" not in opened
+    assert writer.names[len(opened)] == "record_request_and_read" and "claim" in writer.names[len(opened):]
+    assert "_read_back" not in writer.names
+
+
+def test_a_named_session_is_claimed_under_its_lock_not_when_it_opens(tmp_path: Path) -> None:
+    """Two requests of a new named session in parallel: the second joins the session before the first took its
+    lock, and may take it first. Had the first claimed the session when it opened it, the second's claim would
+    find an unanswered holder and journal it as abandoned (``store.claims``) while it waits for the lock."""
+    journal = Journal(tmp_path / "journal.db")
+    try:
+        first = journal.record_request(incoming(history(1)[:2], session="named"))
+        assert first.created
+        saved = read_new_session("m", named=True)(journal, first)
+        assert saved is not None and not saved.claimed
+        second = journal.record_request(incoming(history(2)[:4], session="named", n=1))
+        assert second.session_id == first.session_id
+        assert claim(journal, "named", second.request_id) is None
+        assert journal.conn.execute("SELECT COUNT(*) FROM responses WHERE request_id = ?",
+                                    [first.request_id]).fetchone()[0] == 0
+        opened = journal.record_request(incoming([*history(1)[:2], {"role": "user", "content": "x"}], n=2))
+        saved = read_new_session("m", named=False)(journal, opened)
+        assert saved is not None and saved.claimed
+        assert claim(journal, opened.session_id, opened.request_id) == opened.request_id
+    finally:
+        journal.close()
+
+
+def test_a_new_run_shares_only_the_ancestors_that_hold_decisions(tmp_path: Path) -> None:
+    """Runs forking runs (the peers' method: each request a new run of the last) make a chain of up to 64
+    ancestors, most with no decision of their own: each was a step of the read back and an entry pushing the long
+    run's shared decisions out of ``SessionContexts``."""
+    journal = Journal(tmp_path / "journal.db")
+    messages = history(2)
+    long = record(journal, incoming(messages))
+    cut = {"kind": "spill", "target": "tool:call_0", "message_hash": "h", "replacement": "stub", "overflow_id": "",
+           "until": "", "count": 0, "source": "auto"}
+    journal.add_decisions(long.session_id, [cut], "t")
+    last = long
+    for i in range(10):
+        last = record(journal, incoming([*messages[:2], {"role": "user", "content": f"continue (nonce {i})"}], n=i))
+    writer, contexts = JournalWriter(journal), SessionContexts()
+    try:
+        context = asyncio.run(contexts.get(writer, last.session_id, "m"))
+    finally:
+        writer.close()
+    assert [d.target for d in context.decisions] == ["tool:call_0"]
+    assert [key[2] for key in contexts._shared] == [long.session_id]
+
+
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/chat/completions/", "/v1/a?b#c\\d", "/v1/é ü"])
 def test_the_journaled_path_is_starlette_s_url_path(path: str) -> None:
     scope = {"type": "http", "method": "POST", "path": path, "query_string": b"x=1", "root_path": "",
              "headers": [(b"host", b"proxy.test:8080")], "server": ("127.0.0.1", 8080), "scheme": "http"}
     assert url_path(Request(scope)) == Request(scope).url.path
+
+
+def test_a_session_just_opened_reads_back_as_the_full_read_would(tmp_path: Path) -> None:
+    """``read_new_session`` skips the reads of what a session has only once its requests made it (forwards,
+    answers, decisions, mirror revisions, working state): a fork of a session that has all of them reads back the
+    same as the full read, and an existing session would not."""
+    journal = Journal(tmp_path / "journal.db")
+    try:
+        messages = history(2)
+        parent = journal.record_request(incoming(messages))
+        params = incoming(messages).params_hash
+        journal.record_forward(ForwardRecord(parent.request_id, 0, parent.session_id, "t", params, verbatim=True,
+                                             estimate=900, k=1.2, samples=3))
+        journal.record_response(ResponseRecord(parent.request_id, 0, "ok", 200, "{}", {"prompt_tokens": 1000}, 1.0,
+                                               2.0, "t"))
+        cut = {"kind": "spill", "target": "tool:call_0", "message_hash": "h", "replacement": "stub",
+               "overflow_id": "", "until": "", "count": 0, "source": "auto"}
+        journal.add_decisions(parent.session_id, [cut], "t")
+        record_session_state(journal, parent.session_id, parent.request_id,
+                             SessionState("turn", "turn", ("done",), "/m.json", "{}"), "t")
+        fork = journal.record_request(incoming([*messages[:2], {"role": "user", "content": "continue (nonce 1)"}]))
+        read = read_new_session("m", named=False)(journal, fork)
+        assert read is not None and read.claimed and read.latest is not None and read.ancestors
+        assert replace(read, claimed=False) == _read_back(journal, fork.session_id, "m", None)
+        again = journal.record_request(incoming(messages, n=1))
+        assert not again.created and read_new_session("m", named=False)(journal, again) is None
+        assert _read_back(journal, parent.session_id, "m", None).state.offered_turn == "turn"
+    finally:
+        journal.close()
+
+
+def test_an_answer_is_written_without_looking_for_other_writers_who_are_still_noticed(tmp_path: Path) -> None:
+    """Every call on the journal's thread first read ``PRAGMA data_version`` (a round trip on PostgreSQL): three a
+    request. A call that only writes (a forward, an answer) reads nothing the process remembers; the next call that
+    reads still sees what another process wrote in between (here a prune)."""
+    journal = Journal(tmp_path / "journal.db")
+    statements: list[str] = []
+    journal.conn.raw.set_trace_callback(statements.append)  # type: ignore[attr-defined]
+    writer = JournalWriter(journal)
+
+    async def go() -> None:
+        recorded = await writer.call(Journal.record_request, incoming(history(1)))
+        before, statements[:] = writer.generation, []
+        await writer.call(Journal.record_response, ResponseRecord(recorded.request_id, 0, "ok", 200, "{}", None, 1.0,
+                                                                  2.0, "t"))
+        assert statements and not [s for s in statements if "data_version" in s]
+        other = Journal(tmp_path / "journal.db")
+        other.prune("9999")  # another process removes every session
+        other.close()
+        await writer.call(Journal.sessions)
+        assert writer.generation == before + 1
+
+    try:
+        asyncio.run(go())
+    finally:
+        writer.close()
+
+
+def test_the_budget_kept_per_model_and_window_is_the_model_s(tmp_path: Path) -> None:
+    """``AppState.budget`` works a budget out once per model and window: each model's profile still gets its own."""
+    settings = load_settings(write(tmp_path, PROFILES), {"CTXPROXY_DATA_DIR": str(tmp_path),
+                                                         "CTXPROXY_UPSTREAM": "http://u.test/v1"})
+    with app_client(settings, httpx.ASGITransport(app=FakeUpstream())) as client:
+        state: AppState = client.app.state.ctx  # type: ignore[attr-defined]
+        for _ in range(2):
+            for model in ("qwen/qwen3-coder-30b", "qwen/qwen2.5", "llama-3", None):
+                for window in (131072, 1_000_000):
+                    assert state.budget(model, window) == budget_for(settings.for_model(model), window)
+        assert state.budget("qwen/qwen2.5", 131072) != state.budget("llama-3", 131072)
+
+
+@pytest.mark.parametrize(("path", "query"), [("/v1/chat/completions", b""), ("/v1/a?b#c\\d", b"x=1&y=%20"),
+                                           ("/v1/é ü", b"q=a#frag"), ("/v1/t\tab\n", b"a=\tb\r")])
+def test_the_forwarded_path_and_query_are_starlette_s(path: str, query: bytes) -> None:
+    """What the forward sends upstream and the log line names, read from the scope without building the URL."""
+    scope = {"type": "http", "method": "POST", "path": path, "query_string": query, "root_path": "",
+             "headers": [(b"host", b"proxy.test:8080")], "server": ("127.0.0.1", 8080), "scheme": "http"}
+    url = Request(scope).url
+    assert target_of(Request(scope)) == (url.path, url.query)
+
+
+@pytest.mark.parametrize("ns", [0, 999_999, 1_000_000, 1_764_572_400_999_999_999, 1_764_572_401_000_000_000,
+                                1_764_572_401_123_456_789, 4_102_444_799_999_000_000])
+def test_the_journal_s_time_is_isoformat_s(ns: int) -> None:
+    """``now`` formats each second once: the text must be ``isoformat``'s for the same instant, the millisecond
+    truncated, across second boundaries and back again (several threads ask)."""
+    instant = datetime(1970, 1, 1, tzinfo=UTC) + timedelta(microseconds=ns // 1000)
+    expected = instant.isoformat(timespec="milliseconds")
+    assert iso_ms(ns) == expected
+    assert iso_ms(ns + 1_000_000_000)[:19] != expected[:19] and iso_ms(ns) == expected
 
 
 def test_a_stub_s_kept_hash_is_the_hash_of_the_stub() -> None:

@@ -11,8 +11,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from starlette.testclient import TestClient
+from starlette.types import Message, Receive, Scope, Send
 
 from ctxproxy.config import load_settings
+from ctxproxy.proxy.edge.app import create_app
 from ctxproxy.proxy.observe.logs import JsonFormatter, request_line
 from tests.conftest import app_client
 from tests.fakes import FakeUpstream
@@ -37,6 +40,42 @@ def test_each_request_is_one_info_line_with_its_figures(tmp_path: Path, caplog: 
     text = line.getMessage()
     assert f"session {fields['session']} POST /v1/chat/completions 200 ok" in text and "cuts spill 1" in text
     assert f"tokens {fields['tokens_in']} → {fields['tokens_out']} upstream" in text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_request_s_line_is_written_once_its_answer_has_left(tmp_path: Path, stream: bool) -> None:
+    """The answer is journaled before its end reaches the client (``Exchange.answer``), but the line waits until
+    the end is sent: formatting and writing it was on the path of every answer."""
+    settings = load_settings(env={"CTXPROXY_DATA_DIR": str(tmp_path), "CTXPROXY_UPSTREAM": "http://u.test/v1",
+                                  "CTXPROXY_CTX_WINDOW": "32768"})
+    events: list[str] = []
+
+    class Lines(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if getattr(record, "ctx", {}).get("event") == "request":
+                events.append("line")
+
+    app = create_app(settings, upstream_transport=httpx.ASGITransport(app=FakeUpstream()))
+
+    async def recorded(scope: Scope, receive: Receive, send: Send) -> None:
+        async def sent(message: Message) -> None:
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                events.append("sent")
+        await app(scope, receive, sent)
+
+    handler, logger = Lines(), logging.getLogger("ctxproxy")
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        with TestClient(recorded) as client:
+            answer = client.post("/v1/chat/completions", json={"model": "m", "stream": stream,
+                                                               "messages": [{"role": "user", "content": "hi"}]})
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert answer.status_code == 200 and events == ["sent", "line"]
 
 
 def test_the_tokens_of_a_small_request_are_the_agents_not_the_proxys_tools(

@@ -36,13 +36,13 @@ def prefix_state(state: State, length: int, messages: Sequence[dict[str, Any]], 
     out = state.out[:length]
     return State(
         hashes=state.hashes[:length], ids=state.ids[:length], out=out, out_hashes=state.out_hashes[:length],
-        counts=state.counts[:length], total=sum(state.counts[:length]), seen=_seen(state, length),
+        counts=state.counts[:length], total=sum(state.counts[:length]), seen=_seen(state, length, messages, hashes),
         calls=_calls(messages[:length]),
         result_calls={i: call for i, call in state.result_calls.items() if i < length},
         tool_indices=state.tool_indices[:bisect_left(state.tool_indices, length)],
         call_indices=state.call_indices[:bisect_left(state.call_indices, length)],
         fenced={i: result for i, result in state.fenced.items() if i < length},
-        rounds=state.rounds - sum(m is not None and m.get("role") == "assistant" for m in state.out[length:]),
+        rounds=_rounds(state, length, messages),
         decided=dict(state.decided), pins=dict(state.pins), fold=state.fold,
         fold_sum=state.fold_sum if state.fold_sum is not None and state.fold_sum.end <= length else None,
         folded=state.folded, cut=sum(a != b for a, b in zip(state.out_hashes[:length], state.hashes, strict=False)),
@@ -58,9 +58,16 @@ def _within(state: State, length: int, hashes: Sequence[str], absorbed: int) -> 
     return state.hashes[:length] == list(hashes[:length])
 
 
-def _seen(state: State, length: int) -> dict[str, int]:
-    """How often each identity base occurs in the first ``length`` messages: the parent's counts, less the
-    messages after them (an outgoing message keeps its role and ``tool_call_id``, all an identity base reads)."""
+def _seen(state: State, length: int, messages: Sequence[dict[str, Any]], hashes: Sequence[str]) -> dict[str, int]:
+    """How often each identity base occurs in the first ``length`` messages: counted in them, or, when fewer messages
+    follow them, the parent's counts less those (an outgoing message keeps its role and ``tool_call_id``, all an
+    identity base reads). A new run forks a long session at its opening: 2 messages counted, not 120 subtracted."""
+    if length <= len(state.hashes) - length:
+        seen: dict[str, int] = {}
+        for first, first_hash in zip(messages[:length], hashes[:length], strict=True):
+            base = identity_base(first, first_hash)
+            seen[base] = seen.get(base, 0) + 1
+        return seen
     seen = dict(state.seen)
     for message, message_hash in zip(state.out[length:], state.hashes[length:], strict=True):
         assert message is not None  # no fold or hide reaches past ``length`` (``_within``)
@@ -69,6 +76,13 @@ def _seen(state: State, length: int) -> dict[str, int]:
         if not seen[base]:
             del seen[base]
     return seen
+
+
+def _rounds(state: State, length: int, messages: Sequence[dict[str, Any]]) -> int:
+    """The assistant messages among the first ``length``: counted in them, or the parent's less those after them."""
+    if length <= len(state.hashes) - length:
+        return sum(1 for m in messages[:length] if m.get("role") == "assistant")
+    return int(state.rounds) - sum(1 for m in state.out[length:] if m is not None and m.get("role") == "assistant")
 
 
 def _calls(messages: Sequence[dict[str, Any]]) -> dict[str, tuple[str, str]]:

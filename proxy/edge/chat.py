@@ -45,7 +45,8 @@ async def chat_completions(request: Request) -> Response:
     incognito = incognito_requested(request) or state.settings.incognito
     raw = await read_body(request, state.settings.max_body_bytes, state.settings.client_body_timeout)
     body, incoming = await state.offload.run(is_heavy(raw), _admit, request, raw, state)
-    writer, read = state.journal_for(incognito), read_new_session(body.get("model"))
+    writer = state.journal_for(incognito)
+    read = read_new_session(body.get("model"), incoming.session_name is not None)
     with anyio.CancelScope(shield=True):  # once begun, the request's row is written, so its answer row can follow
         recorded, saved = await writer.call(Journal.record_request_and_read, incoming, read)
     exchange = Exchange(state, writer, recorded, request, body, incoming, incognito, saved)

@@ -23,12 +23,15 @@ from ctxproxy.proxy.upstream.endpoint import response_headers, with_headers
 
 __all__ = ["BufferedSink"]
 
+_NO_ANSWER = httpx.Response(502)
+"""Stands for the upstream's answer until the first one is read (never sent): built once, not per request (15 µs)."""
+
 
 class BufferedSink:
     def __init__(self, exchange: Exchange, runner: ContextRunner, compact: str | None) -> None:
         self.exchange, self.runner, self.compact = exchange, runner, compact
         self.event: Event = Failed()
-        self.upstream = httpx.Response(502)
+        self.upstream = _NO_ANSWER
         self.content = self.stripped = b""
         self.previous: tuple[httpx.Response, bytes] | None = None
         """The latest internal round's answer without its context calls: the agent's if the follow-up fails."""

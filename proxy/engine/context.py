@@ -164,14 +164,15 @@ class SessionContexts:
         """Windows the upstream proved smaller than configured or detected (it refused a prompt as too long)."""
 
     async def get(self, writer: JournalWriter, session_id: str, model: str | None,
-                  request_id: int | None = None, saved: Saved | None = None) -> SessionContext:
+                  request_id: int | None = None, saved: Saved | None = None, opened: bool = False) -> SessionContext:
         """The session's context, for ``request_id`` holding the session's lock. What this process remembers is
         used only while no other process handled the session since (``store.claims``): otherwise it is read back,
         as after a restart. Without ``request_id`` (nothing claims the session) what is remembered is used.
-        ``saved``: the session as read back with its request (``read_new_session``), used if none is kept."""
+        ``saved``: the session as read back with its request (``read_new_session``). ``opened``: the request opened
+        the session, so nothing remembered under its id is its own (an earlier session of the same id, pruned)."""
         key = (id(writer), session_id)
         context = self._items.pop(key, None)
-        if context is None:
+        if context is None or opened:
             context = await self._load(writer, session_id, model, request_id, saved)  # claimed in the same call
         elif request_id is not None:
             previous = await writer.call(claim, session_id, request_id)
@@ -230,7 +231,8 @@ class SessionContexts:
         self._shared[key] = shared
         if len(self._shared) > SHARED_DECISIONS:
             self._shared.popitem(last=False)
-        return shared.decisions[:bisect_right(shared.ids, upto)]
+        n = bisect_right(shared.ids, upto)
+        return shared.decisions if n == len(shared.decisions) else shared.decisions[:n]  # read, never changed
 
     @staticmethod
     async def _claimed_elsewhere(writer: JournalWriter, session_id: str, request_id: int) -> bool:
@@ -239,14 +241,15 @@ class SessionContexts:
 
     async def _load(self, writer: JournalWriter, session_id: str, model: str | None,
                     request_id: int | None = None, saved: Saved | None = None) -> SessionContext:
-        if saved is not None and request_id is not None and await self._claimed_elsewhere(writer, session_id,
-                                                                                           request_id):
+        if saved is not None and request_id is not None and not saved.claimed and await self._claimed_elsewhere(
+                writer, session_id, request_id):
             saved, request_id = None, None  # the new session was handled elsewhere since it was read: read again
         if saved is None:
             saved = await writer.call(_read_back, session_id, model, request_id)  # one hop to the journal, not six
         decisions: list[Decision] = []
         for ancestor, upto in saved.ancestors:
-            decisions += await self._inherited(writer, ancestor, upto)
+            if upto:  # 0: the ancestor had no decision of its own when its child forked (runs forking runs)
+                decisions += await self._inherited(writer, ancestor, upto)
         decisions += [Decision(**row) for row in saved.decisions]
         context = SessionContext(decisions, calibrations={model: self._calibration(saved, model)},
                                  mirror_revision=saved.revisions)
@@ -285,15 +288,34 @@ class Saved:
     samples: list[tuple[int, int]]
     revisions: int
     state: SessionState
+    claimed: bool = False
+    """The request that opened the session claimed it in the same call (``read_new_session``)."""
 
 
-def read_new_session(model: str | None) -> Callable[[Journal, RecordedRequest], Saved | None]:
+def read_new_session(model: str | None, named: bool) -> Callable[[Journal, RecordedRequest], Saved | None]:
     """For ``Journal.record_request_and_read``: a session the request opened, read back in the same call on the
     journal's thread as its request row (a new run or a fork, e.g. every request of the peers' benchmark, saves a
-    hop). Only a new session: one the proxy already knows may be in memory, ahead of the journal."""
+    hop). Only a new session: one the proxy already knows may be in memory, ahead of the journal.
+
+    A session opened by its opening (not ``named``) is claimed in that call too, before its lock is taken, which
+    saves the claim's own hop (and transaction) after it: no other request can join it until its first answer is
+    journaled (placement continues no pending head), so nothing can claim it in between. A named session can be
+    joined at once (the same name, in parallel); it is claimed under its lock, as any session."""
     def read(journal: Journal, recorded: RecordedRequest) -> Saved | None:
-        return _read_back(journal, recorded.session_id, model, None) if recorded.created else None
+        if not recorded.created:
+            return None
+        if not named:
+            claim(journal, recorded.session_id, recorded.request_id)
+        return _read_opened(journal, recorded.session_id, model, claimed=not named)
     return read
+
+
+def _read_opened(journal: Journal, session_id: str, model: str | None, claimed: bool) -> Saved:
+    """``_read_back`` of a session its request has just opened: the ancestors it inherits decisions from and the
+    model's latest calibration are all it can have. No forward, answer, decision, mirror revision or working state
+    of its own exists yet: the four reads of those would find nothing (a third of a new run's read back)."""
+    ancestors, own = journal.decision_chain(session_id)
+    return Saved(ancestors, own, None, latest_calibration(journal, model), [], 0, SessionState(), claimed)
 
 
 def _read_back(journal: Journal, session_id: str, model: str | None, request_id: int | None) -> Saved:

@@ -15,7 +15,7 @@ from typing import Any, Protocol, cast
 import httpx
 import orjson
 
-from ctxproxy.proxy.engine.exchange import Exchange
+from ctxproxy.proxy.engine.exchange import Exchange, target_of
 from ctxproxy.proxy.engine.planning import Ask, Plan, plan_forward, what_takes_room
 from ctxproxy.proxy.engine.turn import Forward
 from ctxproxy.proxy.errors import ContextTooLarge, CtxError, UpstreamBrokeOff, UpstreamTimeout
@@ -176,7 +176,7 @@ class Forwarder:
         request = x.request
         headers = client_headers(request.headers.raw, x.state.own_headers, _CHAT_DROP) + _IDENTITY
         codec: UpstreamCodec | None = request.scope.get(UPSTREAM_CODEC)
-        path, query = (codec.path, codec.query) if codec else (request.url.path, request.url.query)
+        path, query = (codec.path, codec.query) if codec else target_of(request)
         sent = x.elapsed()
         x.sent_ms = sent if x.sent_ms is None else x.sent_ms
         upstream = await x.state.upstream.send("POST", path, query, headers, codec.request(body) if codec else body,

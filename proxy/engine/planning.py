@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, cast
 
@@ -33,8 +32,8 @@ from ctxproxy.proxy.core.fenced import presets_for, route_of
 from ctxproxy.proxy.core.identity import content_text
 from ctxproxy.proxy.core.state import sha256_text
 from ctxproxy.proxy.core.tokens import MessageCounter
-from ctxproxy.proxy.engine.budgets import budget_for
 from ctxproxy.proxy.engine.context import ParentState, SessionContext
+from ctxproxy.proxy.engine.exchange import now
 from ctxproxy.proxy.engine.heavy import is_large
 from ctxproxy.proxy.engine.outfiles import outfiles_dir, write_outfiles
 from ctxproxy.proxy.engine.policy import (
@@ -193,7 +192,7 @@ def _rules(app: AppState, settings: Settings, ctx: SessionContext, ask: Ask, win
     presets = presets_for(settings.fenced_presets)
     messages = cast(list[dict[str, Any]], body["messages"])
     fenced = presets if route_of(messages, body.get("tools"), settings.route, presets) == "fenced" else ()
-    budget = budget_for(settings, window)
+    budget = app.budget(body.get("model"), window)  # ``settings`` is the model's: the same budget, kept
     tools = app.counter.count_tools(body.get("tools")) + _context_tools_cost(app, settings, body, bool(fenced),
                                                                              budget.budget)
     k = ctx.calibration(body.get("model")).k
@@ -335,7 +334,7 @@ def _broken(messages: list[Any], p: Projection) -> bool:
 def _forward_record(recorded: RecordedRequest, incoming: IncomingRequest, ctx: SessionContext, p: Projection,
                     attempt: int, k: float, sent: list[dict[str, Any]], hashes: list[str],
                     changed: bool, estimate: int | None) -> ForwardRecord:
-    record = ForwardRecord(recorded.request_id, attempt, recorded.session_id, _now(), incoming.params_hash,
+    record = ForwardRecord(recorded.request_id, attempt, recorded.session_id, now(), incoming.params_hash,
                            verbatim=not changed, estimate=estimate, k=k,
                            samples=ctx.calibration(incoming.model).samples,
                            decisions=[asdict(d) for d in p.new],
@@ -393,6 +392,3 @@ def what_takes_room(largest: Sequence[tuple[str, int]], messages: list[Any], ids
         items.append(f"message {i} ({role}, {mid}: {scaled(tokens)} tokens)")
     return "; ".join(items)
 
-
-def _now() -> str:
-    return datetime.now(UTC).isoformat(timespec="milliseconds")
