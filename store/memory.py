@@ -65,6 +65,7 @@ _FORGET = [
                          AND hash NOT IN (SELECT params_hash FROM requests)
                          AND hash NOT IN (SELECT params_hash FROM forwards)
                          AND hash NOT IN (SELECT id FROM overflow)
+                         AND hash NOT IN (SELECT replaced_by FROM decisions WHERE replaced_by IS NOT NULL)
                          AND hash NOT IN (SELECT mirror_hash FROM session_state WHERE mirror_hash IS NOT NULL)""",
 ]
 

@@ -152,6 +152,7 @@ INSERT INTO live_blobs
     UNION SELECT params_hash FROM forwards
     UNION SELECT id FROM overflow
     UNION SELECT overflow_id FROM decisions
+    UNION SELECT replaced_by FROM decisions WHERE replaced_by IS NOT NULL
     UNION SELECT j.value FROM context_ops c, json_each(c.overflow_ids) j
     UNION SELECT mirror_hash FROM session_state WHERE mirror_hash IS NOT NULL
 """
