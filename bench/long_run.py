@@ -53,6 +53,7 @@ import fake_upstream  # noqa: E402
 import harness  # noqa: E402
 import latency  # noqa: E402
 
+from ctxproxy.store.deltas import rebuild  # noqa: E402
 from tests.workloads import conversation  # noqa: E402
 
 GPU_ENV = "CTXPROXY_GPU_MODEL"
@@ -223,11 +224,11 @@ def _hashes(db: sqlite3.Connection, list_id: int) -> list[str]:
     while current is not None:
         base_id, base_len, added = db.execute("SELECT base_id, base_len, added FROM message_lists WHERE id = ?",
                                               [current]).fetchone()
-        pieces.append((base_len, json.loads(added)))
+        pieces.append((base_len, added))
         current = base_id
     hashes: list[str] = []
     for base_len, added in reversed(pieces):
-        hashes = hashes[:base_len] + added
+        hashes = rebuild(hashes, base_len, added)  # a list may name runs of its base's hashes (migration m013)
     return hashes
 
 
