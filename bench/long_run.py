@@ -193,7 +193,26 @@ def journal_size(data: Path, history: int) -> dict[str, Any]:
                            " WHERE o.tool = 'fold'").fetchone()[0]
         kinds = dict(db.execute("SELECT kind, SUM(chars) FROM blobs GROUP BY kind"))
     return {"history_bytes": history, "journal_bytes": size, "journal_ratio": round(size / history, 2),
-            "fold_blob_bytes": folds, "blob_chars_by_kind": kinds}
+            "fold_blob_bytes": folds, "blob_chars_by_kind": kinds, "breakdown": breakdown(data / "journal.db")}
+
+
+def breakdown(journal: Path) -> dict[str, int]:
+    """What the journal's bytes are: each table's and index's pages (SQLite's ``dbstat``, after a checkpoint), the
+    message lists' ``added`` text by whose list it is, and the text of decisions and blobs by kind."""
+    with contextlib.closing(sqlite3.connect(journal)) as db:
+        db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        out = {f"pages {name}": size for name, size in db.execute(
+            "SELECT name, SUM(pgsize) FROM dbstat GROUP BY name HAVING SUM(pgsize) >= 100000 ORDER BY 2 DESC")}
+        for label, ids in [("request", "SELECT list_id FROM requests"),
+                           ("forward", "SELECT list_id FROM forwards EXCEPT SELECT list_id FROM requests"),
+                           ("mirror", "SELECT mirror_list FROM session_state")]:
+            out[f"lists {label}"] = db.execute(f"SELECT COALESCE(SUM(LENGTH(added)), 0) FROM message_lists"
+                                               f" WHERE id IN ({ids})").fetchone()[0]
+        for kind, chars in db.execute("SELECT kind, SUM(LENGTH(replacement)) FROM decisions GROUP BY kind"):
+            out[f"decisions {kind} text"] = chars
+        for kind, chars in db.execute("SELECT kind, SUM(chars) FROM blobs GROUP BY kind"):
+            out[f"blobs {kind}"] = chars
+    return out
 
 
 def trace(journal: Path) -> list[dict[str, int]]:
@@ -260,6 +279,12 @@ def markdown(report: dict[str, Any]) -> str:
                      f"{r['idle_rss_mb']} → {r['after_rss_mb']} | {gpu_cell} |")
     if report["gpu_note"]:
         lines.append(f"\n{report['gpu_note']}")
+    if report.get("breakdown"):
+        runs = report["runs"]
+        keys = list(dict.fromkeys(k for r in runs for k in r["breakdown"]))
+        lines += ["", "| journal bytes (MB) | " + " | ".join(
+            f"{Path(r['source']).name} {r['window'] // 1024}k" for r in runs) + " |", "|---|" + "---:|" * len(runs)]
+        lines += [f"| {k} | " + " | ".join(f"{r['breakdown'].get(k, 0) / 1e6:.2f}" for r in runs) + " |" for k in keys]
     return "\n".join(lines)
 
 
@@ -273,6 +298,7 @@ def _parser() -> argparse.ArgumentParser:
                         "run several side by side, same requests, interleaved); default: this one")
     parser.add_argument("--json", type=Path, help="write the raw numbers here")
     parser.add_argument("--markdown", action="store_true")
+    parser.add_argument("--breakdown", action="store_true", help="with --markdown: the journal's bytes by table")
     parser.add_argument("--serve-upstream", type=int, help=argparse.SUPPRESS)
     return parser
 
@@ -296,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
                 runs.append(run)
             print(f"  {window}: {len(requests)} requests in {runs[-1]['seconds']} s", file=sys.stderr)
     report = {"command": " ".join(["bench/long_run.py", *(argv if argv is not None else sys.argv[1:])]),
-              "rounds": args.rounds, "gpu_note": note, "runs": runs}
+              "rounds": args.rounds, "gpu_note": note, "runs": runs, "breakdown": args.breakdown}
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
     print(markdown(report) if args.markdown else json.dumps({**report, "runs": [
