@@ -30,6 +30,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import signal
 import sqlite3
 import statistics
@@ -134,7 +135,8 @@ def proxy_process(upstream_base: str, tmp: Path, window: int, source: Path) -> I
         latency._stop(proc)
 
 
-def run_window(window: int, requests: list[bytes], tmp: Path, sources: list[Path]) -> list[dict[str, Any]]:
+def run_window(window: int, requests: list[bytes], tmp: Path, sources: list[Path],
+               keep: Path | None = None) -> list[dict[str, Any]]:
     """One run per source, side by side: each request goes direct and to every source's proxy in turn."""
     history = len(orjson.dumps(orjson.loads(requests[-1])["messages"]))
     with upstream(tmp) as base, contextlib.ExitStack() as stack:
@@ -147,6 +149,11 @@ def run_window(window: int, requests: list[bytes], tmp: Path, sources: list[Path
     runs = []
     for k, (source, (_, _, data)) in enumerate(zip(sources, proxies, strict=True)):
         added = [(row[k + 1] - row[0]) / 1e6 for row in rows]
+        if keep is not None:
+            keep.mkdir(parents=True, exist_ok=True)
+            for suffix in ("", "-wal"):
+                if (data / f"journal.db{suffix}").exists():
+                    shutil.copy(data / f"journal.db{suffix}", keep / f"{source.name}-{window}.db{suffix}")
         runs.append({"source": str(source), "window": window, "requests": len(requests), "seconds": round(seconds, 1),
                      **added_latency(added, fold_requests(data / "journal.db")), **journal_size(data, history),
                      "idle_rss_mb": round(idle[k], 1), "after_rss_mb": round(after[k], 1),
@@ -299,6 +306,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", type=Path, help="write the raw numbers here")
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--breakdown", action="store_true", help="with --markdown: the journal's bytes by table")
+    parser.add_argument("--keep", type=Path, help="copy each run's journal here (SOURCE-WINDOW.db), for "
+                        "bench/journal_reads.py")
     parser.add_argument("--serve-upstream", type=int, help=argparse.SUPPRESS)
     return parser
 
@@ -317,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         for window in (int(w) for w in args.windows.split(",")):
             folder = Path(tmp) / str(window)
             folder.mkdir()
-            for run in run_window(window, requests, folder, [p.resolve() for p in args.source or [ROOT]]):
+            for run in run_window(window, requests, folder, [p.resolve() for p in args.source or [ROOT]], args.keep):
                 run["gpu"] = gpu_seconds(args.gpu_model, run.pop("trace"), folder)
                 runs.append(run)
             print(f"  {window}: {len(requests)} requests in {runs[-1]['seconds']} s", file=sys.stderr)
