@@ -5,7 +5,9 @@ replacement is the content of; a list names runs of its base), so a read that us
 looks them up. A session is read back whole when a process loads it (a restart, an eviction from the working cache,
 a replica taking the session over): its decisions and working state (``proxy.engine.context._read_back``). Also
 timed: ``Journal.decisions`` alone (the operator's API, ``ctxproxy replay``), the mirror's state, and the rebuild of
-the session's last forward list (``ctxproxy show``, ``inspect``).
+the session's last forward list (``ctxproxy show``, ``inspect``). "first": the process has read none of the
+session's texts yet (``store.replaced`` emptied before each read); "again": it read them before (a replica loading
+a session it served earlier).
 
 The journals come from ``bench/long_run.py --keep DIR`` (``SOURCE-WINDOW.db``); each is copied and read in a
 process run from its SOURCE checkout (``PYTHONPATH``), median of ``--repeat`` reads after one warm-up.
@@ -34,8 +36,17 @@ from ctxproxy.store import Journal, session_state
 journal = Journal(sys.argv[1])
 (session,) = [r[0] for r in journal.conn.execute("SELECT id FROM sessions")]
 last = journal.conn.execute("SELECT list_id FROM forwards ORDER BY id DESC LIMIT 1").fetchone()[0]
-reads = {"load (_read_back)": lambda: _read_back(journal, session, None, None),
-         "decisions": lambda: journal.decisions(session), "session state": lambda: session_state(journal, session),
+def first(read):
+    def cold():
+        if hasattr(journal, "replaced_texts"):  # what this process read before (store.replaced), forgotten
+            journal.replaced_texts.clear()
+        return read()
+    return cold
+
+load = lambda: _read_back(journal, session, None, None)
+decisions = lambda: journal.decisions(session)
+reads = {"load, first": first(load), "load, again": load, "decisions, first": first(decisions),
+         "decisions, again": decisions, "session state": lambda: session_state(journal, session),
          "last forward list": lambda: journal.message_hashes(last)}
 out = {"decisions read": len(journal.decisions(session))}
 for name, read in reads.items():

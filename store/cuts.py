@@ -16,11 +16,11 @@ import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
-import orjson
-
 from ctxproxy.store.deltas import runs
+from ctxproxy.store.replaced import ReplacedTexts
 from ctxproxy.store.sql import Connection
 
 __all__ = ["CutsMixin", "ForwardRecord", "OverflowBody", "SpansMixin"]
@@ -241,9 +241,15 @@ class CutsMixin(SpansMixin, OpsMixin):
         """(id, row) of a session's own decisions after decision ``after``, up to decision ``upto`` (None: all)."""
         sql, params = _DECISIONS, [session_id, after]
         if upto is not None:
-            sql, params = sql + " AND d.id <= ?", [*params, upto]
-        rows = self.conn.execute(sql + " ORDER BY d.id", params)
-        return [(row[0], _decision_row(row)) for row in rows.fetchall()]
+            sql, params = sql + " AND id <= ?", [*params, upto]
+        rows = self.conn.execute(sql + " ORDER BY id", params).fetchall()
+        texts = self.replaced_texts.read(self.conn, (row[-1] for row in rows if row[-1] is not None))
+        return [(row[0], _decision_row(row, texts)) for row in rows]
+
+    @cached_property
+    def replaced_texts(self) -> ReplacedTexts:
+        """The replacement texts read back by reference (``store.replaced``), kept for the next load."""
+        return ReplacedTexts()
 
     def _ancestry(self, session_id: str) -> list[tuple[str, int | None]]:
         """(session, decisions up to) from the oldest ancestor down to ``session_id`` (None: all of them); at
@@ -279,8 +285,8 @@ class CutsMixin(SpansMixin, OpsMixin):
         return [(int(e), int(p)) for e, p in reversed(rows)]
 
 
-_DECISIONS = (f"SELECT d.id, {', '.join('d.' + f for f in _DECISION_FIELDS)}, b.body FROM decisions d"
-              " LEFT JOIN blobs b ON b.hash = d.replaced_by WHERE d.session_id = ? AND d.id > ?")
+_DECISIONS = (f"SELECT id, {', '.join(_DECISION_FIELDS)}, replaced_by FROM decisions"
+              " WHERE session_id = ? AND id > ?")
 """A session's decisions, each with the message its replacement is the content of (``m013``; NULL: none)."""
 
 
@@ -293,12 +299,12 @@ def _decision_values(decision: Mapping[str, Any]) -> list[Any]:
     return values
 
 
-def _decision_row(row: Sequence[Any]) -> dict[str, Any]:
-    """A decision as it was made: a replacement stored by reference is the named message's content, read back from
-    its body (canonical JSON: the string exactly as it went upstream)."""
+def _decision_row(row: Sequence[Any], texts: Mapping[str, str]) -> dict[str, Any]:
+    """A decision as it was made: a replacement stored by reference is the named message's content (``texts``, by
+    hash: decoded from its canonical JSON, the string exactly as it went upstream)."""
     decision = dict(zip(_DECISION_FIELDS, row[1:-1], strict=True))
     if row[-1] is not None:
-        decision["replacement"] = orjson.loads(row[-1])["content"]
+        decision["replacement"] = texts[row[-1]]
     return decision
 
 

@@ -121,6 +121,7 @@ class MemoryJournal(Journal):
             for sql in _FORGET[2:]:
                 self.conn.execute(sql)
         self.forgotten.extend(family)
+        self.replaced_texts.clear()  # nothing of a forgotten session stays, here either
         for _ in range(4):  # one pass can leave a page it freed while moving others (seen with a mirror's text)
             self.conn.execute("PRAGMA incremental_vacuum").fetchall()
             if not self.conn.execute("PRAGMA freelist_count").fetchone()[0]:

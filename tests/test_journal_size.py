@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from ctxproxy.proxy.engine.hashing import canonical_json, content_hash
 from ctxproxy.store import ForwardRecord, Journal, SessionState, record_session_state, session_state
 from ctxproxy.store.deltas import rebuild, runs
+from ctxproxy.store.memory import MemoryJournal
 from ctxproxy.store.session_state import MIRROR_SEPARATOR
 from tests.conftest import app_client
 from tests.fakes import CountingUpstream
@@ -79,6 +80,54 @@ def test_a_decision_naming_its_forwarded_message_is_stored_once_and_read_back(st
     assert [tuple(r) for r in stored] == [("", content_hash(stub)), (text, None)]
     assert journal.decisions(rec.session_id) == [decision, {**decision, "target": "tool:c2"}]
     journal.close()
+
+
+def _spilled_run(journal: Journal, session: str | None = None, texts: int = 3) -> Any:
+    """A request whose forward replaced ``texts`` results with stubs, each decision naming its stub's message."""
+    req = incoming(run(texts)[-1], session=session)
+    rec = record(journal, req)
+    sent, bodies, decisions = list(req.hashes), {}, []
+    for k in range(texts):
+        text = f"[overflow id=o{k} tool=sh bytes=9 call_id=c{k} storage=disk] {session}"
+        stub = canonical_json({"role": "tool", "tool_call_id": f"c{k}", "content": text})
+        sent[3 + 2 * k], bodies[content_hash(stub)] = content_hash(stub), stub
+        decisions.append({"kind": "spill", "target": f"tool:c{k}", "message_hash": req.hashes[3 + 2 * k],
+                          "replacement": text, "overflow_id": f"o{k}", "until": "", "count": 0, "source": "auto",
+                          "replaced_by": content_hash(stub)})
+    _forward(journal, rec, 1, sent, None, bodies, tuple(decisions))
+    return rec
+
+
+def test_the_texts_read_back_are_kept_for_the_next_load_within_their_bound(tmp_path: Path) -> None:
+    journal = Journal(tmp_path / "j.db")
+    rec = _spilled_run(journal)
+    first = journal.decisions(rec.session_id)
+    assert len(journal.replaced_texts) == 3
+    journal.replaced_texts.clear()
+    journal.replaced_texts.max_chars = len(first[0]["replacement"]) * 2
+    assert journal.decisions(rec.session_id) == first and len(journal.replaced_texts) == 2  # the oldest went
+    with journal.conn:
+        journal.conn.execute("DELETE FROM blobs WHERE kind = 'message' AND body LIKE '%[overflow id=%'")
+    journal.replaced_texts.max_chars = 10**6
+    kept = journal.decisions_upto(rec.session_id, None, after=int(journal.conn.execute(
+        "SELECT MIN(id) FROM decisions").fetchone()[0]))
+    assert [row for _, row in kept] == first[1:]  # the texts it kept, not looked up again (they are gone)
+    journal.close()
+
+
+def test_a_prune_and_a_forgotten_incognito_session_leave_no_text_kept(tmp_path: Path) -> None:
+    journal = Journal(tmp_path / "j.db")
+    rec = _spilled_run(journal)
+    journal.decisions(rec.session_id)
+    journal.prune("2000-01-01T00:00:00")
+    assert len(journal.replaced_texts) == 0
+    journal.close()
+    memory = MemoryJournal(10**9, 0.0)
+    rec = _spilled_run(memory, session="private")
+    memory.decisions(rec.session_id)
+    assert len(memory.replaced_texts) == 3
+    memory.keep_within_bound()
+    assert list(memory.forgotten) == [rec.session_id] and len(memory.replaced_texts) == 0
 
 
 def _mirror(entries: list[str]) -> str:
