@@ -30,6 +30,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import signal
 import sqlite3
 import statistics
@@ -53,6 +54,7 @@ import fake_upstream  # noqa: E402
 import harness  # noqa: E402
 import latency  # noqa: E402
 
+from ctxproxy.store.deltas import rebuild  # noqa: E402
 from tests.workloads import conversation  # noqa: E402
 
 GPU_ENV = "CTXPROXY_GPU_MODEL"
@@ -133,7 +135,8 @@ def proxy_process(upstream_base: str, tmp: Path, window: int, source: Path) -> I
         latency._stop(proc)
 
 
-def run_window(window: int, requests: list[bytes], tmp: Path, sources: list[Path]) -> list[dict[str, Any]]:
+def run_window(window: int, requests: list[bytes], tmp: Path, sources: list[Path],
+               keep: Path | None = None) -> list[dict[str, Any]]:
     """One run per source, side by side: each request goes direct and to every source's proxy in turn."""
     history = len(orjson.dumps(orjson.loads(requests[-1])["messages"]))
     with upstream(tmp) as base, contextlib.ExitStack() as stack:
@@ -146,6 +149,11 @@ def run_window(window: int, requests: list[bytes], tmp: Path, sources: list[Path
     runs = []
     for k, (source, (_, _, data)) in enumerate(zip(sources, proxies, strict=True)):
         added = [(row[k + 1] - row[0]) / 1e6 for row in rows]
+        if keep is not None:
+            keep.mkdir(parents=True, exist_ok=True)
+            for suffix in ("", "-wal"):
+                if (data / f"journal.db{suffix}").exists():
+                    shutil.copy(data / f"journal.db{suffix}", keep / f"{source.name}-{window}.db{suffix}")
         runs.append({"source": str(source), "window": window, "requests": len(requests), "seconds": round(seconds, 1),
                      **added_latency(added, fold_requests(data / "journal.db")), **journal_size(data, history),
                      "idle_rss_mb": round(idle[k], 1), "after_rss_mb": round(after[k], 1),
@@ -192,7 +200,26 @@ def journal_size(data: Path, history: int) -> dict[str, Any]:
                            " WHERE o.tool = 'fold'").fetchone()[0]
         kinds = dict(db.execute("SELECT kind, SUM(chars) FROM blobs GROUP BY kind"))
     return {"history_bytes": history, "journal_bytes": size, "journal_ratio": round(size / history, 2),
-            "fold_blob_bytes": folds, "blob_chars_by_kind": kinds}
+            "fold_blob_bytes": folds, "blob_chars_by_kind": kinds, "breakdown": breakdown(data / "journal.db")}
+
+
+def breakdown(journal: Path) -> dict[str, int]:
+    """What the journal's bytes are: each table's and index's pages (SQLite's ``dbstat``, after a checkpoint), the
+    message lists' ``added`` text by whose list it is, and the text of decisions and blobs by kind."""
+    with contextlib.closing(sqlite3.connect(journal)) as db:
+        db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        out = {f"pages {name}": size for name, size in db.execute(
+            "SELECT name, SUM(pgsize) FROM dbstat GROUP BY name HAVING SUM(pgsize) >= 100000 ORDER BY 2 DESC")}
+        for label, ids in [("request", "SELECT list_id FROM requests"),
+                           ("forward", "SELECT list_id FROM forwards EXCEPT SELECT list_id FROM requests"),
+                           ("mirror", "SELECT mirror_list FROM session_state")]:
+            out[f"lists {label}"] = db.execute(f"SELECT COALESCE(SUM(LENGTH(added)), 0) FROM message_lists"
+                                               f" WHERE id IN ({ids})").fetchone()[0]
+        for kind, chars in db.execute("SELECT kind, SUM(LENGTH(replacement)) FROM decisions GROUP BY kind"):
+            out[f"decisions {kind} text"] = chars
+        for kind, chars in db.execute("SELECT kind, SUM(chars) FROM blobs GROUP BY kind"):
+            out[f"blobs {kind}"] = chars
+    return out
 
 
 def trace(journal: Path) -> list[dict[str, int]]:
@@ -223,11 +250,11 @@ def _hashes(db: sqlite3.Connection, list_id: int) -> list[str]:
     while current is not None:
         base_id, base_len, added = db.execute("SELECT base_id, base_len, added FROM message_lists WHERE id = ?",
                                               [current]).fetchone()
-        pieces.append((base_len, json.loads(added)))
+        pieces.append((base_len, added))
         current = base_id
     hashes: list[str] = []
     for base_len, added in reversed(pieces):
-        hashes = hashes[:base_len] + added
+        hashes = rebuild(hashes, base_len, added)  # a list may name runs of its base's hashes (migration m013)
     return hashes
 
 
@@ -259,6 +286,12 @@ def markdown(report: dict[str, Any]) -> str:
                      f"{r['idle_rss_mb']} → {r['after_rss_mb']} | {gpu_cell} |")
     if report["gpu_note"]:
         lines.append(f"\n{report['gpu_note']}")
+    if report.get("breakdown"):
+        runs = report["runs"]
+        keys = list(dict.fromkeys(k for r in runs for k in r["breakdown"]))
+        lines += ["", "| journal bytes (MB) | " + " | ".join(
+            f"{Path(r['source']).name} {r['window'] // 1024}k" for r in runs) + " |", "|---|" + "---:|" * len(runs)]
+        lines += [f"| {k} | " + " | ".join(f"{r['breakdown'].get(k, 0) / 1e6:.2f}" for r in runs) + " |" for k in keys]
     return "\n".join(lines)
 
 
@@ -272,6 +305,9 @@ def _parser() -> argparse.ArgumentParser:
                         "run several side by side, same requests, interleaved); default: this one")
     parser.add_argument("--json", type=Path, help="write the raw numbers here")
     parser.add_argument("--markdown", action="store_true")
+    parser.add_argument("--breakdown", action="store_true", help="with --markdown: the journal's bytes by table")
+    parser.add_argument("--keep", type=Path, help="copy each run's journal here (SOURCE-WINDOW.db), for "
+                        "bench/journal_reads.py")
     parser.add_argument("--serve-upstream", type=int, help=argparse.SUPPRESS)
     return parser
 
@@ -290,12 +326,12 @@ def main(argv: list[str] | None = None) -> int:
         for window in (int(w) for w in args.windows.split(",")):
             folder = Path(tmp) / str(window)
             folder.mkdir()
-            for run in run_window(window, requests, folder, [p.resolve() for p in args.source or [ROOT]]):
+            for run in run_window(window, requests, folder, [p.resolve() for p in args.source or [ROOT]], args.keep):
                 run["gpu"] = gpu_seconds(args.gpu_model, run.pop("trace"), folder)
                 runs.append(run)
             print(f"  {window}: {len(requests)} requests in {runs[-1]['seconds']} s", file=sys.stderr)
     report = {"command": " ".join(["bench/long_run.py", *(argv if argv is not None else sys.argv[1:])]),
-              "rounds": args.rounds, "gpu_note": note, "runs": runs}
+              "rounds": args.rounds, "gpu_note": note, "runs": runs, "breakdown": args.breakdown}
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
     print(markdown(report) if args.markdown else json.dumps({**report, "runs": [

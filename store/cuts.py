@@ -6,6 +6,8 @@ to the session by an ``overflow`` row) and the message list that goes upstream, 
 caller names (usually the session's previous projection), so a long session still costs O(total bytes). A body
 made of messages the journal holds already (a fold, a result spilled or elided whole) is not stored again: an
 ``overflow_spans`` row names them in the request's own list, and ``overflow_body`` rebuilds it, byte for byte.
+Likewise a decision whose replacement is the whole content of a message that went upstream names that message
+(``replaced_by``) instead of holding the text a second time.
 """
 
 from __future__ import annotations
@@ -14,8 +16,11 @@ import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
+from ctxproxy.store.deltas import runs
+from ctxproxy.store.replaced import ReplacedTexts
 from ctxproxy.store.sql import Connection
 
 __all__ = ["CutsMixin", "ForwardRecord", "OverflowBody", "SpansMixin"]
@@ -55,6 +60,9 @@ class ForwardRecord:
     added_hashes: Sequence[str] = ()
     added_bodies: Sequence[bytes | None] = ()
     """None: a message of the request itself, whose body the journal has (``record_request``)."""
+    base_hashes: Sequence[str] = ()
+    """The hashes of list ``base_list_id``, whole (when known): what the added hashes repeat of it after an early
+    change is stored as runs (``store.deltas``), not again."""
     decisions: Sequence[Mapping[str, Any]] = ()
     overflow: Sequence[OverflowBody] = field(default_factory=tuple)
     estimate: int | None = None
@@ -177,10 +185,12 @@ class CutsMixin(SpansMixin, OpsMixin):
 
     def insert_decisions(self, session_id: str, request_id: int | None, decisions: Sequence[Mapping[str, Any]],
                          created_at: str) -> None:
+        """``decisions``: the fields of ``_DECISION_FIELDS``, and ``replaced_by`` when the replacement is the whole
+        content of that message of the forward (its hash): the text is then not stored again (``m013``)."""
         self.conn.executemany(
             "INSERT INTO decisions (session_id, request_id, kind, target, message_hash, replacement, overflow_id,"
-            " until, count, source, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            [(session_id, request_id, *(d[f] for f in _DECISION_FIELDS), created_at) for d in decisions])
+            " until, count, source, created_at, replaced_by) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            [(session_id, request_id, *_decision_values(d), created_at, d.get("replaced_by")) for d in decisions])
 
     def _insert_overflow(self, session_id: str, bodies: Sequence[OverflowBody], created_at: str,
                          request_id: int | None = None) -> None:
@@ -204,10 +214,16 @@ class CutsMixin(SpansMixin, OpsMixin):
             "INSERT INTO blobs (hash, kind, body, chars) VALUES (?, 'message', ?, ?) ON CONFLICT DO NOTHING",
             [(h, b.decode(), len(b)) for h, b in zip(rec.added_hashes, rec.added_bodies, strict=True)
              if b is not None])
+        return self.insert_forward_list(rec)
+
+    def insert_forward_list(self, rec: ForwardRecord) -> int:
+        """The forwarded list after the first ``base_len`` messages of its base: the hashes added, a stretch of the
+        base's after an early change named as a run (``store.deltas``, given the base's hashes)."""
+        added = runs(rec.base_hashes, rec.added_hashes)
+        based = rec.base_len > 0 or any(not isinstance(item, str) for item in added)
         return self.conn.insert(
             "INSERT INTO message_lists (base_id, base_len, added, length) VALUES (?, ?, ?, ?)",
-            [rec.base_list_id if rec.base_len else None, rec.base_len, json.dumps(list(rec.added_hashes)),
-             rec.length])
+            [rec.base_list_id if based else None, rec.base_len, json.dumps(added), rec.length])
 
     # --- reads ------------------------------------------------------------------------------------------------
     def decisions(self, session_id: str) -> list[dict[str, Any]]:
@@ -223,12 +239,17 @@ class CutsMixin(SpansMixin, OpsMixin):
 
     def decisions_upto(self, session_id: str, upto: int | None, after: int = 0) -> list[tuple[int, dict[str, Any]]]:
         """(id, row) of a session's own decisions after decision ``after``, up to decision ``upto`` (None: all)."""
-        sql = f"SELECT id, {', '.join(_DECISION_FIELDS)} FROM decisions WHERE session_id = ? AND id > ?"
-        params: list[Any] = [session_id, after]
+        sql, params = _DECISIONS, [session_id, after]
         if upto is not None:
             sql, params = sql + " AND id <= ?", [*params, upto]
-        rows = self.conn.execute(sql + " ORDER BY id", params)
-        return [(row[0], dict(zip(_DECISION_FIELDS, row[1:], strict=True))) for row in rows.fetchall()]
+        rows = self.conn.execute(sql + " ORDER BY id", params).fetchall()
+        texts = self.replaced_texts.read(self.conn, (row[-1] for row in rows if row[-1] is not None))
+        return [(row[0], _decision_row(row, texts)) for row in rows]
+
+    @cached_property
+    def replaced_texts(self) -> ReplacedTexts:
+        """The replacement texts read back by reference (``store.replaced``), kept for the next load."""
+        return ReplacedTexts()
 
     def _ancestry(self, session_id: str) -> list[tuple[str, int | None]]:
         """(session, decisions up to) from the oldest ancestor down to ``session_id`` (None: all of them); at
@@ -262,6 +283,29 @@ class CutsMixin(SpansMixin, OpsMixin):
             " WHERE r.session_id = ? AND r.model IS NOT DISTINCT FROM ? AND f.estimate > 0 AND p.prompt_tokens > 0"
             " ORDER BY f.id DESC LIMIT ?", [session_id, model, limit]).fetchall()
         return [(int(e), int(p)) for e, p in reversed(rows)]
+
+
+_DECISIONS = (f"SELECT id, {', '.join(_DECISION_FIELDS)}, replaced_by FROM decisions"
+              " WHERE session_id = ? AND id > ?")
+"""A session's decisions, each with the message its replacement is the content of (``m013``; NULL: none)."""
+
+
+def _decision_values(decision: Mapping[str, Any]) -> list[Any]:
+    """The columns of ``_DECISION_FIELDS``, the replacement left out ('') when the decision names the message
+    whose content it is."""
+    values = [decision[f] for f in _DECISION_FIELDS]
+    if decision.get("replaced_by"):
+        values[_DECISION_FIELDS.index("replacement")] = ""
+    return values
+
+
+def _decision_row(row: Sequence[Any], texts: Mapping[str, str]) -> dict[str, Any]:
+    """A decision as it was made: a replacement stored by reference is the named message's content (``texts``, by
+    hash: decoded from its canonical JSON, the string exactly as it went upstream)."""
+    decision = dict(zip(_DECISION_FIELDS, row[1:-1], strict=True))
+    if row[-1] is not None:
+        decision["replacement"] = texts[row[-1]]
+    return decision
 
 
 def _score(row: dict[str, Any]) -> dict[str, Any]:

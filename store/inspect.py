@@ -13,6 +13,7 @@ import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from ctxproxy.store.deltas import rebuild
 from ctxproxy.store.sql import Connection
 
 __all__ = ["InspectMixin"]
@@ -97,7 +98,7 @@ class InspectMixin:
                 known[list_id] = json.loads(added)
             else:
                 base = known[base_id] if base_id in known else self.message_hashes(base_id)
-                known[list_id] = base[:base_len] + json.loads(added)
+                known[list_id] = rebuild(base, base_len, added)
         return known
 
 

@@ -65,6 +65,7 @@ _FORGET = [
                          AND hash NOT IN (SELECT params_hash FROM requests)
                          AND hash NOT IN (SELECT params_hash FROM forwards)
                          AND hash NOT IN (SELECT id FROM overflow)
+                         AND hash NOT IN (SELECT replaced_by FROM decisions WHERE replaced_by IS NOT NULL)
                          AND hash NOT IN (SELECT mirror_hash FROM session_state WHERE mirror_hash IS NOT NULL)""",
 ]
 
@@ -120,6 +121,7 @@ class MemoryJournal(Journal):
             for sql in _FORGET[2:]:
                 self.conn.execute(sql)
         self.forgotten.extend(family)
+        self.replaced_texts.clear()  # nothing of a forgotten session stays, here either
         for _ in range(4):  # one pass can leave a page it freed while moving others (seen with a mirror's text)
             self.conn.execute("PRAGMA incremental_vacuum").fetchall()
             if not self.conn.execute("PRAGMA freelist_count").fetchone()[0]:

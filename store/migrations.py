@@ -370,3 +370,22 @@ def m012_request_instances(conn: Connection) -> None:
         ALTER TABLE requests ADD COLUMN instance TEXT;
         """
     )
+
+
+@step
+def m013_decisions_by_reference_and_list_runs(conn: Connection) -> None:
+    ddl(conn, """
+        -- A decision whose replacement is the whole content of a message that went upstream (a spill's stub, an
+        -- elision's marker, a fold's stub) names that message (a blob of kind 'message', stored with the forward)
+        -- instead of holding the text again: `replacement` is '' and the text is the named message's `content`,
+        -- read back as it was. A 600-round session kept each stub twice, 1.7 MB of its 15.8 MB at 128k. NULL: the
+        -- text is in `replacement` (every decision journaled before, and those made outside a projection).
+        ALTER TABLE decisions ADD COLUMN replaced_by TEXT;
+        -- A forward's list or a mirror's list (session_state.mirror_list) written from now on may hold, among its
+        -- hashes, runs [start, count]: `count` hashes of its base list from position `start` (store.deltas). After
+        -- an early change (a fold, an elision) the rest was the base's hashes again, which a prefix-only delta
+        -- stored again: 1.6 MB of a 600-round session's lists. No column: `added` is still a JSON array, and one
+        -- without runs (every list before, every request's list) reads as before. What reads a forward's or a
+        -- mirror's list rebuilds it with store.deltas.rebuild.
+        """
+    )

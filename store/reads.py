@@ -10,9 +10,10 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from ctxproxy.store.deltas import rebuild
 from ctxproxy.store.sql import Connection
 
-__all__ = ["ReadsMixin", "chain_hashes"]
+__all__ = ["ReadsMixin", "chain", "chain_hashes"]
 
 
 class ReadsMixin:
@@ -76,11 +77,16 @@ class ReadsMixin:
 def chain_hashes(conn: Connection, list_id: int) -> list[str]:
     """Rebuild a delta-encoded list: its chain of bases in one recursive query (newest first), then the pieces
     concatenated oldest first. One query, not one per base: a list 600 requests deep took 600."""
+    return chain(conn, list_id)[0]
+
+
+def chain(conn: Connection, list_id: int) -> tuple[list[str], int]:
+    """``chain_hashes``, and how many lists the chain has."""
     hashes: list[str] = []
-    for base_len, added in reversed(conn.execute(_CHAIN, [list_id]).fetchall()):
-        del hashes[base_len:]
-        hashes += json.loads(added)
-    return hashes
+    rows = conn.execute(_CHAIN, [list_id]).fetchall()
+    for base_len, added in reversed(rows):
+        hashes = rebuild(hashes, base_len, added)
+    return hashes, len(rows)
 
 
 _CHAIN = """

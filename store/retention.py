@@ -18,7 +18,9 @@ A dry run does the same work and rolls it back, so what it reports is exactly wh
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from ctxproxy.store.replaced import ReplacedTexts
 from ctxproxy.store.sql import Connection
 
 __all__ = ["PruneReport", "RetentionMixin"]
@@ -41,6 +43,10 @@ class PruneReport:
 class RetentionMixin:
     conn: Connection
 
+    if TYPE_CHECKING:  # provided by Journal (store.cuts)
+        @property
+        def replaced_texts(self) -> ReplacedTexts: ...
+
     def prune(self, before: str, dry_run: bool = False) -> PruneReport:
         """Remove the sessions last active before ``before`` (an ISO timestamp, as the journal writes them).
 
@@ -55,6 +61,7 @@ class RetentionMixin:
                 if dry_run:
                     raise _DryRun(report)
                 self._bump_version()
+            self.replaced_texts.clear()  # texts of the removed sessions' decisions are not kept either
         except _DryRun as done:
             return done.report
         return report
@@ -152,6 +159,7 @@ INSERT INTO live_blobs
     UNION SELECT params_hash FROM forwards
     UNION SELECT id FROM overflow
     UNION SELECT overflow_id FROM decisions
+    UNION SELECT replaced_by FROM decisions WHERE replaced_by IS NOT NULL
     UNION SELECT j.value FROM context_ops c, json_each(c.overflow_ids) j
     UNION SELECT mirror_hash FROM session_state WHERE mirror_hash IS NOT NULL
 """

@@ -17,7 +17,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from ctxproxy.store.deltas import runs
 from ctxproxy.store.journal import Journal
+from ctxproxy.store.reads import chain
 
 __all__ = ["MIRROR_SEPARATOR", "CalibrationInForce", "SessionState", "calibration_in_force", "latest_calibration",
            "record_session_state", "session_state"]
@@ -28,8 +30,9 @@ MIRROR_SEPARATOR = "\n  },\n  {\n"
 pieces the entries, which repeat from one version of the mirror to the next)."""
 _MIRROR_TAIL = "\n  }\n ]\n}"
 """How the mirror ends: a piece of its own (the last), so the newest entry is the same piece in the next version."""
-_MAX_DEPTH = 16
-"""A mirror's list is stored whole rather than as the 17th delta of a chain: a read walks at most 16 rows."""
+_MAX_DEPTH = 64
+"""A mirror's list is stored whole rather than as the 65th delta of a chain: a read rebuilds at most 64 rows (in
+one query). A whole list is ~67 bytes a piece: every 17th, as before runs, was most of the mirror's lists."""
 
 
 @dataclass(frozen=True)
@@ -83,30 +86,29 @@ def _record_mirror(journal: Journal, session_id: str, text: str) -> int:
                              [(h, p, len(p)) for h, p in zip(hashes, pieces, strict=True)])
     row = journal.conn.execute("SELECT mirror_list FROM session_state WHERE session_id = ? AND mirror_list IS NOT"
                                " NULL ORDER BY id DESC LIMIT 1", [session_id]).fetchone()
-    base_id, same = None, 0
-    if row is not None:
-        before, depth = _mirror_hashes(journal, int(row[0]))
-        same = next((i for i, (a, b) in enumerate(zip(before, hashes, strict=False)) if a != b),
-                    min(len(before), len(hashes)))
-        base_id = int(row[0]) if same and depth < _MAX_DEPTH else None
-    same = same if base_id is not None else 0
+    if row is None:
+        return _insert_mirror_list(journal, None, [], 0, hashes)
+    before, depth = _mirror_hashes(journal, int(row[0]))
+    if depth >= _MAX_DEPTH:
+        return _insert_mirror_list(journal, None, [], 0, hashes)
+    same = next((i for i, (a, b) in enumerate(zip(before, hashes, strict=False)) if a != b),
+                min(len(before), len(hashes)))
+    return _insert_mirror_list(journal, int(row[0]), before, same, hashes)
+
+
+def _insert_mirror_list(journal: Journal, base_id: int | None, base: list[str], same: int, hashes: list[str]) -> int:
+    """A mirror's list after the first ``same`` pieces of the previous one (``base_id``, whose pieces are ``base``):
+    the rest as runs of ``base`` where they repeat it (an early change keeps the later entries) and new hashes."""
+    added = runs(base, hashes[same:])
+    if not same and all(isinstance(item, str) for item in added):
+        base_id = None
     return journal.conn.insert("INSERT INTO message_lists (base_id, base_len, added, length) VALUES (?, ?, ?, ?)",
-                               [base_id, same, json.dumps(hashes[same:]), len(hashes)])
+                               [base_id, same, json.dumps(added), len(hashes)])
 
 
 def _mirror_hashes(journal: Journal, list_id: int) -> tuple[list[str], int]:
     """A mirror's piece hashes, and how many lists its delta chain has (bounded by ``_MAX_DEPTH``)."""
-    pieces: list[tuple[int, list[str]]] = []
-    current: int | None = list_id
-    while current is not None:
-        base_id, base_len, added = journal.conn.execute(
-            "SELECT base_id, base_len, added FROM message_lists WHERE id = ?", [current]).fetchone()
-        pieces.append((base_len, json.loads(added)))
-        current = base_id
-    hashes: list[str] = []
-    for base_len, added in reversed(pieces):
-        hashes = hashes[:base_len] + added
-    return hashes, len(pieces)
+    return chain(journal.conn, list_id)
 
 
 def _pieces(journal: Journal, hashes: list[str]) -> list[str]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -33,6 +33,7 @@ from ctxproxy.proxy.core.identity import content_text
 from ctxproxy.proxy.core.state import sha256_text
 from ctxproxy.proxy.core.tokens import MessageCounter
 from ctxproxy.proxy.engine.context import ParentState, SessionContext
+from ctxproxy.proxy.engine.decided import decision_rows
 from ctxproxy.proxy.engine.exchange import now
 from ctxproxy.proxy.engine.heavy import is_large
 from ctxproxy.proxy.engine.outfiles import outfiles_dir, write_outfiles
@@ -337,7 +338,7 @@ def _forward_record(recorded: RecordedRequest, incoming: IncomingRequest, ctx: S
     record = ForwardRecord(recorded.request_id, attempt, recorded.session_id, now(), incoming.params_hash,
                            verbatim=not changed, estimate=estimate, k=k,
                            samples=ctx.calibration(incoming.model).samples,
-                           decisions=[asdict(d) for d in p.new],
+                           decisions=decision_rows(p.new, p.state, sent, hashes),
                            overflow=[OverflowBody(w.overflow_id, w.body, w.tool, w.call_id, w.span, w.size, w.part)
                                      for w in p.writes])
     if not changed:
@@ -346,6 +347,7 @@ def _forward_record(recorded: RecordedRequest, incoming: IncomingRequest, ctx: S
     same = next((i for i, (a, b) in enumerate(zip(base, hashes, strict=False)) if a != b), min(len(base), len(hashes)))
     stored = set(incoming.hashes)  # the request's messages: journaled with it, their bodies not needed again
     return replace(record, length=len(hashes), base_list_id=base_id, base_len=same, added_hashes=hashes[same:],
+                   base_hashes=base,
                    added_bodies=[None if h in stored else canonical_json(m) for h, m in zip(hashes[same:],
                                                                                          sent[same:], strict=True)])
 
