@@ -65,7 +65,7 @@ async def chat_completions(request: Request) -> Response:
 
 def _admit(request: Request, raw: bytes, state: AppState) -> tuple[ChatBody, IncomingRequest]:
     """Parse, validate and hash: sized by the request, so a large one's runs on the worker (``proxy.engine.heavy``)."""
-    body = parse_chat_body(raw)
+    body = parse_chat_body(raw, state.hasher.prefixes)
     check_message_count(len(body["messages"]), state.settings.max_messages)
     try:  # serialises the parameters and the new messages: the only parts of the body not written before
         return body, incoming_request(request, raw, body, state)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, overload
 
 from ctxproxy.proxy.core import canonical_json, content_hash
+from ctxproxy.proxy.core.prefix import Prefixes
 
 __all__ = ["Bodies", "HashedMessages", "MessageHasher"]
 
@@ -81,6 +82,9 @@ class MessageHasher:
     """
 
     def __init__(self, conversations: int = 64, max_bytes: int = 32 << 20, per_conversation: int = 3) -> None:
+        self.prefixes = Prefixes(max_bytes)
+        """The last request bodies, so that the next ones parse only their new bytes and hand this hasher the
+        same message objects for their unchanged history (compared by identity, in C)."""
         self._last: OrderedDict[str, list[HashedMessages]] = OrderedDict()
         self._capacity = conversations
         self._max_bytes = max_bytes
