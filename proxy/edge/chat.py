@@ -13,8 +13,6 @@ it to ``proxy.engine.drive`` and renders what fails before an answer has begun.
 
 from __future__ import annotations
 
-from typing import Any, cast
-
 import anyio
 import orjson
 from starlette.requests import Request
@@ -30,7 +28,6 @@ from ctxproxy.proxy.engine.heavy import check_message_count, is_heavy
 from ctxproxy.proxy.engine.replies import compact_request
 from ctxproxy.proxy.engine.state import AppState
 from ctxproxy.proxy.errors import ContextTooLarge, CtxError, UpstreamMalformed, envelope, error_response
-from ctxproxy.proxy.tools.offer import turn_of
 from ctxproxy.proxy.upstream.endpoint import redact
 from ctxproxy.proxy.upstream.loop import refuse_loop
 from ctxproxy.proxy.wire import ChatBody
@@ -80,12 +77,11 @@ def incoming_request(request: Request, raw: bytes, body: ChatBody, state: AppSta
     opening = scoped_fingerprint(fingerprint(messages), request, state.settings)
     hashed = state.hasher.hash(session_name or opening, messages)
     params = canonical_json({k: v for k, v in body.items() if k != "messages"})
-    turn = turn_of(cast(list[dict[str, Any]], messages))
     return IncomingRequest(
         received_at=now(), path=url_path(request), model=body.get("model"), stream=bool(body.get("stream")),
         session_name=session_name, fingerprint=opening, hashes=hashed.hashes, bodies=hashed.bodies,
         params_hash=content_hash(params), params_body=params, headers=redact(request.headers.raw, state.own_headers),
-        body_bytes=len(raw), turn=hashed.hashes[turn.start] if messages[turn.start].get("role") == "user" else "",
+        body_bytes=len(raw), turn=hashed.hashes[hashed.users[-1]] if hashed.users else "",  # ``turn_of``'s start
     )
 
 
