@@ -33,7 +33,7 @@ from typing import Any
 
 import orjson
 
-__all__ = ["MIN_BYTES", "Prefixes", "Reused"]
+__all__ = ["MIN_BYTES", "Match", "Prefixes", "Reused"]
 
 MIN_BYTES = 32 << 10
 """Bodies below this size are parsed whole and not kept: orjson parses 32 KB in ~40 µs."""
@@ -80,6 +80,15 @@ class _Kept:
 
 
 @dataclass(frozen=True)
+class Match:
+    """A kept body and how many leading bytes a new one shares with it (up to the kept array's end at most): the
+    new body's bytes from there on are what its parse costs."""
+
+    kept: _Kept
+    shared: int
+
+
+@dataclass(frozen=True)
 class Reused:
     """A body parsed from a kept one: ``body`` equals ``orjson.loads(raw)``; its first ``count`` messages are the
     kept body's objects (already validated when it was kept)."""
@@ -108,8 +117,8 @@ class Prefixes:
     def retained_bytes(self) -> int:
         return self._bytes
 
-    def loads(self, raw: bytes) -> Reused | None:
-        """``raw`` parsed from the kept body it shares the most with, or None: parse it whole."""
+    def match(self, raw: bytes) -> Match | None:
+        """The kept body ``raw`` shares the most with (bytes compared only: ~0.3 ms for 6.5 MB), or None."""
         if len(raw) < self._min_bytes:
             return None
         with self._lock:
@@ -117,9 +126,16 @@ class Prefixes:
         best, shared = None, -1
         for kept in candidates:
             n = common_prefix(raw, kept.raw)
-            if n > shared and n > kept.open and raw.endswith(memoryview(kept.raw)[kept.close:]):
+            if n > shared and n > kept.open and len(raw) - kept.tail > kept.open \
+                    and raw.endswith(memoryview(kept.raw)[kept.close:]):
                 best, shared = kept, n
-        return None if best is None else _splice(raw, best, min(shared, len(raw) - best.tail), self._lock)
+        return None if best is None else Match(best, min(shared, len(raw) - best.tail))
+
+    def loads(self, raw: bytes, match: Match | None = None) -> Reused | None:
+        """``raw`` parsed from the kept body it shares the most with (``match``, if already found), or None:
+        parse it whole."""
+        match = match or self.match(raw)
+        return None if match is None else _splice(raw, match.kept, match.shared, self._lock)
 
     def keep(self, raw: bytes, body: dict[str, Any], reused: Reused | None) -> None:
         """Remember a validated body for the next ones (``reused``: what ``loads`` made of it, if anything)."""

@@ -17,7 +17,7 @@ import anyio
 import orjson
 from starlette.requests import Request
 
-from ctxproxy.proxy.core.prefix import Prefixes
+from ctxproxy.proxy.core.prefix import Match, Prefixes
 from ctxproxy.proxy.errors import BadRequest, PayloadTooLarge, RequestTimeout
 from ctxproxy.proxy.wire import ChatBody
 
@@ -55,14 +55,15 @@ def _too_large(size: int, limit: int) -> PayloadTooLarge:
                            "Raise max_body_bytes (CTXPROXY_MAX_BODY_BYTES) if such requests are expected.")
 
 
-def parse_chat_body(raw: bytes, prefixes: Prefixes | None = None) -> ChatBody:
+def parse_chat_body(raw: bytes, prefixes: Prefixes | None = None, match: Match | None = None) -> ChatBody:
     """The validated body. Whether it can be written again is checked here only when the stdlib parsed it (it
     takes any integer); what orjson parsed can only be nested too deep to write, which the caller learns when it
     serialises the body's new parts for the journal, before anything is journaled (``refuse_unwritable``).
 
     With ``prefixes``, a body that repeats a recent one's bytes is parsed from it (``proxy.core.prefix``): only
-    its new messages are parsed and validated, the others are the recent body's, validated when it came."""
-    reused = prefixes.loads(raw) if prefixes is not None else None
+    its new messages are parsed and validated, the others are the recent body's, validated when it came
+    (``match``: the recent body, when the caller looked it up already)."""
+    reused = prefixes.loads(raw, match) if prefixes is not None else None
     body, exact = (reused.body, True) if reused is not None else _loads(raw)
     if not isinstance(body, dict):
         raise BadRequest("Request body must be a JSON object with a `messages` array.", code="invalid_json")

@@ -19,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ctxproxy.proxy.core import canonical_json, content_hash, fingerprint
+from ctxproxy.proxy.core.prefix import Match
 from ctxproxy.proxy.edge.body import parse_chat_body, read_body, refuse_unwritable
 from ctxproxy.proxy.edge.callers import incognito_requested, requested_session, scoped_fingerprint
 from ctxproxy.proxy.engine.context import read_new_session
@@ -41,7 +42,9 @@ async def chat_completions(request: Request) -> Response:
     refuse_loop(request.headers, state.upstream.instance)
     incognito = incognito_requested(request) or state.settings.incognito
     raw = await read_body(request, state.settings.max_body_bytes, state.settings.client_body_timeout)
-    body, incoming = await state.offload.run(is_heavy(raw), _admit, request, raw, state)
+    match = state.hasher.prefixes.match(raw)  # the parse costs what the bytes after the shared ones cost
+    body, incoming = await state.offload.run(is_heavy(raw, match.shared if match else 0), _admit, request, raw,
+                                             state, match)
     writer, read = state.journal_for(incognito), read_new_session(body.get("model"))
     with anyio.CancelScope(shield=True):  # once begun, the request's row is written, so its answer row can follow
         recorded, saved = await writer.call(Journal.record_request_and_read, incoming, read)
@@ -60,9 +63,10 @@ async def chat_completions(request: Request) -> Response:
         raise
 
 
-def _admit(request: Request, raw: bytes, state: AppState) -> tuple[ChatBody, IncomingRequest]:
-    """Parse, validate and hash: sized by the request, so a large one's runs on the worker (``proxy.engine.heavy``)."""
-    body = parse_chat_body(raw, state.hasher.prefixes)
+def _admit(request: Request, raw: bytes, state: AppState, match: Match | None) -> tuple[ChatBody, IncomingRequest]:
+    """Parse, validate and hash: sized by the request's new bytes (``match``: the recent body it repeats), so a
+    large one's runs on the worker (``proxy.engine.heavy``)."""
+    body = parse_chat_body(raw, state.hasher.prefixes, match)
     check_message_count(len(body["messages"]), state.settings.max_messages)
     try:  # serialises the parameters and the new messages: the only parts of the body not written before
         return body, incoming_request(request, raw, body, state)
