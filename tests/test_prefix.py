@@ -187,3 +187,26 @@ def test_common_prefix_is_the_shared_length(shared: bytes, a: bytes, b: bytes) -
     n = common_prefix(shared + a, shared + b)
     assert (shared + a)[:n] == (shared + b)[:n]
     assert n == min(len(shared + a), len(shared + b)) or (shared + a)[n] != (shared + b)[n]
+
+
+@pytest.mark.parametrize("at", [0, 1, 65_535, 65_536, 65_537, 200_001, 999_999, None])
+def test_common_prefix_finds_where_large_bodies_part_in_any_block(at: int | None) -> None:
+    a = bytes(range(256)) * 3907  # ~1 MB
+    b = a if at is None else a[:at] + bytes([(a[at] + 1) % 256]) + a[at + 1:]
+    assert common_prefix(a, b) == (len(a) if at is None else at)
+    assert common_prefix(a, b, start=min(at or 0, 10)) == (len(a) if at is None else at)
+
+
+def test_forks_between_requests_compare_each_kept_body_once() -> None:
+    """A fork and the session's next requests, in turn: each is parsed from the body it shares the most with."""
+    prefixes = Prefixes(min_bytes=0, key_bytes=16)
+    messages = history(40, size=5)
+    check(prefixes, orjson.dumps({"model": "m", "messages": messages}))
+    for trial in range(6):
+        at = 30 - trial
+        fork = [*messages[:at], {"role": "user", "content": f"fork {trial}"}, *messages[at + 1:]]
+        match = prefixes.match(orjson.dumps({"model": "m", "messages": fork}))
+        assert match is not None and match.kept.top["messages"][at] == messages[at]  # not an earlier fork
+        assert check(prefixes, orjson.dumps({"model": "m", "messages": fork}))
+        messages = [*messages, {"role": "assistant", "content": f"next {trial}"}]
+        assert check(prefixes, orjson.dumps({"model": "m", "messages": messages}))
