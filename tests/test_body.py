@@ -52,3 +52,17 @@ def test_the_next_request_is_parsed_from_the_last_one(client: TestClient, fake: 
     assert reused is not None and reused.count == len(HISTORY) and reused.body == orjson.loads(raw)
     second = client.post("/v1/chat/completions", content=raw)
     assert second.status_code == 200 and fake.last_chat.json()["messages"][-1]["content"] == "more"
+
+
+def test_nothing_downstream_changes_the_message_objects_the_next_request_reuses(client: TestClient) -> None:
+    """The kept bodies' objects are handed to later requests as they are: serving a request (projection, the
+    journal, the forward) must leave them as parsed."""
+    messages = list(HISTORY)
+    for i in range(4):
+        messages += [{"role": "assistant", "content": None, "tool_calls": [
+            {"id": f"n{i}", "type": "function", "function": {"name": "shell", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": f"n{i}", "content": f"result {i} " + "y" * 3000}]
+        assert client.post("/v1/chat/completions", content=body(messages, stream=i % 2 == 1)).status_code == 200
+    prefixes: Prefixes = client.app.state.ctx.hasher.prefixes  # type: ignore[attr-defined]
+    kept = [entry for lists in prefixes._entries.values() for entry in lists]
+    assert kept and all(entry.top == orjson.loads(entry.raw) for entry in kept)
