@@ -22,6 +22,7 @@ def test_hashes_always_equal_a_fresh_computation(histories: list[list[dict[str, 
         assert got.hashes == [content_hash(canonical_json(m)) for m in history]
         assert list(got.bodies) == [canonical_json(m) for m in history]
         assert got.bodies[-1:] == [canonical_json(m) for m in history[-1:]]
+        assert list(got.users) == [i for i, m in enumerate(history) if m["role"] == "user"]
 
 
 def test_an_unchanged_prefix_is_not_serialised_again() -> None:

@@ -195,6 +195,15 @@ def test_a_body_is_heavy_by_its_size_or_by_how_many_objects_it_may_hold() -> Non
     assert is_large(len(history), OFFLOAD_MESSAGES) and not is_large(len(history), OFFLOAD_MESSAGES - 1)
 
 
+def test_only_the_bytes_after_those_a_recent_body_shares_make_a_body_heavy() -> None:
+    """The next request of a long session repeats the last one's bytes: it parses and hashes only its new ones."""
+    big = body_of([{"role": "user", "content": "x" * OFFLOAD_BYTES}, {"role": "user", "content": "new"}])
+    many = body_of([{"role": "user", "content": "hi"}] * OFFLOAD_OBJECTS + [{"role": "user", "content": "new"}])
+    assert is_heavy(big) and not is_heavy(big, len(big) - 40)
+    assert is_heavy(many) and not is_heavy(many, len(many) - 40)
+    assert is_heavy(big, 10)
+
+
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"

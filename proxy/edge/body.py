@@ -17,6 +17,7 @@ import anyio
 import orjson
 from starlette.requests import Request
 
+from ctxproxy.proxy.core.prefix import Match, Prefixes
 from ctxproxy.proxy.errors import BadRequest, PayloadTooLarge, RequestTimeout
 from ctxproxy.proxy.wire import ChatBody
 
@@ -54,11 +55,16 @@ def _too_large(size: int, limit: int) -> PayloadTooLarge:
                            "Raise max_body_bytes (CTXPROXY_MAX_BODY_BYTES) if such requests are expected.")
 
 
-def parse_chat_body(raw: bytes) -> ChatBody:
+def parse_chat_body(raw: bytes, prefixes: Prefixes | None = None, match: Match | None = None) -> ChatBody:
     """The validated body. Whether it can be written again is checked here only when the stdlib parsed it (it
     takes any integer); what orjson parsed can only be nested too deep to write, which the caller learns when it
-    serialises the body's new parts for the journal, before anything is journaled (``refuse_unwritable``)."""
-    body, exact = _loads(raw)
+    serialises the body's new parts for the journal, before anything is journaled (``refuse_unwritable``).
+
+    With ``prefixes``, a body that repeats a recent one's bytes is parsed from it (``proxy.core.prefix``): only
+    its new messages are parsed and validated, the others are the recent body's, validated when it came
+    (``match``: the recent body, when the caller looked it up already)."""
+    reused = prefixes.loads(raw, match) if prefixes is not None else None
+    body, exact = (reused.body, True) if reused is not None else _loads(raw)
     if not isinstance(body, dict):
         raise BadRequest("Request body must be a JSON object with a `messages` array.", code="invalid_json")
     _expect(body, "model", str, "a string")
@@ -71,8 +77,10 @@ def parse_chat_body(raw: bytes) -> ChatBody:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("`messages` must be a non-empty array of chat messages.", param="messages")
-    for i, message in enumerate(messages):
-        _check_message(i, message)
+    for i in range(reused.count if reused is not None else 0, len(messages)):
+        _check_message(i, messages[i])
+    if prefixes is not None and exact:
+        prefixes.keep(raw, body, reused)
     return cast(ChatBody, body)
 
 

@@ -13,14 +13,13 @@ it to ``proxy.engine.drive`` and renders what fails before an answer has begun.
 
 from __future__ import annotations
 
-from typing import Any, cast
-
 import anyio
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
 from ctxproxy.proxy.core import canonical_json, content_hash, fingerprint
+from ctxproxy.proxy.core.prefix import Match
 from ctxproxy.proxy.edge.body import parse_chat_body, read_body, refuse_unwritable
 from ctxproxy.proxy.edge.callers import incognito_requested, requested_session, scoped_fingerprint
 from ctxproxy.proxy.engine.context import read_new_session
@@ -30,7 +29,6 @@ from ctxproxy.proxy.engine.heavy import check_message_count, is_heavy
 from ctxproxy.proxy.engine.replies import compact_request
 from ctxproxy.proxy.engine.state import AppState
 from ctxproxy.proxy.errors import ContextTooLarge, CtxError, UpstreamMalformed, envelope, error_response
-from ctxproxy.proxy.tools.offer import turn_of
 from ctxproxy.proxy.upstream.endpoint import redact
 from ctxproxy.proxy.upstream.loop import refuse_loop
 from ctxproxy.proxy.wire import ChatBody
@@ -44,7 +42,9 @@ async def chat_completions(request: Request) -> Response:
     refuse_loop(request.headers, state.upstream.instance)
     incognito = incognito_requested(request) or state.settings.incognito
     raw = await read_body(request, state.settings.max_body_bytes, state.settings.client_body_timeout)
-    body, incoming = await state.offload.run(is_heavy(raw), _admit, request, raw, state)
+    match = state.hasher.prefixes.match(raw)  # the parse costs what the bytes after the shared ones cost
+    body, incoming = await state.offload.run(is_heavy(raw, match.shared if match else 0), _admit, request, raw,
+                                             state, match)
     writer = state.journal_for(incognito)
     read = read_new_session(body.get("model"), incoming.session_name is not None)
     with anyio.CancelScope(shield=True):  # once begun, the request's row is written, so its answer row can follow
@@ -64,9 +64,10 @@ async def chat_completions(request: Request) -> Response:
         raise
 
 
-def _admit(request: Request, raw: bytes, state: AppState) -> tuple[ChatBody, IncomingRequest]:
-    """Parse, validate and hash: sized by the request, so a large one's runs on the worker (``proxy.engine.heavy``)."""
-    body = parse_chat_body(raw)
+def _admit(request: Request, raw: bytes, state: AppState, match: Match | None) -> tuple[ChatBody, IncomingRequest]:
+    """Parse, validate and hash: sized by the request's new bytes (``match``: the recent body it repeats), so a
+    large one's runs on the worker (``proxy.engine.heavy``)."""
+    body = parse_chat_body(raw, state.hasher.prefixes, match)
     check_message_count(len(body["messages"]), state.settings.max_messages)
     try:  # serialises the parameters and the new messages: the only parts of the body not written before
         return body, incoming_request(request, raw, body, state)
@@ -81,12 +82,11 @@ def incoming_request(request: Request, raw: bytes, body: ChatBody, state: AppSta
     opening = scoped_fingerprint(fingerprint(messages), request, state.settings)
     hashed = state.hasher.hash(session_name or opening, messages)
     params = canonical_json({k: v for k, v in body.items() if k != "messages"})
-    turn = turn_of(cast(list[dict[str, Any]], messages))
     return IncomingRequest(
         received_at=now(), path=url_path(request), model=body.get("model"), stream=bool(body.get("stream")),
         session_name=session_name, fingerprint=opening, hashes=hashed.hashes, bodies=hashed.bodies,
         params_hash=content_hash(params), params_body=params, headers=redact(request.headers.raw, state.own_headers),
-        body_bytes=len(raw), turn=hashed.hashes[turn.start] if messages[turn.start].get("role") == "user" else "",
+        body_bytes=len(raw), turn=hashed.hashes[hashed.users[-1]] if hashed.users else "",  # ``turn_of``'s start
     )
 
 

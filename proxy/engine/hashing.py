@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import threading
 from array import array
+from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, overload
 
 from ctxproxy.proxy.core import canonical_json, content_hash
+from ctxproxy.proxy.core.prefix import Prefixes
 
 __all__ = ["Bodies", "HashedMessages", "MessageHasher"]
 
@@ -34,6 +36,9 @@ class HashedMessages:
     hashes: list[str]
     ends: array[int] = field(default_factory=lambda: array("q"))
     """The bodies' cumulative lengths in bytes: ``ends[-1]`` is their total."""
+    users: array[int] = field(default_factory=lambda: array("q"))
+    """The indices of the messages whose role is ``user``, found in the new messages only (an agent's session has
+    one, its task, 1 000 messages back: walking back to it cost 0.6 ms a request at 600 rounds)."""
 
     @property
     def size(self) -> int:
@@ -81,6 +86,9 @@ class MessageHasher:
     """
 
     def __init__(self, conversations: int = 64, max_bytes: int = 32 << 20, per_conversation: int = 3) -> None:
+        self.prefixes = Prefixes(max_bytes)
+        """The last request bodies, so that the next ones parse only their new bytes and hand this hasher the
+        same message objects for their unchanged history (compared by identity, in C)."""
         self._last: OrderedDict[str, list[HashedMessages]] = OrderedDict()
         self._capacity = conversations
         self._max_bytes = max_bytes
@@ -97,13 +105,15 @@ class MessageHasher:
         same = shared[best] if best is not None else 0
         hashes = kept[best].hashes[:same] if best is not None else []
         ends = kept[best].ends[:same] if best is not None else array("q")
+        users = kept[best].users[:bisect_left(kept[best].users, same)] if best is not None else array("q")
+        users.extend(i for i in range(same, len(messages)) if _role(messages[i]) == "user")
         tail = [canonical_json(message) for message in messages[same:]]
         total = ends[-1] if ends else 0
         for body in tail:
             hashes.append(content_hash(body))
             total += len(body)
             ends.append(total)
-        result = HashedMessages(messages, Bodies(messages, same, tail), hashes, ends)
+        result = HashedMessages(messages, Bodies(messages, same, tail), hashes, ends, users)
         earlier = [entry for entry, n in zip(kept, shared, strict=True) if n < len(entry.messages)]  # not extended
         self._keep(key, [replace(result, bodies=()), *earlier][: self._per_conversation])
         return result
@@ -119,6 +129,10 @@ class MessageHasher:
     def retained_bytes(self) -> int:
         """The canonical bodies kept for reuse, in bytes."""
         return self._bytes
+
+
+def _role(message: Any) -> Any:
+    return message.get("role") if isinstance(message, dict) else None
 
 
 def _shared(kept: Sequence[HashedMessages], messages: Sequence[Any]) -> list[int]:

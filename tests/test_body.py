@@ -1,0 +1,68 @@
+"""The body edge with the prefix parse: a body that repeats a recent one is checked and refused as a whole one is."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+from fastapi.testclient import TestClient
+
+from ctxproxy.proxy.core.prefix import Prefixes
+from ctxproxy.proxy.edge.body import parse_chat_body
+from ctxproxy.proxy.errors import BadRequest
+from tests.fakes import FakeUpstream
+
+HISTORY = [{"role": "user", "content": "task"}] + [
+    {"role": "assistant" if i % 2 else "tool", "content": f"{i} " + "x" * 2000, **({} if i % 2 else
+                                                                                   {"tool_call_id": f"c{i}"})}
+    for i in range(1, 41)]
+
+
+def body(messages: list[Any], **fields: Any) -> bytes:
+    return orjson.dumps({"model": "m", "messages": messages, **fields})
+
+
+def test_a_bad_new_message_is_named_by_its_place_in_the_whole_body() -> None:
+    prefixes = Prefixes()
+    parse_chat_body(body(HISTORY), prefixes)
+    with pytest.raises(BadRequest) as refused:
+        parse_chat_body(body([*HISTORY, {"content": "no role"}]), prefixes)
+    assert refused.value.param == f"messages[{len(HISTORY)}].role"
+
+
+def test_a_refused_body_is_not_kept_and_a_stdlib_body_is_parsed_whole() -> None:
+    prefixes = Prefixes()
+    parse_chat_body(body(HISTORY), prefixes)
+    kept = prefixes.retained_bytes
+    with pytest.raises(BadRequest):
+        parse_chat_body(body([*HISTORY, {"role": 3}]), prefixes)
+    assert prefixes.retained_bytes == kept
+    lone = body(HISTORY)[:-2] + b',{"role":"user","content":"\\ud83d"}]}'  # only the stdlib takes it
+    parsed = parse_chat_body(lone, prefixes)
+    assert parsed["messages"][-1]["content"] == "\ufffd" and prefixes.retained_bytes == kept
+
+
+def test_the_next_request_is_parsed_from_the_last_one(client: TestClient, fake: FakeUpstream) -> None:
+    first = client.post("/v1/chat/completions", content=body(HISTORY))
+    assert first.status_code == 200
+    prefixes: Prefixes = client.app.state.ctx.hasher.prefixes  # type: ignore[attr-defined]
+    raw = body([*HISTORY, {"role": "assistant", "content": "next"}, {"role": "user", "content": "more"}])
+    reused = prefixes.loads(raw)
+    assert reused is not None and reused.count == len(HISTORY) and reused.body == orjson.loads(raw)
+    second = client.post("/v1/chat/completions", content=raw)
+    assert second.status_code == 200 and fake.last_chat.json()["messages"][-1]["content"] == "more"
+
+
+def test_nothing_downstream_changes_the_message_objects_the_next_request_reuses(client: TestClient) -> None:
+    """The kept bodies' objects are handed to later requests as they are: serving a request (projection, the
+    journal, the forward) must leave them as parsed."""
+    messages = list(HISTORY)
+    for i in range(4):
+        messages += [{"role": "assistant", "content": None, "tool_calls": [
+            {"id": f"n{i}", "type": "function", "function": {"name": "shell", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": f"n{i}", "content": f"result {i} " + "y" * 3000}]
+        assert client.post("/v1/chat/completions", content=body(messages, stream=i % 2 == 1)).status_code == 200
+    prefixes: Prefixes = client.app.state.ctx.hasher.prefixes  # type: ignore[attr-defined]
+    kept = [entry for lists in prefixes._entries.values() for entry in lists]
+    assert kept and all(entry.top == orjson.loads(entry.raw) for entry in kept)
