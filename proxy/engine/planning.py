@@ -29,7 +29,6 @@ from ctxproxy.proxy.core import (
     violations,
 )
 from ctxproxy.proxy.core.fenced import presets_for, route_of
-from ctxproxy.proxy.core.identity import content_text
 from ctxproxy.proxy.core.state import sha256_text
 from ctxproxy.proxy.core.tokens import MessageCounter
 from ctxproxy.proxy.engine.context import ParentState, SessionContext
@@ -245,12 +244,22 @@ def _mirror(ctx: SessionContext, settings: Settings, session_id: str, p: Project
         return ctx.mirror  # what it shows has not changed, nor has the file
     document = mirror_document(session_id, ctx.mirror_revision, ids, p.messages[: len(ids)], key[3],
                                ctx.mirror_entries)
-    ctx.mirror.parent.mkdir(parents=True, exist_ok=True)
-    ctx.mirror.write_text(document)
-    written = {mid: content_text(m.get("content")) for mid, m in zip(ids, p.messages, strict=False)}
-    ctx.mirror_written, ctx.mirror_document = (sha256_text(document), written), document
+    _rewrite(ctx.mirror, document)
+    ctx.mirror_written, ctx.mirror_document = sha256_text(document), document
     ctx.mirror_key, ctx.mirror_stat = key, _stat(ctx.mirror)
     return ctx.mirror
+
+
+def _rewrite(path: Path, text: str) -> None:
+    """Write the mirror over its last version in place: opened for writing, a file is first truncated, which frees
+    its pages for the write to fault back in (~0.35 of 0.86 ms for a 500 KB mirror; issue #13)."""
+    try:
+        with path.open("r+") as file:
+            file.write(text)
+            file.truncate()
+    except FileNotFoundError:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
 
 
 def _draft_pending(ctx: SessionContext, path: Path) -> bool:
@@ -263,7 +272,7 @@ def _draft_pending(ctx: SessionContext, path: Path) -> bool:
         return False
     if stat == ctx.mirror_stat:
         return False
-    if sha256_text(path.read_text()) != ctx.mirror_written[0]:
+    if sha256_text(path.read_text()) != ctx.mirror_written:
         return True
     ctx.mirror_stat = stat  # touched, not changed
     return False
