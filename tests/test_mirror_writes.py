@@ -19,7 +19,7 @@ from ctxproxy.proxy.core import message_hash
 from ctxproxy.proxy.core.identity import content_text
 from ctxproxy.proxy.core.state import sha256_text
 from ctxproxy.proxy.engine.context import SessionContext
-from ctxproxy.proxy.engine.planning import _rewrite
+from ctxproxy.proxy.engine.mirror_file import rewrite_in_place
 from ctxproxy.proxy.tools.mirror import mirror_document
 from ctxproxy.store import Journal, SessionState, record_session_state, session_state
 from tests.conftest import app_client
@@ -138,7 +138,7 @@ def test_a_mirror_rewritten_shorter_in_place_is_exactly_its_new_text(tmp_path: P
     leaves nothing of the longer one behind, and a missing file (or folder) is created."""
     path = tmp_path / "ws" / "LIVE_CONTEXT.json"
     for text in ["é" * 5000, "x" * 10, "ü" * 300]:
-        _rewrite(path, text)
+        rewrite_in_place(path, text)
         assert path.read_text() == text
 
 
