@@ -8,7 +8,9 @@ through a fresh ``ctxproxy serve`` process, each request also sent directly to t
 order alternates), and reports:
 
 - the added latency per request (proxied − direct, same body): median, p99, max, and how many requests took more
-  than twice the median (goal: none);
+  than twice the median (goal: none); which those are (``request_kinds``: a fold, a spill, an elision, the
+  mirror's notice, a rebuilt prefix) and whether the proxy's own CPU for them (``/proc/PID/task/*/schedstat``)
+  was over twice its median too, or the request waited (the machine's noise);
 - the journal's size on disk (the SQLite file and its WAL, after the proxy stopped) against the raw history (the
   last request's messages, compact JSON; goal ≤ 2×), and how much of it is fold bodies stored as blobs;
 - the proxy's resident memory when idle (before the first chat) and after the run (goal ≤ idle + 40 MB);
@@ -99,10 +101,14 @@ def bodies(rounds: int) -> list[bytes]:
     return [orjson.dumps(body) for body in harness.requests_of(conversation(rounds=rounds))]
 
 
-def replay(direct: str, proxies: list[str], requests: list[bytes]) -> list[list[int]]:
-    """Per request, [direct ns, then each proxy's ns]: the same body to each, in an order that rotates."""
-    clients = [httpx.Client(base_url=url, timeout=600) for url in (direct, *proxies)]
-    rows = []
+def replay(direct: str, proxies: list[tuple[str, int]],
+           requests: list[bytes]) -> tuple[list[list[int]], list[list[int]]]:
+    """Per request, [direct ns, then each proxy's ns]: the same body to each, in an order that rotates; and per
+    request, each proxy's CPU ns (all its threads) from just before the request to just before the next one, so
+    what a request leaves to do after its answer (a journal write, a collection, a trim) counts too."""
+    clients = [httpx.Client(base_url=url, timeout=600) for url in (direct, *(url for url, _ in proxies))]
+    pids = [pid for _, pid in proxies]
+    rows, cpu, before = [], [], [cpu_ns(pid) for pid in pids]
     try:
         for i, body in enumerate(requests):
             times = [0] * len(clients)
@@ -110,10 +116,23 @@ def replay(direct: str, proxies: list[str], requests: list[bytes]) -> list[list[
                 j = (i + k) % len(clients)
                 times[j] = latency.time_whole(clients[j], latency.CHAT_PATH, body)
             rows.append(times)
+            now = [cpu_ns(pid) for pid in pids]
+            cpu.append([b - a for a, b in zip(before, now, strict=True)])
+            before = now
     finally:
         for client in clients:
             client.close()
-    return rows
+    return rows, cpu
+
+
+def cpu_ns(pid: int) -> int:
+    """The CPU time a process's threads have run so far (``/proc/PID/task/*/schedstat``'s first field), in ns: a
+    request's CPU is the machine-independent half of its latency (a busy machine adds waiting, not CPU)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            total += int((task / "schedstat").read_text().split()[0])
+    return total
 
 
 @contextlib.contextmanager
@@ -143,7 +162,7 @@ def run_window(window: int, requests: list[bytes], tmp: Path, sources: list[Path
         proxies = [stack.enter_context(proxy_process(base, tmp, window, source)) for source in sources]
         idle = [harness.rss_mb(pid, "VmRSS") for _, pid, _ in proxies]
         started = time.monotonic()
-        rows = replay(base, [url for url, _, _ in proxies], requests)
+        rows, cpu = replay(base, [(url, pid) for url, pid, _ in proxies], requests)
         seconds = time.monotonic() - started
         after = [harness.rss_mb(pid, "VmRSS") for _, pid, _ in proxies]
     runs = []
@@ -156,6 +175,7 @@ def run_window(window: int, requests: list[bytes], tmp: Path, sources: list[Path
                     shutil.copy(data / f"journal.db{suffix}", keep / f"{source.name}-{window}.db{suffix}")
         runs.append({"source": str(source), "window": window, "requests": len(requests), "seconds": round(seconds, 1),
                      **added_latency(added, fold_requests(data / "journal.db")), **journal_size(data, history),
+                     **spread(added, [c[k] / 1e6 for c in cpu], request_kinds(data / "journal.db")),
                      "idle_rss_mb": round(idle[k], 1), "after_rss_mb": round(after[k], 1),
                      "rss_growth_mb": round(after[k] - idle[k], 1), "trace": trace(data / "journal.db")})
     return runs
@@ -176,6 +196,44 @@ def added_latency(added: list[float], folds: list[int]) -> dict[str, Any]:
             "fold_vs_neighbours_median": round(statistics.median(fold_ratios), 2) if folds else None,
             "fold_vs_neighbours_max": round(max(fold_ratios), 2) if folds else None,
             "added_ms": [round(a, 2) for a in added], "fold_requests": folds}
+
+
+def spread(added: list[float], cpu: list[float], kinds: list[str]) -> dict[str, Any]:
+    """Which requests are over twice the median, and why: each one's kind (``request_kinds``) and whether its own
+    CPU was over twice the median CPU too (the proxy's work) or not (it waited: the machine's noise)."""
+    median, cpu_median = statistics.median(added), statistics.median(cpu)
+    slow = [i for i, a in enumerate(added) if a > 2 * median]
+    by_kind: dict[str, int] = {}
+    for i in slow:
+        by_kind[kinds[i]] = by_kind.get(kinds[i], 0) + 1
+    return {"cpu_median_ms": round(cpu_median, 2), "cpu_max_ms": round(max(cpu), 2),
+            "cpu_over_2x_median": sum(c > 2 * cpu_median for c in cpu),
+            "slow_with_cpu_over_2x": sum(cpu[i] > 2 * cpu_median for i in slow), "slow_by_kind": by_kind,
+            "cpu_ms": [round(c, 2) for c in cpu], "kinds": kinds}
+
+
+def request_kinds(journal: Path) -> list[str]:
+    """Per request of the run, what its projection did beside extending the last forward: the kinds of the
+    decisions it made (spill, elide, fold); ``notice`` when its forward repeats the previous one but for that one's
+    last message (the proxy's note to the model at the end: the context no longer fits by the automatic rules, so
+    the mirror is on), ``rebuilt`` when it changed an earlier message; ``plain`` for none of these."""
+    with contextlib.closing(sqlite3.connect(journal)) as db:
+        ids = [r[0] for r in db.execute("SELECT id FROM requests ORDER BY id")]
+        made: dict[int, set[str]] = {}
+        for request_id, kind in db.execute("SELECT request_id, kind FROM decisions WHERE request_id IS NOT NULL"):
+            made.setdefault(request_id, set()).add(kind)
+        forwards = dict(db.execute("SELECT request_id, list_id FROM forwards WHERE attempt = 0"))
+        lists = {rid: _hashes(db, forwards[rid]) for rid in ids if rid in forwards}
+    out, previous = [], None
+    for rid in ids:
+        hashes = lists.get(rid, [])
+        labels = sorted(made.get(rid, set()))
+        if previous:
+            first = next((i for i, (a, b) in enumerate(zip(previous, hashes, strict=False)) if a != b), len(previous))
+            labels += ["notice"] if first == len(previous) - 1 else ["rebuilt"] if first < len(previous) else []
+        out.append("+".join(labels) or "plain")
+        previous = hashes
+    return out
 
 
 def _neighbours(added: list[float], i: int, skip: set[int]) -> float:
@@ -286,6 +344,12 @@ def markdown(report: dict[str, Any]) -> str:
                      f"{r['idle_rss_mb']} → {r['after_rss_mb']} | {gpu_cell} |")
     if report["gpu_note"]:
         lines.append(f"\n{report['gpu_note']}")
+    lines += ["", "| source | window | proxy CPU per request, median / max (ms) | > 2× median CPU |"
+              " > 2× median added: of them > 2× median CPU | > 2× median added, by kind |", "|---|---|---|---|---|---|"]
+    lines += [f"| {Path(r['source']).name} | {r['window'] // 1024}k | {r['cpu_median_ms']} / {r['cpu_max_ms']} | "
+              f"{r['cpu_over_2x_median']} | {r['over_2x_median']}: {r['slow_with_cpu_over_2x']} | "
+              + ", ".join(f"{k} {n}" for k, n in sorted(r["slow_by_kind"].items(), key=lambda kv: -kv[1])) + " |"
+              for r in report["runs"]]
     if report.get("breakdown"):
         runs = report["runs"]
         keys = list(dict.fromkeys(k for r in runs for k in r["breakdown"]))
@@ -335,7 +399,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
     print(markdown(report) if args.markdown else json.dumps({**report, "runs": [
-        {k: v for k, v in r.items() if k not in ("added_ms", "fold_requests")} for r in runs]}, indent=1))
+        {k: v for k, v in r.items() if k not in ("added_ms", "fold_requests", "cpu_ms", "kinds")} for r in runs]},
+        indent=1))
     return 0
 
 

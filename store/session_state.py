@@ -77,19 +77,20 @@ def _record_mirror(journal: Journal, session_id: str, text: str) -> int:
     """The mirror's text as its pieces (split at ``MIRROR_SEPARATOR``: one a message, mostly; the closing brackets
     the last piece), each a blob stored once, listed like a request's messages: delta-encoded against the session's
     previous mirror. Stored whole on every change, the mirror took 57 MB of a 600-round session's journal for 6.7 MB
-    of history."""
+    of history. Only the pieces the previous mirror does not list are offered to ``blobs`` (its pieces are stored,
+    and kept while its list is): a mirror rewritten on every request of a long session offered all of its ~650
+    pieces each time, ~1 ms of the journal's time per request at 600 rounds (issue #13)."""
     tail = _MIRROR_TAIL if text.endswith(_MIRROR_TAIL) else ""
     pieces = [*text[: len(text) - len(tail)].split(MIRROR_SEPARATOR), tail]
     hashes = [hashlib.sha256(p.encode()).hexdigest() for p in pieces]
-    journal.conn.executemany("INSERT INTO blobs (hash, kind, body, chars) VALUES (?, 'mirror', ?, ?)"
-                             " ON CONFLICT DO NOTHING",
-                             [(h, p, len(p)) for h, p in zip(hashes, pieces, strict=True)])
     row = journal.conn.execute("SELECT mirror_list FROM session_state WHERE session_id = ? AND mirror_list IS NOT"
                                " NULL ORDER BY id DESC LIMIT 1", [session_id]).fetchone()
-    if row is None:
-        return _insert_mirror_list(journal, None, [], 0, hashes)
-    before, depth = _mirror_hashes(journal, int(row[0]))
-    if depth >= _MAX_DEPTH:
+    before, depth = ([], 0) if row is None else _mirror_hashes(journal, int(row[0]))
+    stored = set(before)
+    journal.conn.executemany("INSERT INTO blobs (hash, kind, body, chars) VALUES (?, 'mirror', ?, ?)"
+                             " ON CONFLICT DO NOTHING",
+                             [(h, p, len(p)) for h, p in zip(hashes, pieces, strict=True) if h not in stored])
+    if row is None or depth >= _MAX_DEPTH:
         return _insert_mirror_list(journal, None, [], 0, hashes)
     same = next((i for i, (a, b) in enumerate(zip(before, hashes, strict=False)) if a != b),
                 min(len(before), len(hashes)))

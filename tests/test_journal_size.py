@@ -150,6 +150,26 @@ def test_a_mirror_changed_early_names_the_later_entries_of_the_one_before(store_
     journal.close()
 
 
+def test_a_mirror_offers_the_journal_only_the_entries_its_previous_version_lacks(tmp_path: Path) -> None:
+    """Issue #13: a mirror rewritten on every request of a 600-round session offered all its ~650 pieces to
+    ``blobs`` each time (~1 ms of the journal's time a request); now only those the previous mirror lacks."""
+    journal = Journal(tmp_path / "journal.db")
+    rec = record(journal, incoming(run(1)[-1]))
+    entries = [f'   "id": "tool:c{k}",\n   "content": "{k}"' for k in range(30)]
+    grown = [*entries, '   "id": "new",\n   "content": "n"']
+    record_session_state(journal, rec.session_id, rec.request_id, SessionState(mirror="m", mirror_text=_mirror(
+        entries)), "2026-01-01T00:00:00")
+    statements: list[str] = []
+    journal.conn.raw.set_trace_callback(statements.append)  # type: ignore[attr-defined]
+    record_session_state(journal, rec.session_id, rec.request_id, SessionState(mirror="m", mirror_text=_mirror(
+        grown)), "2026-01-01T00:00:01")
+    journal.conn.raw.set_trace_callback(None)  # type: ignore[attr-defined]
+    offered = [s for s in statements if s.startswith("INSERT INTO blobs")]
+    assert len(offered) == 1 and '"id": "new"' in offered[0]
+    assert session_state(journal, rec.session_id).mirror_text == _mirror(grown)
+    journal.close()
+
+
 def test_a_projection_journals_each_stub_once_and_a_restart_sends_the_same_bytes(tmp_path: Path) -> None:
     """Through the app: every spill's and elision's decision names its forwarded message, the text is not in the
     decisions table, and a new process over the journal continues the run byte for byte."""

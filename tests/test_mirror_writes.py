@@ -16,6 +16,10 @@ import httpx
 
 from ctxproxy.config import load_settings
 from ctxproxy.proxy.core import message_hash
+from ctxproxy.proxy.core.identity import content_text
+from ctxproxy.proxy.core.state import sha256_text
+from ctxproxy.proxy.engine.context import SessionContext
+from ctxproxy.proxy.engine.mirror_file import rewrite_in_place
 from ctxproxy.proxy.tools.mirror import mirror_document
 from ctxproxy.store import Journal, SessionState, record_session_state, session_state
 from tests.conftest import app_client
@@ -127,3 +131,24 @@ def test_the_mirror_assembled_from_cached_entries_is_the_json_it_always_was() ->
     changed = [*msgs[:-1], {"role": "user", "content": "cut"}]  # same identity, another message: not the old text
     text = mirror_document("s", 0, ids, changed, [message_hash(m) for m in changed], cache)
     assert json.loads(text)["messages"][-1]["content"] == "cut" and len(cache) == len(ids)
+
+
+def test_a_mirror_rewritten_shorter_in_place_is_exactly_its_new_text(tmp_path: Path) -> None:
+    """Issue #13: the mirror is written over its last version in place (no truncation first); a shorter version
+    leaves nothing of the longer one behind, and a missing file (or folder) is created."""
+    path = tmp_path / "ws" / "LIVE_CONTEXT.json"
+    for text in ["é" * 5000, "x" * 10, "ü" * 300]:
+        rewrite_in_place(path, text)
+        assert path.read_text() == text
+
+
+def test_the_entries_a_draft_is_judged_against_are_read_back_from_the_mirror_written(tmp_path: Path) -> None:
+    """Issue #13: the written entries (identity -> text) are no longer built on every write of a long session's
+    mirror, only when a commit asks: read back from the document, they are what the messages written said."""
+    messages = _body(3)["messages"]
+    ids = [f"m{i}" for i in range(len(messages))]
+    document = mirror_document("s", 0, ids, messages, [message_hash(m) for m in messages], {})
+    ctx = SessionContext(decisions=[], mirror_document=document, mirror_written=sha256_text(document))
+    assert ctx.written_entries() == {mid: content_text(m.get("content")) for mid, m in zip(ids, messages,
+                                                                                            strict=True)}
+    assert SessionContext(decisions=[], mirror_document=document).written_entries() == {}  # committed: none

@@ -117,7 +117,7 @@ class ContextRunner:
                                "when the automatic cuts can no longer keep your context under its target.")
         view = self._view(rules, 0, "")
         state = view.state
-        judged = self.ctx.mirror_written[1] if self.ctx.mirror_written else {}
+        judged = self.ctx.written_entries()
         tools = {state.ids[i]: name for i, (name, _) in state.result_calls.items()}
         revision = revise(path.read_text(), state.ids, state.hashes, self.messages, state.out, rules, judged, tools)
         self.ctx.mirror_written = None  # committed or refused: the next request writes the mirror afresh

@@ -29,13 +29,13 @@ from ctxproxy.proxy.core import (
     violations,
 )
 from ctxproxy.proxy.core.fenced import presets_for, route_of
-from ctxproxy.proxy.core.identity import content_text
 from ctxproxy.proxy.core.state import sha256_text
 from ctxproxy.proxy.core.tokens import MessageCounter
 from ctxproxy.proxy.engine.context import ParentState, SessionContext
 from ctxproxy.proxy.engine.decided import decision_rows
 from ctxproxy.proxy.engine.exchange import now
 from ctxproxy.proxy.engine.heavy import is_large
+from ctxproxy.proxy.engine.mirror_file import rewrite_in_place
 from ctxproxy.proxy.engine.outfiles import outfiles_dir, write_outfiles
 from ctxproxy.proxy.engine.policy import (
     assemble,
@@ -245,10 +245,8 @@ def _mirror(ctx: SessionContext, settings: Settings, session_id: str, p: Project
         return ctx.mirror  # what it shows has not changed, nor has the file
     document = mirror_document(session_id, ctx.mirror_revision, ids, p.messages[: len(ids)], key[3],
                                ctx.mirror_entries)
-    ctx.mirror.parent.mkdir(parents=True, exist_ok=True)
-    ctx.mirror.write_text(document)
-    written = {mid: content_text(m.get("content")) for mid, m in zip(ids, p.messages, strict=False)}
-    ctx.mirror_written, ctx.mirror_document = (sha256_text(document), written), document
+    rewrite_in_place(ctx.mirror, document)
+    ctx.mirror_written, ctx.mirror_document = sha256_text(document), document
     ctx.mirror_key, ctx.mirror_stat = key, _stat(ctx.mirror)
     return ctx.mirror
 
@@ -263,7 +261,7 @@ def _draft_pending(ctx: SessionContext, path: Path) -> bool:
         return False
     if stat == ctx.mirror_stat:
         return False
-    if sha256_text(path.read_text()) != ctx.mirror_written[0]:
+    if sha256_text(path.read_text()) != ctx.mirror_written:
         return True
     ctx.mirror_stat = stat  # touched, not changed
     return False

@@ -1,0 +1,47 @@
+"""``bench/long_run.py``'s account of the slow requests of a long run: what each request did (its kind) and the
+proxy's own CPU for it, so a request over twice the median is told apart as the proxy's work or the machine's wait
+(issue #13)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+
+from tests.test_mirror_writes import _body, _send
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _long_run() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("long_run_bench", ROOT / "bench" / "long_run.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_slow_request_is_told_apart_as_the_proxy_s_work_or_a_wait() -> None:
+    added = [1.0, 1.0, 1.0, 5.0, 5.0, 1.0]
+    cpu = [1.0, 1.0, 1.0, 4.0, 1.0, 1.0]  # the fourth worked, the fifth waited
+    kinds = ["plain", "plain", "spill", "fold", "plain", "plain"]
+    report = _long_run().spread(added, cpu, kinds)
+    assert report["slow_with_cpu_over_2x"] == 1 and report["cpu_over_2x_median"] == 1
+    assert report["slow_by_kind"] == {"fold": 1, "plain": 1}
+
+
+def test_each_request_s_kind_is_read_from_the_journal(tmp_path: Path) -> None:
+    """Eight protected results of ~1000 tokens in a 16k window: the first request elides and turns the mirror on,
+    so its forward ends with the proxy's notice, which the next forward does not repeat at that place."""
+    _send(tmp_path, [_body(13), _body(14)])
+    assert _long_run().request_kinds(tmp_path / "data" / "journal.db") == ["elide", "notice"]
+
+
+def test_a_process_s_cpu_is_read_across_its_threads() -> None:
+    long_run = _long_run()
+    before = long_run.cpu_ns(os.getpid())
+    sum(range(200_000))
+    assert long_run.cpu_ns(os.getpid()) > before
