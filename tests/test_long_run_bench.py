@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -41,7 +42,11 @@ def test_each_request_s_kind_is_read_from_the_journal(tmp_path: Path) -> None:
 
 
 def test_a_process_s_cpu_is_read_across_its_threads() -> None:
+    """The running thread's ``schedstat`` is brought up to date only at a scheduler tick or a switch (every 4 ms
+    at 250 Hz), so a few milliseconds of work can read as none: 50 ms of CPU (``process_time``, exact) must read
+    as at least 30."""
     long_run = _long_run()
-    before = long_run.cpu_ns(os.getpid())
-    sum(range(200_000))
-    assert long_run.cpu_ns(os.getpid()) > before
+    before, start = long_run.cpu_ns(os.getpid()), time.process_time()
+    while time.process_time() - start < 0.05:
+        sum(range(10_000))
+    assert long_run.cpu_ns(os.getpid()) - before >= 30_000_000
