@@ -107,3 +107,19 @@ def test_old_decisions_render_as_they_were_stored() -> None:
     old = "[overflow id=" + "0" * 64 + " tool=? bytes=3000 call_id=c1 storage=disk]\nCut by you in the mirror."
     decision = Decision("drop", "tool:c1", message_hash(msgs[3]), old, "0" * 64, source="model")
     assert run(msgs, Rules(budget(131072)), [decision]).messages[3]["content"] == old
+
+
+_LINES = st.lists(st.text(st.sampled_from(" \t\u3000ab\r\n\x0b\x0c\x1c\x85\u2028é"), max_size=12),
+                  max_size=6).map("".join)
+"""Texts broken by every separator ``str.splitlines`` knows, with blank lines and Unicode spaces; lines shorter
+than a preview clips."""
+
+
+@given(_LINES)
+@example("\n \n  first  \n\n last\t\n \n")
+def test_a_preview_is_the_first_and_last_non_blank_line_however_the_text_breaks(text: str) -> None:
+    """Issue #13: the preview is found by scanning in from each end, not by stripping every line of the result;
+    it is what it was: the first and last non-blank lines (``str.splitlines``), stripped."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()] or [""]
+    marker = elision_marker("0" * 64, "bash", "c1", "disk", text, "")
+    assert f'"{lines[0]}" … "{lines[-1]}"' in marker

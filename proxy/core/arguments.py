@@ -53,11 +53,16 @@ def cut_arguments(arguments: str, tool: str, call_id: str, storage: str,
         writes.append(OverflowWrite(sha256_text(value), value, tool, call_id))
         return stub
 
+    if len(arguments) < MIN_CUT_CHARS:
+        return None  # decoding never lengthens a JSON text: no value in it is long enough to cut
     parsed = _object(arguments)
     if parsed is None:
         return None
-    new = json.dumps(_walk(parsed, "", cut), ensure_ascii=False)
-    return ArgumentCut(new, tuple(writes)) if writes and len(new) < len(arguments) else None
+    walked = _walk(parsed, "", cut)
+    if not writes:
+        return None
+    new = json.dumps(walked, ensure_ascii=False)
+    return ArgumentCut(new, tuple(writes)) if len(new) < len(arguments) else None
 
 
 def with_arguments(message: dict[str, Any], replaced: dict[str, str]) -> dict[str, Any]:

@@ -254,7 +254,8 @@ def apply_fold(state: State, decision: Decision, messages: Sequence[dict[str, An
         state.fold = None
         return
     for i in range(start + 1, end):
-        _replace(state, i, None, counter)
+        if state.out[i] is not None:  # those an earlier fold from the same start took out are out already
+            _replace(state, i, None, counter)
     _replace(state, start, {"role": "user", "content": decision.replacement}, counter)
     state.folded = (start, end)
 

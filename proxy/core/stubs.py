@@ -78,8 +78,7 @@ def full_output(overflow_id: str, storage: str, overflow_dir: str) -> list[str]:
 def argument_stub(overflow_id: str, tool: str, call_id: str, storage: str, value: str, key: str,
                   overflow_dir: str = "") -> str:
     """What stands in a call's arguments in place of one large string value."""
-    lines = [line.strip() for line in value.splitlines() if line.strip()] or [""]
-    preview = f'"{_clip(_printable(lines[0]))}" … "{_clip(_printable(lines[-1]))}"'
+    preview = _preview(value)
     return "\n".join([
         stub_line(overflow_id, tool, len(value.encode()), call_id, storage),
         f"Argument `{_clip(key) or '?'}` elided to save context ({len(value)} characters): {preview}. "
@@ -105,9 +104,8 @@ def spill_stub(overflow_id: str, tool: str, call_id: str, storage: str, content:
 def elision_marker(overflow_id: str, tool: str, call_id: str, storage: str, content: str, arguments: str,
                    overflow_dir: str = "") -> str:
     nbytes = len(content.encode())
-    lines = [line.strip() for line in content.splitlines() if line.strip()] or [""]
     command = _command_tail(arguments)
-    preview = f'"{_clip(_printable(lines[0]))}" … "{_clip(_printable(lines[-1]))}"'
+    preview = _preview(content)
     return "\n".join([
         stub_line(overflow_id, tool, nbytes, call_id, storage),
         f"Elided to save context{f' ({command})' if command else ''}: {preview}. {_intact(overflow_id, storage)}",
@@ -133,6 +131,16 @@ def looks_binary(text: str) -> bool:
     """NUL bytes, or more than 10% control or replacement characters in the first 4 KB."""
     sample = text[:4096]
     return "\x00" in sample or len(_ODD.findall(sample)) > len(sample) // 10
+
+
+def _preview(text: str) -> str:
+    """The first and the last non-blank line, stripped and clipped: what an elided value showed. Found by scanning
+    in from each end: an elision pass over a long history builds hundreds of markers, and stripping every line of
+    every result was a fifth of such a request's projection (issue #13)."""
+    lines = text.splitlines()
+    first = next((s for s in map(str.strip, lines) if s), "")
+    last = next((s for s in map(str.strip, reversed(lines)) if s), "")
+    return f'"{_clip(_printable(first))}" … "{_clip(_printable(last))}"'
 
 
 def _head(text: str, size: int) -> str:
