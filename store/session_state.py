@@ -47,10 +47,12 @@ class SessionState:
 
 
 def record_session_state(journal: Journal, session_id: str, request_id: int, state: SessionState,
-                         created_at: str) -> None:
-    """Journal the session's state as it is after ``request_id`` changed it."""
+                         created_at: str, previous: SessionState | None = None) -> None:
+    """Journal the session's state as it is after ``request_id`` changed it. ``previous``: the state as last
+    journaled, if the caller knows it (a mirror that only grew since is journaled as what it gained)."""
     with journal.conn:
-        mirror_list = None if state.mirror_text is None else _record_mirror(journal, session_id, state.mirror_text)
+        mirror_list = None if state.mirror_text is None else _record_mirror(
+            journal, session_id, state.mirror_text, None if previous is None else previous.mirror_text)
         journal.conn.execute(
             "INSERT INTO session_state (session_id, request_id, offered_turn, reminded_turn, confirmations, mirror,"
             " mirror_list, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
@@ -73,18 +75,22 @@ def session_state(journal: Journal, session_id: str) -> SessionState:
     return SessionState(offered, reminded, tuple(json.loads(confirmations)), mirror, text)
 
 
-def _record_mirror(journal: Journal, session_id: str, text: str) -> int:
+def _record_mirror(journal: Journal, session_id: str, text: str, previous: str | None = None) -> int:
     """The mirror's text as its pieces (split at ``MIRROR_SEPARATOR``: one a message, mostly; the closing brackets
     the last piece), each a blob stored once, listed like a request's messages: delta-encoded against the session's
     previous mirror. Stored whole on every change, the mirror took 57 MB of a 600-round session's journal for 6.7 MB
     of history. Only the pieces the previous mirror does not list are offered to ``blobs`` (its pieces are stored,
     and kept while its list is): a mirror rewritten on every request of a long session offered all of its ~650
-    pieces each time, ~1 ms of the journal's time per request at 600 rounds (issue #13)."""
+    pieces each time, ~1 ms of the journal's time per request at 600 rounds (issue #13). A mirror that only gained
+    entries since ``previous`` (the text last journaled) is split, hashed and listed only where it grew."""
+    row = journal.conn.execute(_LAST_MIRROR, [session_id]).fetchone()
+    if row is not None and previous is not None:
+        grown = _record_growth(journal, int(row[0]), int(row[1]), text, previous)
+        if grown is not None:
+            return grown
     tail = _MIRROR_TAIL if text.endswith(_MIRROR_TAIL) else ""
     pieces = [*text[: len(text) - len(tail)].split(MIRROR_SEPARATOR), tail]
     hashes = [hashlib.sha256(p.encode()).hexdigest() for p in pieces]
-    row = journal.conn.execute("SELECT mirror_list FROM session_state WHERE session_id = ? AND mirror_list IS NOT"
-                               " NULL ORDER BY id DESC LIMIT 1", [session_id]).fetchone()
     before, depth = ([], 0) if row is None else _mirror_hashes(journal, int(row[0]))
     stored = set(before)
     journal.conn.executemany("INSERT INTO blobs (hash, kind, body, chars) VALUES (?, 'mirror', ?, ?)"
@@ -95,6 +101,40 @@ def _record_mirror(journal: Journal, session_id: str, text: str) -> int:
     same = next((i for i, (a, b) in enumerate(zip(before, hashes, strict=False)) if a != b),
                 min(len(before), len(hashes)))
     return _insert_mirror_list(journal, int(row[0]), before, same, hashes)
+
+
+_LAST_MIRROR = ("SELECT s.mirror_list, l.length FROM session_state s JOIN message_lists l ON l.id = s.mirror_list"
+                " WHERE s.session_id = ? AND s.mirror_list IS NOT NULL ORDER BY s.id DESC LIMIT 1")
+_DEPTH = f"""
+WITH RECURSIVE chain(id, base_id, depth) AS (
+    SELECT id, base_id, 1 FROM message_lists WHERE id = ?
+    UNION ALL
+    SELECT l.id, l.base_id, c.depth + 1 FROM message_lists l JOIN chain c ON l.id = c.base_id
+     WHERE c.depth < {_MAX_DEPTH}
+)
+SELECT MAX(depth) FROM chain
+"""
+"""How many lists a delta chain has, up to ``_MAX_DEPTH``: counted in SQL, none of them read."""
+
+
+def _record_growth(journal: Journal, list_id: int, length: int, text: str, previous: str) -> int | None:
+    """``text`` as a delta on ``list_id``, the list of ``previous``, when ``text`` is ``previous`` with pieces added
+    before its tail and that list is ``previous``'s (their lengths agree); None otherwise. Only the new pieces are
+    hashed and offered to ``blobs``: O(what the mirror gained), not O(the mirror)."""
+    kept = len(previous) - len(_MIRROR_TAIL)
+    if (not previous.endswith(_MIRROR_TAIL) or not text.endswith(_MIRROR_TAIL) or len(text) <= len(previous)
+            or not text.startswith(previous[:kept]) or not text.startswith(MIRROR_SEPARATOR, kept)
+            or previous.count(MIRROR_SEPARATOR, 0, kept) + 2 != length):
+        return None
+    if journal.conn.execute(_DEPTH, [list_id]).fetchone()[0] >= _MAX_DEPTH:
+        return None
+    grown = text[kept + len(MIRROR_SEPARATOR): len(text) - len(_MIRROR_TAIL)].split(MIRROR_SEPARATOR)
+    hashes = [hashlib.sha256(p.encode()).hexdigest() for p in grown]
+    journal.conn.executemany("INSERT INTO blobs (hash, kind, body, chars) VALUES (?, 'mirror', ?, ?)"
+                             " ON CONFLICT DO NOTHING", [(h, p, len(p)) for h, p in zip(hashes, grown, strict=True)])
+    tail = hashlib.sha256(_MIRROR_TAIL.encode()).hexdigest()  # stored with the list this one extends
+    return journal.conn.insert("INSERT INTO message_lists (base_id, base_len, added, length) VALUES (?, ?, ?, ?)",
+                               [list_id, length - 1, json.dumps([*hashes, tail]), length + len(hashes)])
 
 
 def _insert_mirror_list(journal: Journal, base_id: int | None, base: list[str], same: int, hashes: list[str]) -> int:

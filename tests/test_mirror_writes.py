@@ -7,21 +7,28 @@ committed. A draft of the model's is still never overwritten: a changed file is 
 
 from __future__ import annotations
 
+import hashlib
+import importlib
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from ctxproxy.config import load_settings
 from ctxproxy.proxy.core import message_hash
 from ctxproxy.proxy.core.identity import content_text
-from ctxproxy.proxy.core.state import sha256_text
+from ctxproxy.proxy.engine import mirror_file
 from ctxproxy.proxy.engine.context import SessionContext
 from ctxproxy.proxy.engine.mirror_file import rewrite_in_place
-from ctxproxy.proxy.tools.mirror import mirror_document
+from ctxproxy.proxy.tools.mirror import appended_document, mirror_document
 from ctxproxy.store import Journal, SessionState, record_session_state, session_state
+from ctxproxy.store.session_state import MIRROR_SEPARATOR
 from tests.conftest import app_client
 from tests.fakes import CountingUpstream
 from tests.test_journal import incoming
@@ -29,6 +36,7 @@ from tests.test_journal import incoming
 TOOLS = [{"type": "function", "function": {"name": "read_file", "parameters": {
     "type": "object", "properties": {"path": {"type": "string"}}}}}]
 PARAGRAPH = "You manage your context"
+session_state_module = importlib.import_module("ctxproxy.store.session_state")  # not the function of that name
 OLD = 10**9
 """A file time long past: a file the proxy writes again gets the current time."""
 
@@ -148,7 +156,89 @@ def test_the_entries_a_draft_is_judged_against_are_read_back_from_the_mirror_wri
     messages = _body(3)["messages"]
     ids = [f"m{i}" for i in range(len(messages))]
     document = mirror_document("s", 0, ids, messages, [message_hash(m) for m in messages], {})
-    ctx = SessionContext(decisions=[], mirror_document=document, mirror_written=sha256_text(document))
+    ctx = SessionContext(decisions=[], mirror_document=document, mirror_written=True)
     assert ctx.written_entries() == {mid: content_text(m.get("content")) for mid, m in zip(ids, messages,
                                                                                             strict=True)}
     assert SessionContext(decisions=[], mirror_document=document).written_entries() == {}  # committed: none
+
+
+_TEXT = st.text(st.characters(codec="utf-8"), max_size=30)
+_MESSAGE = st.one_of(st.builds(lambda c: {"role": "user", "content": c}, _TEXT),
+                     st.builds(lambda c: {"role": "tool", "tool_call_id": "c1", "content": c}, _TEXT))
+
+
+@given(st.lists(_MESSAGE, min_size=1, max_size=8), st.integers(1, 8), st.integers(0, 3))
+def test_a_mirror_extended_by_new_entries_is_the_text_written_whole(messages: list[dict[str, Any]], kept: int,
+                                                                     revision: int) -> None:
+    """Issue #13: a mirror that only grew is built from its new entries, and is byte for byte the whole one."""
+    kept = min(kept, len(messages))
+    ids = [f"m{i}" for i in range(len(messages))]
+    hashes = [message_hash(m) for m in messages]
+    cache: dict[tuple[str, str], str] = {}
+    before = mirror_document("s", revision, ids[:kept], messages[:kept], hashes[:kept], cache)
+    grown = appended_document(before, ids[kept:], messages[kept:], hashes[kept:], cache)
+    assert grown == mirror_document("s", revision, ids, messages, hashes, {})
+    assert set(cache) == set(zip(ids, hashes, strict=True))
+
+
+def test_a_mirror_that_only_grew_is_journaled_as_its_new_entries(store_location: Path | str,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue #13: a mirror that gained entries since the text last journaled lists only them, on the previous list
+    (no reading back, splitting and hashing of every entry); any other change, or a ``previous`` that is not the
+    journal's last, is journaled whole as before, and every version reads back as it was."""
+    journal = Journal(store_location)
+    try:
+        recorded = journal.record_request(incoming([{"role": "user", "content": "task"}]))
+        msgs = _body(12, 700)["messages"]
+        ids = [f"m{i}" for i in range(len(msgs))]
+        grow = [mirror_document(recorded.session_id, 0, ids[:n], msgs[:n]) for n in range(4, len(msgs) + 1)]
+        other = mirror_document(recorded.session_id, 1, ids, msgs)  # a revision: the head changed
+        hashed: list[bytes] = []
+        counting = SimpleNamespace(sha256=lambda b: (hashed.append(b), hashlib.sha256(b))[1])
+        monkeypatch.setattr(session_state_module, "hashlib", counting)
+        previous = None
+        for text in [*grow, other, grow[3], grow[5]]:
+            state = SessionState(mirror="LIVE_CONTEXT.json", mirror_text=text)
+            record_session_state(journal, recorded.session_id, recorded.request_id, state, "2026-01-01T00:00:00",
+                                 previous=None if previous is None else SessionState(mirror_text=previous))
+            assert session_state(journal, recorded.session_id).mirror_text == text
+            previous = text
+        added = [len(json.loads(a)) for (a,) in journal.conn.execute(
+            "SELECT l.added FROM session_state s JOIN message_lists l ON l.id = s.mirror_list ORDER BY s.id")]
+        assert added[1:len(grow)] == [2] * (len(grow) - 1)  # one new entry and the closing piece, each time
+        whole = 2 * len(grow[0].split(MIRROR_SEPARATOR)) + 3 * len(msgs) + 6  # the first, the revision and two more
+        assert len(hashed) <= whole + len(grow), (len(hashed), whole)  # not every piece of every version
+        stale = SessionState(mirror_text=grow[0])  # not what the journal last kept: journaled whole
+        record_session_state(journal, recorded.session_id, recorded.request_id,
+                             SessionState(mirror="LIVE_CONTEXT.json", mirror_text=grow[6]), "2026", previous=stale)
+        assert session_state(journal, recorded.session_id).mirror_text == grow[6]
+    finally:
+        journal.close()
+
+
+def test_a_mirror_that_only_grows_is_written_at_its_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue #13: rounds too short to cut, after the mirror turned on, only add entries: the file is written whole
+    once and then only where it grew, and is at every step exactly the document (the JSON as ``json.dumps``
+    lays it out) showing every message."""
+    whole: list[Path] = []
+    real = mirror_file.rewrite_in_place
+    monkeypatch.setattr(mirror_file, "rewrite_in_place", lambda path, text: (whole.append(path), real(path, text)))
+    mirror = tmp_path / "ws" / "LIVE_CONTEXT.json"
+    first = _body(13)
+    bodies = [first]
+    for k in range(14, 17):
+        msgs = [*bodies[-1]["messages"], {"role": "assistant", "content": None, "tool_calls": [
+            {"id": f"call_{k}", "type": "function", "function": {"name": "read_file", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": f"call_{k}", "content": f"short {k}"}]
+        bodies.append({**first, "messages": msgs})
+    shown: list[list[str]] = []
+    sent = _send(tmp_path, bodies, between=lambda i: shown.append(_ids(mirror)))
+    shown.append(_ids(mirror))
+    assert all(PARAGRAPH in s for s in sent) and len(whole) == 1
+    assert [len(ids) for ids in shown] == [len(b["messages"]) for b in bodies]
+    text = mirror.read_text(encoding="utf-8")
+    assert json.dumps(json.loads(text), indent=1, ensure_ascii=False) == text
+
+
+def _ids(mirror: Path) -> list[str]:
+    return [e["id"] for e in json.loads(mirror.read_text(encoding="utf-8"))["messages"]]

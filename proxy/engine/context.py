@@ -27,7 +27,6 @@ from typing import Any
 from ctxproxy.proxy.core import Decision, State
 from ctxproxy.proxy.core.forked import prefix_state
 from ctxproxy.proxy.core.identity import content_text
-from ctxproxy.proxy.core.state import sha256_text
 from ctxproxy.proxy.core.tokens import Calibration
 from ctxproxy.store import (
     CalibrationInForce,
@@ -65,9 +64,9 @@ class SessionContext:
     mirror: Path | None = None
     """Where LIVE_CONTEXT.json is written while the model manages its context through it."""
     mirror_revision: int = 0
-    mirror_written: str | None = None
-    """The sha256 of the mirror as last written: a file that differs is the model's draft (not overwritten until
-    committed), judged against what it was given, entry by entry (``written_entries``)."""
+    mirror_written: bool = False
+    """The mirror was written and not committed or refused since: a file that differs from ``mirror_document`` is
+    the model's draft (not overwritten until committed), judged against what it was given (``written_entries``)."""
     mirror_document: str | None = None
     """The mirror's text as last written: what ``mirror_written`` is read back from after a restart."""
     mirror_key: tuple[Any, ...] | None = field(default=None, compare=False)
@@ -90,7 +89,7 @@ class SessionContext:
         """What of this context the decisions do not imply, as the journal keeps it."""
         return SessionState(self.offered_turn, self.reminded_turn, tuple(self.confirmations),
                             None if self.mirror is None else str(self.mirror),
-                            self.mirror_document if self.mirror_written is not None else None)
+                            self.mirror_document if self.mirror_written else None)
 
     async def journal_state(self, writer: JournalWriter, session_id: str, request_id: int) -> None:
         """Journal the working state if ``request_id`` changed it (the offer, the reminder, the confirmations, the
@@ -98,13 +97,14 @@ class SessionContext:
         state = self.working_state()
         if state != self.journaled:
             created_at = datetime.now(UTC).isoformat(timespec="milliseconds")
-            await writer.call(record_session_state, session_id, request_id, state, created_at)
+            await writer.call(record_session_state, session_id, request_id, state, created_at,
+                              self.journaled)
             self.journaled = state
 
     def written_entries(self) -> dict[str, str]:
         """The mirror's entries as last written (identity → text), what a draft is judged against: read back from
         its text when a commit asks, not kept from each write (~0.7 ms a request of a long session; issue #13)."""
-        if self.mirror_written is None or self.mirror_document is None:
+        if not self.mirror_written or self.mirror_document is None:
             return {}
         return _entries(self.mirror_document)
 
@@ -114,7 +114,7 @@ class SessionContext:
         self.confirmations = list(state.confirmations)
         self.mirror = None if state.mirror is None else Path(state.mirror)
         self.mirror_document = state.mirror_text
-        self.mirror_written = None if state.mirror_text is None else sha256_text(state.mirror_text)
+        self.mirror_written = state.mirror_text is not None
         self.journaled = state
 
 
@@ -123,15 +123,15 @@ def _refresh_mirror(stale: SessionContext, fresh: SessionContext) -> None:
     still holds what this process wrote then, which would pass for the model's draft. It is rewritten from the
     journaled text. A file that is neither (the model's draft) is left as it is."""
     path, text = fresh.mirror, fresh.mirror_document
-    if path is None or text is None or fresh.mirror_written is None or stale.mirror_document is None:
+    if path is None or text is None or not fresh.mirror_written or stale.mirror_document is None:
         return
     try:
-        here = path.read_text() if path.exists() else None
+        here = path.read_text(encoding="utf-8") if path.exists() else None
     except OSError:
         return
     if here is None or (here != text and here == stale.mirror_document):
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
+        path.write_text(text, encoding="utf-8")
 
 
 def _entries(document: str) -> dict[str, str]:

@@ -120,7 +120,7 @@ class ContextRunner:
         judged = self.ctx.written_entries()
         tools = {state.ids[i]: name for i, (name, _) in state.result_calls.items()}
         revision = revise(path.read_text(), state.ids, state.hashes, self.messages, state.out, rules, judged, tools)
-        self.ctx.mirror_written = None  # committed or refused: the next request writes the mirror afresh
+        self.ctx.mirror_written = False  # committed or refused: the next request writes the mirror afresh
         if revision.ok and revision.decisions:
             spans = maintenance_rounds(self.messages, rounds(self.messages, 0), path.name)
             hides = tuple(hide_decision(state, start, end) for start, end in spans)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any, cast
 
 import orjson
@@ -29,13 +28,12 @@ from ctxproxy.proxy.core import (
     violations,
 )
 from ctxproxy.proxy.core.fenced import presets_for, route_of
-from ctxproxy.proxy.core.state import sha256_text
 from ctxproxy.proxy.core.tokens import MessageCounter
 from ctxproxy.proxy.engine.context import ParentState, SessionContext
 from ctxproxy.proxy.engine.decided import decision_rows
 from ctxproxy.proxy.engine.exchange import now
 from ctxproxy.proxy.engine.heavy import is_large
-from ctxproxy.proxy.engine.mirror_file import rewrite_in_place
+from ctxproxy.proxy.engine.mirror_file import write_mirror
 from ctxproxy.proxy.engine.outfiles import outfiles_dir, write_outfiles
 from ctxproxy.proxy.engine.policy import (
     assemble,
@@ -50,7 +48,6 @@ from ctxproxy.proxy.engine.policy import (
 from ctxproxy.proxy.engine.state import AppState
 from ctxproxy.proxy.engine.tally import Tally, tally
 from ctxproxy.proxy.errors import ContextTooLarge
-from ctxproxy.proxy.tools.mirror import mirror_document, mirror_path
 from ctxproxy.proxy.tools.offer import person_asked, turn_in
 from ctxproxy.proxy.wire import ChatBody
 from ctxproxy.store import ForwardRecord, IncomingRequest, Journal, JournalWriter, OverflowBody, RecordedRequest
@@ -159,7 +156,7 @@ def _shape(app: AppState, settings: Settings, ctx: SessionContext, ask: Ask, win
     may_offer = _schemas_may_go(settings, body, bool(rules.fenced))
     p = _checked_projection(messages, ask.incoming.hashes, ctx.decisions, rules, app.counter, previous,
                             ask.recorded.seen)
-    mirror = None if ask.incognito or ask.splice else _mirror(ctx, settings, ask.recorded.session_id, p)
+    mirror = None if ask.incognito or ask.splice else write_mirror(ctx, settings, ask.recorded.session_id, p)
     offered = ask.offer and _full_set_fits(app, rules.budget.budget) and (
         _offered(ctx, settings, body, messages, p, rules)
         or ((ask.compact is not None or ctx.mirror is not None) and settings.tools_enabled))
@@ -223,57 +220,6 @@ def _full_set_fits(app: AppState, budget: int) -> bool:
     4k where the core alone refused 126; ``read_overflow`` is still listed once a stub exists, so every cut stays
     restorable."""
     return app.context_tools_tokens() * 5 <= budget
-
-
-def _mirror(ctx: SessionContext, settings: Settings, session_id: str, p: Projection) -> Path | None:
-    """When the automatic cuts could not reach the target, write the projection where the model can edit it; the
-    mirror stays on until the context is back under the target. Only while it is of use: the context tools are
-    enabled (``ctx commit`` is the only way an edit is applied). Written only when what it shows changed; a draft
-    of the model's is noticed by the file's size and times changing, not by reading and hashing it every time."""
-    above = p.report.scaled > p.report.target
-    if not settings.tools_enabled:
-        return None
-    if (p.report.elided or p.report.folded) and above:
-        ctx.mirror = ctx.mirror or mirror_path(settings, session_id)
-    if ctx.mirror is None or not above:
-        return None
-    if _draft_pending(ctx, ctx.mirror):
-        return ctx.mirror  # the model is editing it: its draft waits for ctx commit
-    ids = [mid for mid, out in zip(p.state.ids, p.state.out, strict=True) if out is not None]
-    key = (session_id, ctx.mirror_revision, tuple(ids), tuple(p.hashes[: len(ids)]))
-    if key == ctx.mirror_key and ctx.mirror_written and ctx.mirror_stat == _stat(ctx.mirror):
-        return ctx.mirror  # what it shows has not changed, nor has the file
-    document = mirror_document(session_id, ctx.mirror_revision, ids, p.messages[: len(ids)], key[3],
-                               ctx.mirror_entries)
-    rewrite_in_place(ctx.mirror, document)
-    ctx.mirror_written, ctx.mirror_document = sha256_text(document), document
-    ctx.mirror_key, ctx.mirror_stat = key, _stat(ctx.mirror)
-    return ctx.mirror
-
-
-def _draft_pending(ctx: SessionContext, path: Path) -> bool:
-    """Does the file hold a draft of the model's (it differs from what was last written)? Read and hashed only when
-    its size or times changed since the proxy wrote it (or the proxy restarted since)."""
-    if not ctx.mirror_written:
-        return False
-    stat = _stat(path)
-    if stat is None:
-        return False
-    if stat == ctx.mirror_stat:
-        return False
-    if sha256_text(path.read_text()) != ctx.mirror_written:
-        return True
-    ctx.mirror_stat = stat  # touched, not changed
-    return False
-
-
-def _stat(path: Path) -> tuple[int, int, int, int] | None:
-    """What tells a file rewritten by someone else: its inode, size, modification and change times."""
-    try:
-        st = path.stat()
-    except FileNotFoundError:
-        return None
-    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 def _offered(ctx: SessionContext, settings: Settings, body: ChatBody, messages: list[dict[str, Any]],

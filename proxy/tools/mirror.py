@@ -23,7 +23,8 @@ from ctxproxy.proxy.core.identity import content_text
 from ctxproxy.proxy.core.state import Rules, sha256_text
 from ctxproxy.proxy.core.stubs import full_output, stub_line
 
-__all__ = ["PARAGRAPH", "MirrorPlaces", "Revision", "maintenance_rounds", "mirror_document", "mirror_path", "revise"]
+__all__ = ["CLOSE", "PARAGRAPH", "MirrorPlaces", "Revision", "appended_document", "maintenance_rounds",
+           "mirror_document", "mirror_path", "revise"]
 
 _FILE_TOOL = re.compile(r"read|view|open|cat|edit|write|create|patch|replace|insert", re.I)
 _SHELL_TOOL = re.compile(r"bash|shell|run|exec|terminal|command|python", re.I)
@@ -71,7 +72,24 @@ def mirror_document(session: str, revision: int, ids: Sequence[str], messages: S
         cache.clear()
         cache.update(kept)
     head = json.dumps({"session": session, "revision": revision}, indent=1, ensure_ascii=False)[:-2]
-    return head + ',\n "messages": [\n' + ",\n".join(texts) + "\n ]\n}"
+    return head + ',\n "messages": [\n' + ",\n".join(texts) + CLOSE
+
+
+CLOSE = "\n ]\n}"
+"""How a mirror with entries ends: after its last entry, before any that a later version appends."""
+
+
+def appended_document(document: str, ids: Sequence[str], messages: Sequence[dict[str, Any]], hashes: Sequence[str],
+                      cache: dict[tuple[str, str], str]) -> str:
+    """``document`` (a ``mirror_document`` with at least one entry) with entries for ``messages`` after its last:
+    the text ``mirror_document`` gives for the whole list, built from the new entries alone. A mirror that grows by
+    a round each request costs that round, not the whole projection again (issue #13). ``cache`` gains them."""
+    texts = []
+    for mid, message, digest in zip(ids, messages, hashes, strict=True):
+        text = cache.get((mid, digest)) or _entry_text(mid, message)
+        cache[(mid, digest)] = text
+        texts.append(text)
+    return document[: len(document) - len(CLOSE)] + "".join(",\n" + text for text in texts) + CLOSE
 
 
 def _entry_text(mid: str, message: dict[str, Any]) -> str:
