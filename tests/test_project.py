@@ -6,14 +6,17 @@ from __future__ import annotations
 import itertools
 import json
 import re
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
 from ctxproxy.config import load_settings
+from ctxproxy.proxy.core import cuts
 from ctxproxy.proxy.core.budget import Budget
 from ctxproxy.proxy.core.cuts import fold_body
 from ctxproxy.proxy.core.decisions import Decision
@@ -389,3 +392,65 @@ def test_a_persons_large_paste_goes_to_overflow_and_the_typed_words_stay() -> No
 def test_one_long_paragraph_is_left_as_the_person_typed_it() -> None:
     msgs = [{"role": "user", "content": "word " * 10_000}]
     assert not run(msgs, Rules(budget(131072, paste_chars=20_000))).changed
+
+
+@st.composite
+def argued_histories(draw: st.DrawFn) -> tuple[list[Any], set[int]]:
+    """``histories`` whose calls may carry long arguments (a write's body): the other kind of elision candidate."""
+    msgs, pins = draw(histories())
+    for m in msgs:
+        if m.get("tool_calls") and draw(st.booleans()):
+            m["tool_calls"][0]["function"]["arguments"] = json.dumps({"path": "f.py", "text": "w" * draw(sizes)})
+    return msgs, pins
+
+
+@given(argued_histories(), st.sampled_from([4096, 8192, 32768]))
+def test_an_elision_pass_that_starts_after_the_settled_candidates_cuts_what_a_whole_pass_cuts(
+        case: tuple[list[Any], set[int]], window: int) -> None:
+    """Issue #13: ``elide`` starts after the candidates a resumed state knows are settled (``State.settled``) and
+    moves past those it finds settled; a pass that walks every candidate, from the same state, projects every
+    request to the same messages and the same decisions."""
+    msgs, pinned = case
+    rules = Rules(budget(window))
+    hashes = [message_hash(m) for m in msgs]
+    ids = project(msgs, hashes, [], rules, CharCounter()).state.ids
+    decisions: list[Decision] = [Decision("pin", ids[i], source="operator") for i in sorted(pinned)]
+    state = None
+    for end in range(2, len(msgs) + 1):
+        whole = None if state is None else replace(state.copy(), settled=0)
+        p = project(msgs[:end], hashes[:end], decisions, rules, CharCounter(), state)
+        with pytest.MonkeyPatch.context() as walk_all:
+            walk_all.setattr(cuts, "_settled", lambda *_: False)
+            q = project(msgs[:end], hashes[:end], decisions, rules, CharCounter(), whole)
+        assert (p.messages, p.new) == (q.messages, q.new)
+        decisions += p.new
+        state = p.state
+
+
+def _reference_pairs(messages: list[Any]) -> Counter[str]:
+    """``broken_pairs`` as it was written first: every id counted, the zeros dropped at the end."""
+    open_calls: Counter[str] = Counter()
+    orphans: Counter[str] = Counter()
+    for m in messages:
+        for call in m.get("tool_calls") or []:
+            open_calls[str(call.get("id"))] += 1
+        if m.get("role") == "tool":
+            cid = str(m.get("tool_call_id"))
+            if open_calls[cid]:
+                open_calls[cid] -= 1
+            else:
+                orphans[cid] += 1
+    return +(open_calls + orphans)
+
+
+_PAIR_STEP = st.one_of(
+    st.lists(st.sampled_from(["a", "b", "c"]), min_size=1, max_size=3).map(
+        lambda ids: {"role": "assistant", "tool_calls": [{"id": i} for i in ids]}),
+    st.sampled_from(["a", "b", "c", "d"]).map(lambda i: {"role": "tool", "tool_call_id": i}),
+    st.just({"role": "user", "content": "x"}))
+
+
+@given(st.lists(_PAIR_STEP, max_size=30))
+def test_broken_pairs_lets_closed_ids_go_and_finds_what_it_always_found(messages: list[Any]) -> None:
+    """Issue #13: ids whose calls are all answered are dropped as they close (one pass over a long history)."""
+    assert broken_pairs(messages) == _reference_pairs(messages)

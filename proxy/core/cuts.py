@@ -18,7 +18,8 @@ result and round — losing the newer results (restorably) is better than a requ
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Sequence
+from bisect import bisect_left
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
 from ctxproxy.proxy.core.arguments import args_target, cut_arguments, with_arguments
@@ -44,7 +45,7 @@ def elide(state: State, messages: Sequence[dict[str, Any]], rules: Rules, counte
     # a few of them outweigh every result: sparing them as results are spared would fold whole rounds instead.
     kept_calls = {messages[j].get("tool_call_id") for j in state.tool_indices[-1:]} if keep_results else set()
     answered = max(state.tool_indices, default=-1)
-    for i in sorted([*state.tool_indices, *state.fenced, *state.call_indices]):
+    for i in _unsettled(state, messages, sorted([*state.tool_indices, *state.fenced, *state.call_indices])):
         if rules.scaled(state.total + rules.tools_tokens) <= rules.budget.target:
             return
         if i in keep or state.out[i] is None or state.ids[i] in state.pins:
@@ -71,6 +72,44 @@ def elide(state: State, messages: Sequence[dict[str, Any]], rules: Rules, counte
         state.decided[state.ids[i]] = decision
         new.append(decision)
         _replace(state, i, {**messages[i], "content": decision.replacement}, counter)
+
+
+def _unsettled(state: State, messages: Sequence[dict[str, Any]], candidates: list[int]) -> Iterator[int]:
+    """The candidates from the first one not settled on: ``state.settled`` moves past those that are."""
+    rest = iter(candidates[bisect_left(candidates, state.settled):])
+    for i in rest:
+        if not _settled(state, i, messages[i]):
+            yield i
+            break
+        state.settled = i + 1
+    yield from rest
+
+
+def _settled(state: State, i: int, message: dict[str, Any]) -> bool:
+    """Whether elision can never cut candidate ``i`` again, whatever the protection: taken out (folded, hidden), a
+    result cut already (not just spilled) or too short or ``read_overflow``'s, an assistant message none of whose
+    arguments is long enough or uncut; text-protocol messages never are. A pin changes none of it (pinned or not,
+    such a message is not cut), and a new pin or unpin rebuilds the state. A pass starts after the settled part of
+    a long history (a fold pass at 600 rounds walked all of it)."""
+    if state.out[i] is None:
+        return True
+    mid = state.ids[i]
+    if i in state.fenced:
+        return False
+    if message.get("role") == "assistant":
+        return all(len(str((call.get("function") or {}).get("arguments") or "")) < MIN_CUT_CHARS
+                   or _cut_for(state, args_target(mid, str(call.get("id"))), state.hashes[i])
+                   for call in message.get("tool_calls") or [])
+    content = message.get("content")
+    if not isinstance(content, str) or len(content) < MIN_CUT_CHARS:
+        return True
+    return state.result_calls.get(i, ("?", ""))[0] == READ_OVERFLOW or _cut_for(state, mid, state.hashes[i])
+
+
+def _cut_for(state: State, target: str, message_hash: str) -> bool:
+    """``target`` holds a cut (not a spill, which elision may still replace) made for this very message."""
+    decided = state.decided.get(target)
+    return decided is not None and decided.kind != "spill" and decided.message_hash == message_hash
 
 
 def _elide_arguments(state: State, i: int, message: dict[str, Any], rules: Rules, counter: Counter,

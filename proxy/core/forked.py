@@ -46,7 +46,7 @@ def prefix_state(state: State, length: int, messages: Sequence[dict[str, Any]], 
         decided=dict(state.decided), pins=dict(state.pins), fold=state.fold,
         fold_sum=state.fold_sum if state.fold_sum is not None and state.fold_sum.end <= length else None,
         folded=state.folded, cut=sum(a != b for a, b in zip(state.out_hashes[:length], state.hashes, strict=False)),
-        absorbed=absorbed)
+        absorbed=absorbed, settled=min(state.settled, length))
 
 
 def _within(state: State, length: int, hashes: Sequence[str], absorbed: int) -> bool:

@@ -31,19 +31,24 @@ _KEPT_ROLES = ("system", "developer", "user", "assistant")
 
 def broken_pairs(messages: Sequence[dict[str, Any]]) -> Counter[str]:
     """Calls with no result after them and results with no call before them, by id (agents reuse ids: a result
-    answers the oldest open call of its id)."""
-    open_calls: Counter[str] = Counter()
+    answers the oldest open call of its id). An id whose calls are all answered is let go as it closes, so a long
+    history costs one pass over its messages, not a sum over every id it ever used."""
+    open_calls: dict[str, int] = {}
     orphans: Counter[str] = Counter()
     for m in messages:
-        for call in m.get("tool_calls") or []:
-            open_calls[str(call.get("id"))] += 1
+        for call in m.get("tool_calls") or ():
+            cid = str(call.get("id"))
+            open_calls[cid] = open_calls.get(cid, 0) + 1
         if m.get("role") == "tool":
             cid = str(m.get("tool_call_id"))
-            if open_calls[cid]:
-                open_calls[cid] -= 1
+            waiting = open_calls.get(cid, 0)
+            if waiting > 1:
+                open_calls[cid] = waiting - 1
+            elif waiting:
+                del open_calls[cid]
             else:
                 orphans[cid] += 1
-    return +(open_calls + orphans)
+    return Counter(open_calls) + orphans
 
 
 def violations(incoming: Sequence[dict[str, Any]], outgoing: Sequence[dict[str, Any]],
@@ -110,7 +115,7 @@ def _compare(i: int, before: dict[str, Any], after: dict[str, Any], pinned: bool
         return []
     if before.get("role") in _KEPT_ROLES:
         return [f"message {i} ({before.get('role')}) changed"]
-    if {k: v for k, v in after.items() if k != "content"} != {k: v for k, v in before.items() if k != "content"}:
+    if {**after, "content": None} != {**before, "content": None}:  # all but the content, compared in C
         return [f"message {i} ({before.get('role')}) changed more than its content"]
     return []
 

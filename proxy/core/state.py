@@ -113,6 +113,10 @@ class State:
     """How many incoming messages go out changed or folded away (0: the request can go upstream verbatim)."""
     absorbed: int = 0
     """How many of the session's decisions this state reflects (the log only grows)."""
+    settled: int = 0
+    """Every elision candidate below this index is settled (``proxy.core.cuts.elide``): taken out, cut already or
+    never cuttable. A resumed state keeps it (its messages, decisions and pins are what they were); a state rebuilt
+    from the decisions starts again from 0."""
 
     def copy(self) -> State:
         """A copy whose lists and dicts are its own (``project`` extends the state it is given in place)."""
