@@ -38,6 +38,7 @@ from ctxproxy.store import (
     claim,
     record_session_state,
 )
+from ctxproxy.store.reads import chain_hashes
 from tests.conftest import app_client
 from tests.fakes import FakeUpstream
 from tests.test_journal import incoming, record
@@ -431,3 +432,32 @@ def test_a_fork_starts_from_its_parents_state_and_sends_what_a_recomputation_sen
     assert sent == recomputed
     assert recounted - counted == len(history(20)) - 5  # the 37 messages it shares with its parent: not ingested
     assert added <= 5 + 2 < readded  # its forward list: a delta against the parent's last, not its own request
+
+
+def test_a_forward_after_a_fold_offers_the_journal_only_bodies_it_lacks(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue #13: a forward after a fold is a delta from the fold on, most of it results cut on earlier requests;
+    their bodies were stored with the forward this one extends, so only the new ones are serialised and offered
+    again (a fold pass at 600 rounds offered ~600). Every forwarded list still reads back whole from the journal."""
+    offered: list[ForwardRecord] = []
+    record_forward = Journal.record_forward
+    monkeypatch.setattr(Journal, "record_forward",
+                        lambda self, rec: (offered.append(rec), record_forward(self, rec))[1])
+    settings = load_settings(env={"CTXPROXY_DATA_DIR": str(tmp_path), "CTXPROXY_UPSTREAM": "http://u.test/v1",
+                                  "CTXPROXY_CTX_WINDOW": "4096", "CTXPROXY_SPILL_CHARS": "100000"})
+    with app_client(settings, httpx.ASGITransport(app=FakeUpstream())) as client:
+        for rounds in range(2, 40):
+            _send(client, history(rounds))
+    cut = [rec for rec in offered if not rec.verbatim]
+    assert any(d["kind"] == "fold" for rec in cut for d in rec.decisions)
+    assert all(body is None for rec in cut for h, body in zip(rec.added_hashes, rec.added_bodies, strict=True)
+               if h in rec.base_hashes)
+    journal = Journal(tmp_path / "journal.db")
+    try:
+        for (list_id,) in journal.conn.execute("SELECT list_id FROM forwards").fetchall():
+            hashes = chain_hashes(journal.conn, list_id)
+            stored = {h for (h,) in journal.conn.execute(
+                f"SELECT hash FROM blobs WHERE hash IN ({','.join('?' * len(set(hashes)))})", list(set(hashes)))}
+            assert stored == set(hashes)
+    finally:
+        journal.close()

@@ -289,7 +289,8 @@ def _forward_record(recorded: RecordedRequest, incoming: IncomingRequest, ctx: S
         return record
     base_id, base = ctx.sent_list or (recorded.list_id, list(incoming.hashes))
     same = next((i for i, (a, b) in enumerate(zip(base, hashes, strict=False)) if a != b), min(len(base), len(hashes)))
-    stored = set(incoming.hashes)  # the request's messages: journaled with it, their bodies not needed again
+    # the request's messages are journaled with it, the base's with the forward before: their bodies are stored
+    stored = set(incoming.hashes).union(base)
     return replace(record, length=len(hashes), base_list_id=base_id, base_len=same, added_hashes=hashes[same:],
                    base_hashes=base,
                    added_bodies=[None if h in stored else canonical_json(m) for h, m in zip(hashes[same:],
