@@ -164,6 +164,39 @@ def test_new_runs_of_one_opening_cost_no_more_statements_as_they_accumulate(tmp_
     assert counts[1] == counts[0]
 
 
+def test_placing_a_new_run_reads_no_more_of_the_opening_as_its_sessions_accumulate() -> None:
+    """Every request of the peers' benchmark opens a session of one opening. Placement's reads of the opening (its
+    8 most recent sessions, its heads' lengths, its heads of a digest) sorted or visited every session of it: the
+    SQLite instructions they ran grew with each new run (40-fold from the 10th to the 300th); each is a search
+    of an index now. The count of the opening's sessions (a new id) still visits the index: it is left out."""
+    journal = Journal(None)
+    opening = _long_run(journal, 10)[0]
+    _new_runs(journal, opening, 0, 9)
+    tenth = _placement_steps(journal, opening, 9)
+    _new_runs(journal, opening, 10, 290)
+    assert _placement_steps(journal, opening, 300) <= 1.5 * tenth
+
+
+def _placement_steps(journal: Journal, opening: list[dict[str, Any]], n: int) -> int:
+    """The SQLite VM instructions that placing the ``n``th new run of ``opening`` spent reading the opening's
+    sessions by their fingerprint (its count aside)."""
+    assert isinstance(journal.conn, SqliteConnection)
+    raw, steps, current = journal.conn.raw, [0], [""]
+
+    def counted() -> int:
+        steps[0] += "fingerprint" in current[0] and "FROM sessions" in current[0] and "COUNT(*)" not in current[0]
+        return 0
+
+    raw.set_trace_callback(lambda statement: current.__setitem__(0, statement))
+    raw.set_progress_handler(counted, 1)
+    try:
+        _new_runs(journal, opening, n, 1)
+    finally:
+        raw.set_progress_handler(None, 1)
+        raw.set_trace_callback(None)
+    return steps[0]
+
+
 def test_a_request_another_process_marked_interrupted_is_continued_from_its_last_answer(tmp_path: Path) -> None:
     """The opening's interrupted sessions are read once and kept; a server started on the same journal (it
     marks what was in flight) must make this one read them again."""
