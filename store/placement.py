@@ -122,11 +122,13 @@ class PlacementMixin:
             return at_least
         return common_prefix(self.conn, head.list_id, head.length, digests, self.message_hashes, at_least)
 
-    def _advance_head(self, session_id: str, list_id: int, req: IncomingRequest, digest: str) -> None:
+    def _advance_head(self, session_id: str, list_id: int, req: IncomingRequest, digest: str,
+                      claimed_by: int | None = None) -> None:
+        """The session's head is the request's list; ``claimed_by``: the request that claims it (``store.claims``)."""
         self.conn.execute(
             "UPDATE sessions SET head_list_id = ?, head_len = ?, head_digest = ?, updated_at = ?,"
-            " requests = requests + 1, model = COALESCE(?, model) WHERE id = ?",
-            [list_id, len(req.hashes), digest, req.received_at, req.model, session_id],
+            " requests = requests + 1, model = COALESCE(?, model), claimed_by = COALESCE(?, claimed_by) WHERE id = ?",
+            [list_id, len(req.hashes), digest, req.received_at, req.model, claimed_by, session_id],
         )
 
     def _head(self, session_id: str) -> Head | None:
