@@ -161,7 +161,7 @@ def test_new_runs_of_one_opening_cost_no_more_statements_as_they_accumulate(tmp_
         journal.conn.raw.set_trace_callback(None)
         counts.append(len(statements))
         assert rec.forked and rec.seen == 2
-    assert counts[1] == counts[0]
+    assert counts[1] <= counts[0]
 
 
 def test_placing_a_new_run_reads_no_more_of_the_opening_as_its_sessions_accumulate() -> None:
@@ -175,6 +175,22 @@ def test_placing_a_new_run_reads_no_more_of_the_opening_as_its_sessions_accumula
     tenth = _placement_steps(journal, opening, 9)
     _new_runs(journal, opening, 10, 290)
     assert _placement_steps(journal, opening, 300) <= 1.5 * tenth
+
+
+def test_a_new_run_looks_up_no_prefix_of_a_recent_run_it_cannot_share_more_with() -> None:
+    """The 8 recent runs a new run may fork are 3-message heads it shares 2 messages with: once one is found to
+    share 2, the others cannot share more (the whole of each is not shared: its digest is not the request's), and
+    nothing of them is looked up: only the first one's search is (two digests, each a lookup of the prefix index
+    and one down the list it is delta-encoded on); 12 lookups before, two more for each other recent run."""
+    journal = Journal(None)
+    opening = _long_run(journal, 10)[0]
+    _new_runs(journal, opening, 0, 20)
+    statements = _statements(journal)
+    rec = _new_runs(journal, opening, 20, 1)
+    assert isinstance(journal.conn, SqliteConnection)
+    journal.conn.raw.set_trace_callback(None)
+    assert rec.forked
+    assert len([s for s in statements if "p.digest" in s and "FROM message_lists l" in s]) <= 4
 
 
 def _placement_steps(journal: Journal, opening: list[dict[str, Any]], n: int) -> int:
