@@ -55,6 +55,7 @@ class Journal(PlacementMixin, ReadsMixin, CutsMixin, InspectMixin, RecoveryMixin
                 self.conn.close()
                 raise
         self.interrupted: dict[str, tuple[str, ...]] = {}
+        self.ancestries = {}
         self.instance = instance_id() if self.conn.dialect == "postgresql" else None
         """The process its requests record (``store.liveness``): on a shared store only."""
 
@@ -87,6 +88,8 @@ class Journal(PlacementMixin, ReadsMixin, CutsMixin, InspectMixin, RecoveryMixin
             claimed = request_id if claim_opened and place.created and req.session_name is None else None
             self._advance_head(place.session.id, list_id, req, digests.at(len(req.hashes)), claimed)
         self.continued_interrupted(req.fingerprint if req.session_name is None else None, place.session.id)
+        if place.created:
+            self.remember_ancestry(place.session.id, place.parent_id, place.inherit_upto)
         self.after_request()
         forked = place.created and place.parent_id is not None
         return RecordedRequest(request_id, place.session.id, place.parent_id, forked, len(req.hashes) - place.common,

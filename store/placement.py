@@ -53,6 +53,8 @@ class Placement:
     common: int
     created: bool
     parent_id: str | None
+    inherit_upto: int | None = None
+    """A session it opens as a fork: the parent's last decision it inherits."""
 
 
 class PlacementMixin:
@@ -88,12 +90,14 @@ class PlacementMixin:
             [session_id, fingerprint, int(fingerprint is None), parent.id if parent else None, shared,
              req.received_at, req.received_at, prefix_digest([]), req.model],
         )
+        upto = None
         if parent is not None:
-            self.conn.execute("UPDATE sessions SET inherit_upto = (SELECT COALESCE(MAX(id), 0) FROM decisions"
-                              " WHERE session_id = ?) WHERE id = ?", [parent.id, session_id])
+            upto = int(self.conn.execute(
+                "UPDATE sessions SET inherit_upto = (SELECT COALESCE(MAX(id), 0) FROM decisions WHERE session_id = ?)"
+                " WHERE id = ? RETURNING inherit_upto", [parent.id, session_id]).fetchone()[0])
         head = Head(session_id, None, 0, prefix_digest([]), req.received_at)
         base = holder(self.conn, parent.list_id, shared) if parent and parent.list_id is not None and shared else None
-        return Placement(head, base, shared if base else 0, True, parent.id if parent else None)
+        return Placement(head, base, shared if base else 0, True, parent.id if parent else None, upto)
 
     def _new_id(self, fingerprint: str, siblings: int) -> str:
         stem = f"s-{fingerprint[:12]}"

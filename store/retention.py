@@ -46,6 +46,7 @@ class RetentionMixin:
     if TYPE_CHECKING:  # provided by Journal (store.cuts)
         @property
         def replaced_texts(self) -> ReplacedTexts: ...
+        def forget_ancestries(self) -> None: ...
 
     def prune(self, before: str, dry_run: bool = False) -> PruneReport:
         """Remove the sessions last active before ``before`` (an ISO timestamp, as the journal writes them).
@@ -62,6 +63,7 @@ class RetentionMixin:
                     raise _DryRun(report)
                 self._bump_version()
             self.replaced_texts.clear()  # texts of the removed sessions' decisions are not kept either
+            self.forget_ancestries()
         except _DryRun as done:
             return done.report
         return report

@@ -119,6 +119,7 @@ class JournalWriter:
             if self._data_version is not None and version != self._data_version:
                 self.generation += 1
                 journal.forget_interrupted()
+                journal.forget_ancestries()
             self._data_version = version
 
     def _write_unwritten(self, journal: Journal) -> None:

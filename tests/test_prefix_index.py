@@ -16,7 +16,9 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ctxproxy.proxy.engine.context import read_new_session
 from ctxproxy.store import IncomingRequest, Journal, RecordedRequest, ResponseRecord, prefix_digest
+from ctxproxy.store.cuts import _ANCESTRY
 from ctxproxy.store.placement import Head, Placement, _continued
 from ctxproxy.store.prefixes import PrefixDigests
 from ctxproxy.store.recovery import ANSWERED
@@ -342,3 +344,42 @@ def test_lists_the_index_does_not_cover_are_rebuilt_from_their_chain(tmp_path: P
             journal.conn.execute(damage)
         edited = [*first[-1][:7], {"role": "user", "content": "changed"}]
         assert _placed(journal.record_request(incoming(edited, n=5)))[:5] == expected
+
+
+def _read_ancestry(journal: Journal, session_id: str) -> list[tuple[str, int | None]]:
+    return [(str(s), u) for s, u in journal.conn.execute(_ANCESTRY, [session_id]).fetchall()]
+
+
+def test_the_ancestries_a_journal_keeps_are_the_ones_it_would_read(tmp_path: Path) -> None:
+    """Runs forking runs beyond the 64 sessions the recursive statement reads, decisions here and there, named
+    sessions and a prune: every session's kept ancestry is the statement's, and after the prune it is read again."""
+    journal = Journal(tmp_path / "j.db")
+    opening = _long_run(journal, 5)[0]
+    cut = {"kind": "spill", "target": "tool:call_0", "message_hash": "h", "replacement": "stub", "overflow_id": "",
+           "until": "", "count": 0, "source": "auto"}
+    opened, shared = [], list(opening)
+    for i in range(80):  # each shares one message more with the last than any other run: it forks the last
+        shared.append({"role": "user", "content": f"step {i}"})
+        rec = journal.record_request(incoming([*shared, {"role": "user", "content": f"try {i}"}], n=i))
+        _answer(journal, rec)
+        opened.append(rec.session_id)
+        if i % 9 == 0:
+            journal.add_decisions(rec.session_id, [cut | {"target": f"tool:call_{i}"}], "t")
+    named = journal.record_request(incoming(opening, session="named"))
+    assert set(journal.ancestries) >= {*opened, named.session_id}
+    assert max(len(chain) for chain in journal.ancestries.values()) == 64
+    for session_id in journal.ancestries:
+        assert journal._ancestry(session_id) == _read_ancestry(journal, session_id), session_id
+    journal.prune("2026-01-01T00:00:30")
+    assert not journal.ancestries
+
+
+def test_a_new_run_s_read_back_walks_no_ancestry_when_its_parent_was_opened_here(tmp_path: Path) -> None:
+    journal = Journal(tmp_path / "j.db")
+    opening = _long_run(journal, 5)[0]
+    _new_runs(journal, opening, 0, 3)
+    statements = _statements(journal)
+    rec, saved = journal.record_request_and_read(incoming([*opening, {"role": "user", "content": "x"}], n=9),
+                                                 read_new_session("m", named=False), True)
+    assert rec.forked and saved is not None
+    assert not [s for s in statements if "WITH RECURSIVE up" in s]

@@ -318,9 +318,10 @@ def read_new_session(model: str | None, named: bool) -> Callable[[Journal, Recor
 def _read_opened(journal: Journal, session_id: str, model: str | None, claimed: bool) -> Saved:
     """``_read_back`` of a session its request has just opened: the ancestors it inherits decisions from and the
     model's latest calibration are all it can have. No forward, answer, decision, mirror revision or working state
-    of its own exists yet: the four reads of those would find nothing (a third of a new run's read back)."""
-    ancestors, own = journal.decision_chain(session_id)
-    return Saved(ancestors, own, None, latest_calibration(journal, model), [], 0, SessionState(), claimed)
+    of its own exists yet: the five reads of those would find nothing (a third of a new run's read back), and its
+    ancestry is the one its journal kept when it opened it (``CutsMixin.remember_ancestry``)."""
+    return Saved(journal.inherited(session_id), [], None, latest_calibration(journal, model), [], 0, SessionState(),
+                 claimed)
 
 
 def _read_back(journal: Journal, session_id: str, model: str | None, request_id: int | None) -> Saved:
