@@ -4,7 +4,7 @@ The journal is append-only while the proxy runs; pruning is the one deliberate e
 (``ctxproxy prune --older-than 30d``). What goes, in one transaction:
 
 - every session last active before the cutoff, *unless* a remaining session descends from it: a forked child
-  inherits its parent's decisions and may restore the bodies its parent cut (``CutsMixin._ancestry``), so a
+  inherits its parent's decisions and may restore the bodies its parent cut (``store.ancestry``), so a
   parent stays, whole, as long as any descendant does;
 - their requests, forwards, answers, decisions, context ops, overflow rows, overflow spans and journaled working state;
 - the Responses API's kept responses (``store.kept_responses``) made before the cutoff (they name no session);

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from ctxproxy.proxy.engine.context import read_new_session
 from ctxproxy.store import IncomingRequest, Journal, RecordedRequest, ResponseRecord, prefix_digest
-from ctxproxy.store.cuts import _ANCESTRY
+from ctxproxy.store.ancestry import _ANCESTRY
 from ctxproxy.store.placement import Head, Placement, _continued
 from ctxproxy.store.prefixes import PrefixDigests
 from ctxproxy.store.recovery import ANSWERED

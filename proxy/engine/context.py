@@ -319,7 +319,7 @@ def _read_opened(journal: Journal, session_id: str, model: str | None, claimed: 
     """``_read_back`` of a session its request has just opened: the ancestors it inherits decisions from and the
     model's latest calibration are all it can have. No forward, answer, decision, mirror revision or working state
     of its own exists yet: the five reads of those would find nothing (a third of a new run's read back), and its
-    ancestry is the one its journal kept when it opened it (``CutsMixin.remember_ancestry``)."""
+    ancestry is the one its journal kept when it opened it (``AncestryMixin.remember_ancestry``)."""
     return Saved(journal.inherited(session_id), [], None, latest_calibration(journal, model), [], 0, SessionState(),
                  claimed)
 
