@@ -106,8 +106,16 @@ def sample(py_spy: str, workload: Workload, seconds: float, rate: int, raw: Path
     return requests
 
 
-# Leaf frames that are waiting, not working: uvloop's epoll (seen with --native) and the idle journal thread.
-IDLE_LEAVES = ("Runner.run (asyncio/runners.py", "_worker (concurrent/futures/thread.py:81)")
+def _journal_wait() -> str:
+    """The idle journal thread's leaf frame: ``store.hops._serve`` at its ``queue.get()``."""
+    source = (Path(__file__).resolve().parent.parent / "store" / "hops.py").read_text().splitlines()
+    line = next(n for n, text in enumerate(source, 1) if "queue.get()" in text)
+    return f"_serve (ctxproxy/store/hops.py:{line})"
+
+
+# Leaf frames that are waiting, not working: uvloop's epoll (seen with --native) and the idle journal thread (an
+# executor's before store.hops).
+IDLE_LEAVES = ("Runner.run (asyncio/runners.py", "_worker (concurrent/futures/thread.py:81)", _journal_wait())
 LAYERS = {"httpx": "upstream client (httpx, httpcore, h11, anyio)", "httpcore": "upstream client (httpx, httpcore, "
           "h11, anyio)", "h11": "upstream client (httpx, httpcore, h11, anyio)", "anyio": "upstream client (httpx, "
           "httpcore, h11, anyio)", "sniffio": "upstream client (httpx, httpcore, h11, anyio)",

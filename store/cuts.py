@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
+from ctxproxy.store.ancestry import AncestryMixin
 from ctxproxy.store.deltas import runs
 from ctxproxy.store.replaced import ReplacedTexts
 from ctxproxy.store.sql import Connection
@@ -149,7 +150,7 @@ class OpsMixin:
         return [_score(dict(zip(keys, row, strict=True))) for row in rows]
 
 
-class CutsMixin(SpansMixin, OpsMixin):
+class CutsMixin(SpansMixin, OpsMixin, AncestryMixin):
     conn: Connection
 
     if TYPE_CHECKING:  # provided by Journal
@@ -251,11 +252,6 @@ class CutsMixin(SpansMixin, OpsMixin):
         """The replacement texts read back by reference (``store.replaced``), kept for the next load."""
         return ReplacedTexts()
 
-    def _ancestry(self, session_id: str) -> list[tuple[str, int | None]]:
-        """(session, decisions up to) from the oldest ancestor down to ``session_id`` (None: all of them); at
-        most 64, in one statement (runs forking runs make long chains: one SELECT each was on every new run's path)."""
-        return [(str(sid), upto) for sid, upto in self.conn.execute(_ANCESTRY, [session_id]).fetchall()]
-
     def overflow_body(self, overflow_id: str, session_id: str | None = None) -> dict[str, Any] | None:
         """A cut body, restorable byte for byte: for a session, only one cut in it or inherited by it."""
         sessions = [sid for sid, _ in self._ancestry(session_id)] if session_id else None
@@ -317,20 +313,6 @@ def _score(row: dict[str, Any]) -> dict[str, Any]:
     if any(ops.values()):
         out["context_ops"] = ops
     return out
-
-
-_ANCESTRY = """
-WITH RECURSIVE up(id, upto, parent_id, inherit_upto, depth) AS (
-    SELECT q.id, CAST(NULL AS BIGINT), s.parent_id, s.inherit_upto, 0
-      FROM (SELECT CAST(? AS TEXT) AS id) q LEFT JOIN sessions s ON s.id = q.id
-    UNION ALL
-    SELECT u.parent_id, u.inherit_upto, s.parent_id, s.inherit_upto, u.depth + 1
-      FROM up u LEFT JOIN sessions s ON s.id = u.parent_id
-     WHERE u.inherit_upto IS NOT NULL AND u.parent_id IS NOT NULL AND u.depth < 63
-)
-SELECT id, upto FROM up ORDER BY depth DESC
-"""
-"""A session and its ancestors, each with the last decision its child inherits from it (the session: NULL)."""
 
 
 _SCORECARD = """

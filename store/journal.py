@@ -55,6 +55,7 @@ class Journal(PlacementMixin, ReadsMixin, CutsMixin, InspectMixin, RecoveryMixin
                 self.conn.close()
                 raise
         self.interrupted: dict[str, tuple[str, ...]] = {}
+        self.ancestries = {}
         self.instance = instance_id() if self.conn.dialect == "postgresql" else None
         """The process its requests record (``store.liveness``): on a shared store only."""
 
@@ -68,8 +69,13 @@ class Journal(PlacementMixin, ReadsMixin, CutsMixin, InspectMixin, RecoveryMixin
         return reopened
 
     # --- writes -------------------------------------------------------------------------------------------------
-    def record_request(self, req: IncomingRequest) -> RecordedRequest:
-        """Resolve the session and journal the request, in one transaction (its forwards follow, ``record_forward``)."""
+    def record_request(self, req: IncomingRequest, claim_opened: bool = False) -> RecordedRequest:
+        """Resolve the session and journal the request, in one transaction (its forwards follow, ``record_forward``).
+
+        ``claim_opened``: a session the request opens by its opening is claimed by it (``store.claims``) in the same
+        transaction, not in one of its own after: nothing can join such a session before its first answer
+        (placement continues no pending head), so nothing can claim it in between. A named session can be joined at
+        once (the same name, in parallel): it is claimed under its lock, as any session."""
         # One transaction, committed on success, rolled back on any error; and no other process places a request
         # of this session (its name or opening) until it ends.
         with self.conn.transaction(lock=req.session_name or req.fingerprint):
@@ -79,19 +85,22 @@ class Journal(PlacementMixin, ReadsMixin, CutsMixin, InspectMixin, RecoveryMixin
             index_list(self.conn, list_id, digests, place.base_list_id if place.common else None, place.common)
             self._insert_blob(req.params_hash, "params", req.params_body)
             request_id = self._insert_request(req, place.session.id, list_id)
-            self._advance_head(place.session.id, list_id, req, digests.at(len(req.hashes)))
+            claimed = request_id if claim_opened and place.created and req.session_name is None else None
+            self._advance_head(place.session.id, list_id, req, digests.at(len(req.hashes)), claimed)
         self.continued_interrupted(req.fingerprint if req.session_name is None else None, place.session.id)
+        if place.created:
+            self.remember_ancestry(place.session.id, place.parent_id, place.inherit_upto)
         self.after_request()
         forked = place.created and place.parent_id is not None
         return RecordedRequest(request_id, place.session.id, place.parent_id, forked, len(req.hashes) - place.common,
                                list_id, place.common, place.created)
 
-    def record_request_and_read(self, req: IncomingRequest,
-                                read: Callable[[Journal, RecordedRequest], T]) -> tuple[RecordedRequest, T | None]:
+    def record_request_and_read(self, req: IncomingRequest, read: Callable[[Journal, RecordedRequest], T],
+                                claim_opened: bool = False) -> tuple[RecordedRequest, T | None]:
         """``record_request``, then ``read``: what the caller reads next about the request, in the same call on the
         journal's thread (each call there costs the request path a thread hand-off). A failed read gives None,
         for the caller to read again; the request is journaled either way."""
-        recorded = self.record_request(req)
+        recorded = self.record_request(req, claim_opened)
         try:
             return recorded, read(self, recorded)
         except self.conn.Error:

@@ -122,6 +122,7 @@ class MemoryJournal(Journal):
                 self.conn.execute(sql)
         self.forgotten.extend(family)
         self.replaced_texts.clear()  # nothing of a forgotten session stays, here either
+        self.forget_ancestries()
         for _ in range(4):  # one pass can leave a page it freed while moving others (seen with a mirror's text)
             self.conn.execute("PRAGMA incremental_vacuum").fetchall()
             if not self.conn.execute("PRAGMA freelist_count").fetchone()[0]:

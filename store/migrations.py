@@ -389,3 +389,18 @@ def m013_decisions_by_reference_and_list_runs(conn: Connection) -> None:
         -- mirror's list rebuilds it with store.deltas.rebuild.
         """
     )
+
+
+@step
+def m014_sessions_by_opening(conn: Connection) -> None:
+    ddl(conn, """
+        -- Placement's reads of an opening's sessions (store.placement), each a search of an index instead of a
+        -- visit of every session of the opening (one more with every new run of it): its 8 most recent sessions,
+        -- its heads' distinct lengths (one lookup per length), its heads of given digests. The index on the
+        -- fingerprint alone is a prefix of each.
+        CREATE INDEX sessions_by_opening_recency ON sessions(fingerprint, updated_at, id);
+        CREATE INDEX sessions_by_opening_length ON sessions(fingerprint, head_len);
+        CREATE INDEX sessions_by_opening_digest ON sessions(fingerprint, head_digest);
+        DROP INDEX sessions_by_fingerprint;
+        """
+    )

@@ -4,7 +4,7 @@ The journal is append-only while the proxy runs; pruning is the one deliberate e
 (``ctxproxy prune --older-than 30d``). What goes, in one transaction:
 
 - every session last active before the cutoff, *unless* a remaining session descends from it: a forked child
-  inherits its parent's decisions and may restore the bodies its parent cut (``CutsMixin._ancestry``), so a
+  inherits its parent's decisions and may restore the bodies its parent cut (``store.ancestry``), so a
   parent stays, whole, as long as any descendant does;
 - their requests, forwards, answers, decisions, context ops, overflow rows, overflow spans and journaled working state;
 - the Responses API's kept responses (``store.kept_responses``) made before the cutoff (they name no session);
@@ -46,6 +46,7 @@ class RetentionMixin:
     if TYPE_CHECKING:  # provided by Journal (store.cuts)
         @property
         def replaced_texts(self) -> ReplacedTexts: ...
+        def forget_ancestries(self) -> None: ...
 
     def prune(self, before: str, dry_run: bool = False) -> PruneReport:
         """Remove the sessions last active before ``before`` (an ISO timestamp, as the journal writes them).
@@ -62,6 +63,7 @@ class RetentionMixin:
                     raise _DryRun(report)
                 self._bump_version()
             self.replaced_texts.clear()  # texts of the removed sessions' decisions are not kept either
+            self.forget_ancestries()
         except _DryRun as done:
             return done.report
         return report

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import re
 from typing import Any
 
 import orjson
 import pytest
 from fastapi.testclient import TestClient
+from starlette.requests import ClientDisconnect, Request
 
 from ctxproxy.proxy.core.prefix import Prefixes
-from ctxproxy.proxy.edge.body import parse_chat_body
-from ctxproxy.proxy.errors import BadRequest
+from ctxproxy.proxy.edge.body import parse_chat_body, read_body
+from ctxproxy.proxy.errors import BadRequest, PayloadTooLarge, RequestTimeout
 from tests.fakes import FakeUpstream
 
 HISTORY = [{"role": "user", "content": "task"}] + [
@@ -66,3 +69,50 @@ def test_nothing_downstream_changes_the_message_objects_the_next_request_reuses(
     prefixes: Prefixes = client.app.state.ctx.hasher.prefixes  # type: ignore[attr-defined]
     kept = [entry for lists in prefixes._entries.values() for entry in lists]
     assert kept and all(entry.top == orjson.loads(entry.raw) for entry in kept)
+
+
+def _request(messages: list[dict[str, Any]], wait: asyncio.Event | None = None) -> Request:
+    """A request whose ``receive`` gives ``messages`` in turn, then (``wait``) waits for the event."""
+    pending = list(messages)
+
+    async def receive() -> dict[str, Any]:
+        if pending:
+            return pending.pop(0)
+        assert wait is not None
+        await wait.wait()
+        return {"type": "http.disconnect"}
+
+    return Request({"type": "http", "method": "POST", "path": "/", "headers": []}, receive)
+
+
+def _piece(body: bytes, more: bool = True) -> dict[str, Any]:
+    return {"type": "http.request", "body": body, "more_body": more}
+
+
+def test_a_body_is_read_from_receive_with_its_limit_and_a_disconnect_as_starlette_reads_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``read_body`` reads the ASGI messages itself (``request.stream()`` is an async generator asyncio registers,
+    under anyio's cancel scope: ~20 µs a request), and says what Starlette's stream says."""
+    monkeypatch.setattr(Request, "stream", None)
+    pieces = [_piece(b'{"a"'), _piece(b""), _piece(b": 1}", more=False)]
+    assert asyncio.run(read_body(_request(pieces), 100, timeout=5)) == b'{"a": 1}'
+    with pytest.raises(PayloadTooLarge):
+        asyncio.run(read_body(_request([_piece(b"x" * 60), _piece(b"x" * 60, more=False)]), 100, timeout=5))
+    with pytest.raises(ClientDisconnect):
+        asyncio.run(read_body(_request([_piece(b"x"), {"type": "http.disconnect"}]), 100, timeout=5))
+
+
+def test_a_body_late_is_a_408_and_a_cancellation_from_outside_stays_one() -> None:
+    async def late() -> None:
+        await read_body(_request([_piece(b"{")], asyncio.Event()), 100, timeout=0.05)
+
+    with pytest.raises(RequestTimeout, match=re.escape("within 0.05 seconds (1 bytes came)")):
+        asyncio.run(late())
+
+    async def cancelled() -> None:
+        with pytest.raises(TimeoutError):  # asyncio's own: the outer timeout's cancellation, not the 408
+            async with asyncio.timeout(0.01):
+                await read_body(_request([], asyncio.Event()), 100, timeout=0.05)
+        await asyncio.sleep(0.1)  # the read's timer went with it: nothing cancels this task later
+
+    asyncio.run(cancelled())

@@ -39,6 +39,7 @@ from ctxproxy.store import (
     record_session_state,
 )
 from ctxproxy.store.reads import chain_hashes
+from ctxproxy.store.sql import SqliteConnection
 from tests.conftest import app_client
 from tests.fakes import FakeUpstream
 from tests.test_journal import incoming, record
@@ -244,9 +245,32 @@ def test_a_named_session_is_claimed_under_its_lock_not_when_it_opens(tmp_path: P
         assert claim(journal, "named", second.request_id) is None
         assert journal.conn.execute("SELECT COUNT(*) FROM responses WHERE request_id = ?",
                                     [first.request_id]).fetchone()[0] == 0
-        opened = journal.record_request(incoming([*history(1)[:2], {"role": "user", "content": "x"}], n=2))
+        again = journal.record_request(incoming(history(3)[:6], session="named", n=2), claim_opened=True)
+        assert claim(journal, "named", again.request_id) == second.request_id  # a named session: not at opening
+        opened = journal.record_request(incoming([*history(1)[:2], {"role": "user", "content": "x"}], n=3),
+                                        claim_opened=True)
         saved = read_new_session("m", named=False)(journal, opened)
         assert saved is not None and saved.claimed
+        assert claim(journal, opened.session_id, opened.request_id) == opened.request_id
+    finally:
+        journal.close()
+
+
+def test_a_new_run_is_claimed_in_the_transaction_of_its_request_row(tmp_path: Path) -> None:
+    """The claim of a session opened by its opening is written by the request's own transaction, not by one more
+    after it (each commit is a WAL append on the journal's thread, on every request of the peers' benchmark)."""
+    journal = Journal(tmp_path / "journal.db")
+    try:
+        messages = history(1)
+        record(journal, incoming(messages))
+        commits: list[str] = []
+        assert isinstance(journal.conn, SqliteConnection)
+        journal.conn.raw.set_trace_callback(lambda s: commits.append(s) if s.strip().upper() == "COMMIT" else None)
+        read = read_new_session("m", named=False)
+        opened, saved = journal.record_request_and_read(
+            incoming([*messages[:2], {"role": "user", "content": "continue (nonce 1)"}], n=1), read, True)
+        journal.conn.raw.set_trace_callback(None)
+        assert opened.created and saved is not None and saved.claimed and len(commits) == 1
         assert claim(journal, opened.session_id, opened.request_id) == opened.request_id
     finally:
         journal.close()

@@ -165,7 +165,8 @@ def test_migrating_twice_is_a_noop(store_location: Path | str) -> None:
         "m001_journal", "m002_decisions_and_overflow", "m003_context_ops", "m004_request_turns",
         "m005_session_state", "m006_prefix_index", "m007_overflow_spans_and_mirror_lists",
         "m008_kept_responses", "m009_postgres", "m010_session_claims", "m011_postgres_foreign_key_indexes",
-        "m012_request_instances", "m013_decisions_by_reference_and_list_runs"]
+        "m012_request_instances", "m013_decisions_by_reference_and_list_runs",
+            "m014_sessions_by_opening"]
     journal.close()
 
 

@@ -28,6 +28,7 @@ from ctxproxy.config import Settings
 from ctxproxy.proxy import __version__
 from ctxproxy.proxy.edge.body import read_body
 from ctxproxy.proxy.edge.callers import bearer_matches, require_admin, require_metrics
+from ctxproxy.proxy.edge.direct import CHAT_PATH, ProxyApp
 from ctxproxy.proxy.engine.responses import FinallyResponse
 from ctxproxy.proxy.engine.state import AppState, SessionLocks, Warmup, give_back_freed_memory
 from ctxproxy.proxy.errors import (
@@ -53,13 +54,15 @@ __all__ = ["create_app"]
 
 
 def create_app(settings: Settings, upstream_transport: httpx.AsyncBaseTransport | None = None) -> Starlette:
-    """The proxy: plain Starlette routes on the hot path; the operator API, a FastAPI app, mounted at ``/ctx``.
+    """The proxy: plain Starlette routes on the hot path (the chat route straight to its endpoint,
+    ``proxy.edge.direct``); the operator API, a FastAPI app, mounted at ``/ctx``.
 
     FastAPI's middleware (telemetry, body limits, exit stacks) and dependency solving cost ~0.2 ms a request;
     the proxied routes need none of it, the operator API gets query validation and an OpenAPI schema from it.
     """
+    chat = _engine_route(f"{EDGE}.chat", "chat_completions")
     routes = [
-        Route("/v1/chat/completions", _engine_route(f"{EDGE}.chat", "chat_completions"), methods=["POST"]),
+        Route(CHAT_PATH, chat, methods=["POST"]),  # served directly (``proxy.edge.direct``) but under a root path
         Route("/v1/messages", _engine_route(f"{EDGE}.fronts.anthropic.front", "messages"), methods=["POST"]),
         Route("/v1/messages/count_tokens", _engine_route(f"{EDGE}.fronts.anthropic.count", "count_tokens"),
               methods=["POST"]),
@@ -70,8 +73,8 @@ def create_app(settings: Settings, upstream_transport: httpx.AsyncBaseTransport 
         Route("/metrics", metrics, methods=["GET"]),
         Mount("/ctx", app=OperatorApi()),
     ]
-    return Starlette(routes=routes, exception_handlers=dict(_HANDLERS) | {CtxError: _refused},
-                     lifespan=_lifespan(settings, upstream_transport))
+    return ProxyApp(chat, routes=routes, exception_handlers=dict(_HANDLERS) | {CtxError: _refused},
+                    lifespan=_lifespan(settings, upstream_transport))
 
 
 _HANDLERS: dict[type[Exception], Callable[[Request, Exception], Awaitable[Response]]] = {

@@ -9,13 +9,13 @@ journaled or forwarded.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from typing import Any, NoReturn, cast
 
-import anyio
 import orjson
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from ctxproxy.proxy.core.prefix import Match, Prefixes
 from ctxproxy.proxy.errors import BadRequest, PayloadTooLarge, RequestTimeout
@@ -33,21 +33,51 @@ _INT_RANGE = (-(2 ** 63), 2 ** 64 - 1)
 
 async def read_body(request: Request, limit: int, timeout: float | None = None) -> bytes:
     """The whole body, refusing (413) as soon as it is known to exceed ``limit`` bytes, and (408) when it has
-    not all arrived within ``timeout`` seconds (a client trickling its body would hold a connection forever)."""
+    not all arrived within ``timeout`` seconds (a client trickling its body would hold a connection forever).
+
+    Read from the ASGI ``receive`` under a timer of the loop's, not through Starlette's ``request.stream()`` (an
+    async generator asyncio registers) under anyio's ``move_on_after`` (a cancel scope): the two cost ~20 µs of
+    every request, whose small body has nearly always arrived with its head."""
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise _too_large(int(declared), limit)
-    chunks, total = [], 0
-    with anyio.move_on_after(timeout) as deadline:
-        async for chunk in request.stream():
-            total += len(chunk)
-            if total > limit:
-                raise _too_large(total, limit)
-            chunks.append(chunk)
-    if deadline.cancelled_caught:
-        raise RequestTimeout(f"The request body did not arrive within {timeout:g} seconds ({total} bytes came). "
-                             "Send it at once, or raise client_body_timeout (CTXPROXY_CLIENT_BODY_TIMEOUT).")
+    task, expired = asyncio.current_task(), []
+    assert task is not None
+    timer = None if timeout is None else asyncio.get_running_loop().call_later(
+        timeout, lambda: expired.append(task.cancel()))
+    chunks: list[bytes] = []
+    try:
+        await _receive_body(request, chunks, limit)
+    except asyncio.CancelledError:
+        if expired and task.uncancel() == 0:  # cancelled by the timer alone, not (also) from outside
+            raise _too_slow(timeout, sum(map(len, chunks))) from None
+        raise
+    finally:
+        if timer is not None:
+            timer.cancel()
     return b"".join(chunks)
+
+
+async def _receive_body(request: Request, chunks: list[bytes], limit: int) -> None:
+    """The body's pieces into ``chunks``, as ``request.stream()`` reads them (a client gone: ``ClientDisconnect``)."""
+    total = 0
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        chunk = message.get("body", b"")
+        total += len(chunk)
+        if total > limit:
+            raise _too_large(total, limit)
+        if chunk:
+            chunks.append(chunk)
+        if not message.get("more_body", False):
+            return
+
+
+def _too_slow(timeout: float | None, total: int) -> RequestTimeout:
+    return RequestTimeout(f"The request body did not arrive within {timeout:g} seconds ({total} bytes came). "
+                          "Send it at once, or raise client_body_timeout (CTXPROXY_CLIENT_BODY_TIMEOUT).")
 
 
 def _too_large(size: int, limit: int) -> PayloadTooLarge:

@@ -48,7 +48,7 @@ async def chat_completions(request: Request) -> Response:
     writer = state.journal_for(incognito)
     read = read_new_session(body.get("model"), incoming.session_name is not None)
     with anyio.CancelScope(shield=True):  # once begun, the request's row is written, so its answer row can follow
-        recorded, saved = await writer.call(Journal.record_request_and_read, incoming, read)
+        recorded, saved = await writer.call(Journal.record_request_and_read, incoming, read, True)
     exchange = Exchange(state, writer, recorded, request, body, incoming, incognito, saved)
     try:
         await exchange.lock()

@@ -303,15 +303,14 @@ def read_new_session(model: str | None, named: bool) -> Callable[[Journal, Recor
     journal's thread as its request row (a new run or a fork, e.g. every request of the peers' benchmark, saves a
     hop). Only a new session: one the proxy already knows may be in memory, ahead of the journal.
 
-    A session opened by its opening (not ``named``) is claimed in that call too, before its lock is taken, which
-    saves the claim's own hop (and transaction) after it: no other request can join it until its first answer is
-    journaled (placement continues no pending head), so nothing can claim it in between. A named session can be
-    joined at once (the same name, in parallel); it is claimed under its lock, as any session."""
+    A session opened by its opening (not ``named``) was claimed in that call too, in the request's own transaction
+    (``record_request_and_read(..., claim_opened=True)``), before its lock is taken, which saves the claim's own hop
+    and transaction after it: no other request can join it until its first answer is journaled (placement
+    continues no pending head), so nothing can claim it in between. A named session can be joined at once (the
+    same name, in parallel); it is claimed under its lock, as any session."""
     def read(journal: Journal, recorded: RecordedRequest) -> Saved | None:
         if not recorded.created:
             return None
-        if not named:
-            claim(journal, recorded.session_id, recorded.request_id)
         return _read_opened(journal, recorded.session_id, model, claimed=not named)
     return read
 
@@ -319,9 +318,10 @@ def read_new_session(model: str | None, named: bool) -> Callable[[Journal, Recor
 def _read_opened(journal: Journal, session_id: str, model: str | None, claimed: bool) -> Saved:
     """``_read_back`` of a session its request has just opened: the ancestors it inherits decisions from and the
     model's latest calibration are all it can have. No forward, answer, decision, mirror revision or working state
-    of its own exists yet: the four reads of those would find nothing (a third of a new run's read back)."""
-    ancestors, own = journal.decision_chain(session_id)
-    return Saved(ancestors, own, None, latest_calibration(journal, model), [], 0, SessionState(), claimed)
+    of its own exists yet: the five reads of those would find nothing (a third of a new run's read back), and its
+    ancestry is the one its journal kept when it opened it (``AncestryMixin.remember_ancestry``)."""
+    return Saved(journal.inherited(session_id), [], None, latest_calibration(journal, model), [], 0, SessionState(),
+                 claimed)
 
 
 def _read_back(journal: Journal, session_id: str, model: str | None, request_id: int | None) -> Saved:
