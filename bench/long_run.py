@@ -350,6 +350,7 @@ def markdown(report: dict[str, Any]) -> str:
               f"{r['cpu_over_2x_median']} | {r['over_2x_median']}: {r['slow_with_cpu_over_2x']} | "
               + ", ".join(f"{k} {n}" for k, n in sorted(r["slow_by_kind"].items(), key=lambda kv: -kv[1])) + " |"
               for r in report["runs"]]
+    lines += ["", *by_kind(report["runs"])]
     if report.get("breakdown"):
         runs = report["runs"]
         keys = list(dict.fromkeys(k for r in runs for k in r["breakdown"]))
@@ -357,6 +358,23 @@ def markdown(report: dict[str, Any]) -> str:
             f"{Path(r['source']).name} {r['window'] // 1024}k" for r in runs) + " |", "|---|" + "---:|" * len(runs)]
         lines += [f"| {k} | " + " | ".join(f"{r['breakdown'].get(k, 0) / 1e6:.2f}" for r in runs) + " |" for k in keys]
     return "\n".join(lines)
+
+
+def by_kind(runs: list[dict[str, Any]]) -> list[str]:
+    """Per run, per kind of request (``request_kinds``): how many, their median added latency and proxy CPU, and
+    how many of them took over twice the run's median CPU: the proxy's own outliers, apart from the machine's."""
+    lines = ["| source | window | kind | requests | added, median (ms) | CPU, median (ms) | > 2× median CPU |",
+             "|---|---|---|---:|---:|---:|---:|"]
+    for r in runs:
+        rows: dict[str, list[tuple[float, float]]] = {}
+        for kind, added, cpu in zip(r["kinds"], r["added_ms"], r["cpu_ms"], strict=True):
+            rows.setdefault(kind, []).append((added, cpu))
+        for kind, pairs in sorted(rows.items(), key=lambda kv: -len(kv[1])):
+            slow = sum(cpu > 2 * r["cpu_median_ms"] for _, cpu in pairs)
+            added, cpu = statistics.median(a for a, _ in pairs), statistics.median(c for _, c in pairs)
+            lines.append(f"| {Path(r['source']).name} | {r['window'] // 1024}k | {kind} | {len(pairs)} | "
+                         f"{added:.2f} | {cpu:.2f} | {slow} |")
+    return lines
 
 
 def _parser() -> argparse.ArgumentParser:

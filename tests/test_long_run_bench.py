@@ -50,3 +50,10 @@ def test_a_process_s_cpu_is_read_across_its_threads() -> None:
     while time.process_time() - start < 0.05:
         sum(range(10_000))
     assert long_run.cpu_ns(os.getpid()) - before >= 30_000_000
+
+
+def test_the_requests_of_each_kind_are_told_with_their_cpu_and_their_own_outliers() -> None:
+    run = {"source": "/tmp/tree", "window": 32768, "cpu_median_ms": 2.0, "kinds": ["plain", "fold", "plain", "fold"],
+           "added_ms": [1.0, 6.0, 3.0, 8.0], "cpu_ms": [1.0, 5.0, 2.0, 3.0]}
+    lines = _long_run().by_kind([run])
+    assert lines[2:] == ["| tree | 32k | plain | 2 | 2.00 | 1.50 | 0 |", "| tree | 32k | fold | 2 | 7.00 | 4.00 | 1 |"]
