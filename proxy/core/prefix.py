@@ -155,9 +155,9 @@ class Prefixes:
         key = hash(raw[:self._key_bytes])
         with self._lock:
             lists = self._entries.pop(key, [])
+            self._bytes -= sum(len(entry.raw) for entry in lists)  # before the extended one goes: it was counted
             if reused is not None and reused.count == len(reused.kept.top["messages"]):
                 lists = [entry for entry in lists if entry is not reused.kept]  # extended: the new one covers it
-            self._bytes -= sum(len(entry.raw) for entry in lists)
             lists = [kept, *lists][: self._per_key]
             self._entries[key] = lists
             self._bytes += sum(len(entry.raw) for entry in lists)
