@@ -11,17 +11,20 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from typing import Any, NoReturn, cast
 
 import anyio
 import orjson
 from starlette.requests import Request
 
+from ctxproxy.proxy.core.arrival import Arrival
+from ctxproxy.proxy.core.pieces import Pieces
 from ctxproxy.proxy.core.prefix import Match, Prefixes
 from ctxproxy.proxy.errors import BadRequest, PayloadTooLarge, RequestTimeout
 from ctxproxy.proxy.wire import ChatBody
 
-__all__ = ["MAX_DEPTH", "parse_chat_body", "read_body", "refuse_unwritable"]
+__all__ = ["MAX_DEPTH", "parse_chat_body", "read_body", "read_chat_body", "refuse_unwritable"]
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 MAX_DEPTH = 254
@@ -34,20 +37,35 @@ _INT_RANGE = (-(2 ** 63), 2 ** 64 - 1)
 async def read_body(request: Request, limit: int, timeout: float | None = None) -> bytes:
     """The whole body, refusing (413) as soon as it is known to exceed ``limit`` bytes, and (408) when it has
     not all arrived within ``timeout`` seconds (a client trickling its body would hold a connection forever)."""
+    chunks: list[bytes] = []
+    await _read(request, limit, timeout, chunks.append)
+    return b"".join(chunks)
+
+
+async def read_chat_body(request: Request, limit: int, timeout: float | None,
+                         prefixes: Prefixes) -> tuple[Pieces, Match | None]:
+    """``read_body``'s body, compared with the kept ones as it arrives (``proxy.core.arrival``): what it repeats
+    of one is that one's bytes, never copied; and the kept body it is to be parsed from, if any."""
+    arrival = Arrival(prefixes)
+    await _read(request, limit, timeout, arrival.feed)
+    return arrival.finish()
+
+
+async def _read(request: Request, limit: int, timeout: float | None, take: Callable[[bytes], None]) -> None:
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise _too_large(int(declared), limit)
-    chunks, total = [], 0
+    total = 0
     with anyio.move_on_after(timeout) as deadline:
         async for chunk in request.stream():
             total += len(chunk)
             if total > limit:
                 raise _too_large(total, limit)
-            chunks.append(chunk)
+            if chunk:
+                take(chunk)
     if deadline.cancelled_caught:
         raise RequestTimeout(f"The request body did not arrive within {timeout:g} seconds ({total} bytes came). "
                              "Send it at once, or raise client_body_timeout (CTXPROXY_CLIENT_BODY_TIMEOUT).")
-    return b"".join(chunks)
 
 
 def _too_large(size: int, limit: int) -> PayloadTooLarge:
@@ -55,7 +73,7 @@ def _too_large(size: int, limit: int) -> PayloadTooLarge:
                            "Raise max_body_bytes (CTXPROXY_MAX_BODY_BYTES) if such requests are expected.")
 
 
-def parse_chat_body(raw: bytes, prefixes: Prefixes | None = None, match: Match | None = None) -> ChatBody:
+def parse_chat_body(raw: bytes | Pieces, prefixes: Prefixes | None = None, match: Match | None = None) -> ChatBody:
     """The validated body. Whether it can be written again is checked here only when the stdlib parsed it (it
     takes any integer); what orjson parsed can only be nested too deep to write, which the caller learns when it
     serialises the body's new parts for the journal, before anything is journaled (``refuse_unwritable``).
@@ -64,7 +82,11 @@ def parse_chat_body(raw: bytes, prefixes: Prefixes | None = None, match: Match |
     its new messages are parsed and validated, the others are the recent body's, validated when it came
     (``match``: the recent body, when the caller looked it up already)."""
     reused = prefixes.loads(raw, match) if prefixes is not None else None
-    body, exact = (reused.body, True) if reused is not None else _loads(raw)
+    if reused is not None:
+        body, exact = reused.body, True
+    else:
+        raw = bytes(raw)  # parsed whole: joined once, and kept so
+        body, exact = _loads(raw)
     if not isinstance(body, dict):
         raise BadRequest("Request body must be a JSON object with a `messages` array.", code="invalid_json")
     _expect(body, "model", str, "a string")
