@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import settings as examples
 from hypothesis import strategies as st
 
-from ctxproxy.proxy.core.arrival import MAX_SPANS, Arrival
+from ctxproxy.proxy.core.arrival import Arrival
 from ctxproxy.proxy.core.pieces import Pieces
 from ctxproxy.proxy.core.prefix import Match, Prefixes
 from ctxproxy.proxy.edge.body import parse_chat_body
@@ -113,18 +113,29 @@ def test_what_a_fork_repeats_is_the_kept_body_s_bytes_not_a_copy() -> None:
 
 
 def test_a_growing_session_s_bodies_stay_few_spans_and_whole() -> None:
-    """Each next request adds a span or two; past ``MAX_SPANS`` the spans after the first are joined (all of
-    them once they outweigh the first), so a kept body never becomes thousands of small pieces."""
+    """Each next request adds a span or two, and the last ones merge as a binary counter carries: a kept body
+    stays a few spans, never thousands of small pieces, and the bytes joined over the session are a few times its
+    size, not a body's size every request."""
     prefixes = Prefixes(min_bytes=0)
     messages = history(30)
+    known: dict[int, bytes] = {}  # every object a body was held in so far (kept alive: ids stay theirs)
+    joined = 0
     for n in range(200):
         messages = [*messages, {"role": "assistant" if n % 2 else "user", "content": f"round {n} " * 30}]
         raw = orjson.dumps({"model": "m", "messages": messages})
-        pieces, match = arrive(prefixes, raw, [3000] * 1000)
-        assert bytes(pieces) == raw and len(pieces.spans) <= MAX_SPANS and (n == 0 or match is not None)
+        sent = [raw[at:at + 3000] for at in range(0, len(raw), 3000)]
+        arrival = Arrival(prefixes)
+        for piece in sent:
+            arrival.feed(piece)
+        pieces, match = arrival.finish()
+        assert bytes(pieces) == raw and len(pieces.spans) <= 12 and (n == 0 or match is not None)
         assert parse_chat_body(pieces, prefixes, match) == orjson.loads(raw)
+        known.update((id(piece), piece) for piece in sent)
+        joined += sum(len(data) for data, _, _ in pieces.spans if id(data) not in known)
+        known.update((id(data), data) for data, _, _ in pieces.spans)
     [[kept]] = prefixes._entries.values()
-    assert bytes(kept.raw) == raw and prefixes.retained_bytes == kept.raw.weight() < 3 * len(raw)
+    assert bytes(kept.raw) == raw and prefixes.retained_bytes == kept.raw.weight() < 2 * len(raw)
+    assert joined < 8 * len(raw)  # every body joined: 100 times
 
 
 def test_kept_bodies_are_bounded_by_the_objects_they_keep_alive() -> None:

@@ -17,10 +17,7 @@ from __future__ import annotations
 from ctxproxy.proxy.core.pieces import Pieces, Span
 from ctxproxy.proxy.core.prefix import Match, Prefixes, _Kept
 
-__all__ = ["MAX_SPANS", "Arrival"]
-
-MAX_SPANS = 8
-"""A body of more spans has those after its first joined: a session's next requests each add a span or two."""
+__all__ = ["Arrival"]
 
 
 class Arrival:
@@ -53,7 +50,7 @@ class Arrival:
         if self._pending is not None:
             self._look_up()
         head = self._lead.raw.cut(0, self._covered) if self._lead is not None else Pieces(())
-        raw = _compact(Pieces([*head.spans, *self._own]))
+        raw = _compact(Pieces([*head.spans, *self._own]), self._covered)
         compared = {kept: self._parted.get(kept, self._size) for kept in self._candidates}
         return raw, self._prefixes.matched(raw, compared)
 
@@ -94,10 +91,19 @@ def _agreed(kept: _Kept, view: memoryview, at: int, known: dict[_Kept, int]) -> 
     return kept.raw.agreeing(view, at)
 
 
-def _compact(raw: Pieces) -> Pieces:
-    """At most ``MAX_SPANS`` spans: those after the first joined, or all of them when they outweigh it."""
-    if len(raw.spans) <= MAX_SPANS:
-        return raw
-    first = raw.ends[0]
-    return Pieces.of(bytes(raw)) if len(raw) - first > first else Pieces([raw.spans[0], (raw[first:], 0,
-                                                                                           len(raw) - first)])
+def _compact(raw: Pieces, covered: int) -> Pieces:
+    """A body mostly its own (``covered``: the bytes a kept body stood in for) joined once, as a body read whole
+    was; otherwise its last two spans joined while the last weighs more than half the one before it. A session's
+    next requests each add a small span, and spans merge as a binary counter's bits carry: a few spans, halving
+    in size, and each byte copied a few times over the session (600 rounds of 10 KB: 5 times), not every request."""
+    if len(raw) - covered > covered and len(raw.spans) > 1:
+        return Pieces.of(bytes(raw))
+    spans = list(raw.spans)
+    while len(spans) > 1 and 2 * _size(spans[-1]) > _size(spans[-2]):
+        last = Pieces(spans[-2:]).take(0, _size(spans[-2]) + _size(spans[-1]))
+        spans[-2:] = [(last, 0, len(last))]
+    return raw if len(spans) == len(raw.spans) else Pieces(spans)
+
+
+def _size(span: Span) -> int:
+    return span[2] - span[1]
