@@ -21,7 +21,9 @@ session's placement and the list's journaling) on a copy of that proxy's journal
 
 Reported: median added latency (median proxied − median direct) per request kind, window and tree; the fake's
 answer has ``usage.prompt_tokens`` 42, which the proxy's calibration clamps to k = 0.5 (the budget doubles: the
-long run is still cut at both windows). Nothing leaves 127.0.0.1; only the processes started here are stopped.
+long run is still cut at both windows); and the median CPU the proxy process spent per request, all threads, from
+its start to the next request the proxy got (``/proc/PID/task/*/schedstat``): a busy machine adds waiting to the
+latency, not CPU. Nothing leaves 127.0.0.1; only the processes started here are stopped.
 
 Run: ``.venv/bin/python bench/forks.py --trials 15 --tree before=/tmp/ctxproxy-main --tree after=. --journal``
 """
@@ -39,7 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,6 +54,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(BENCH))
 
 import latency  # noqa: E402
+from long_run import cpu_ns  # noqa: E402
 
 from tests.workloads import conversation  # noqa: E402
 
@@ -76,6 +79,19 @@ class Proxy:
     """The long session's messages so far (grows by a round with each ``next`` trial)."""
     samples: dict[str, list[tuple[int, int]]] = field(default_factory=lambda: {k: [] for k in KINDS})
     """Per kind: (direct ns, proxied ns) of each trial."""
+    pid: int = 0
+    cpu: dict[str, list[int]] = field(default_factory=lambda: {k: [] for k in KINDS})
+    """Per kind: the proxy's CPU ns from each timed request's start to the next request it got (all its threads:
+    what it did after answering included), which a busy machine blurs less than the latency."""
+    open: tuple[str, int] | None = None
+    """The kind and the CPU at the start of the request being measured, if any."""
+
+    def mark(self, kind: str | None) -> None:
+        """A request of ``kind`` (None: nothing, the end) is about to reach this proxy: the last one's CPU ends."""
+        now = cpu_ns(self.pid) if self.pid else 0
+        if self.open is not None:
+            self.cpu[self.open[0]].append(now - self.open[1])
+        self.open = None if kind is None else (kind, now)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,7 +171,7 @@ def _proxy(procs: list[Any], tmp: Path, upstream: str, name: str, tree: str, win
         procs.append(subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                       env=env, cwd=tree))
     latency._wait_ready(procs[-1], f"http://127.0.0.1:{port}/healthz", log)
-    return Proxy(name, window, f"http://127.0.0.1:{port}", [])
+    return Proxy(name, window, f"http://127.0.0.1:{port}", [], pid=procs[-1].pid)
 
 
 def _post(client: httpx.Client, body: bytes) -> int:
@@ -201,19 +217,26 @@ def _trials(direct: str, proxies: list[Proxy], base: dict[str, Any], trials: int
             for trial in range(trials + 1):  # trial 0 warms every kind up, not counted
                 for proxy in proxies:
                     for kind, body in _bodies(proxy, base, trial).items():
-                        pair = _pair(d, clients[proxy.url], body, proxied_first=(trial + len(kind)) % 2 == 1)
+                        pair = _pair(d, clients[proxy.url], body, proxied_first=(trial + len(kind)) % 2 == 1,
+                                     before_proxied=lambda p=proxy, k=kind if trial else None: p.mark(k))
                         if trial:
                             proxy.samples[kind].append(pair)
+            time.sleep(0.2)  # what the last requests' answers left to do
+            for proxy in proxies:
+                proxy.mark(None)
         finally:
             for client in clients.values():
                 client.close()
 
 
-def _pair(direct: httpx.Client, proxied: httpx.Client, body: bytes, proxied_first: bool) -> tuple[int, int]:
+def _pair(direct: httpx.Client, proxied: httpx.Client, body: bytes, proxied_first: bool,
+          before_proxied: Callable[[], None] = lambda: None) -> tuple[int, int]:
     if proxied_first:
+        before_proxied()
         p = _post(proxied, body)
         return _post(direct, body), p
     d = _post(direct, body)
+    before_proxied()
     return d, _post(proxied, body)
 
 
@@ -267,7 +290,8 @@ def _report(proxies: list[Proxy], args: argparse.Namespace, base: dict[str, Any]
             rows.append({"tree": p.tree, "window": p.window, "kind": kind,
                          "direct_ms": _ms(statistics.median(direct)), "proxied_ms": _ms(statistics.median(proxied)),
                          "added_ms": _ms(statistics.median(proxied) - statistics.median(direct)),
-                         "pair_diff_ms": _ms(statistics.median(b - a for a, b in pairs))})
+                         "pair_diff_ms": _ms(statistics.median(b - a for a, b in pairs)),
+                         "proxy_cpu_ms": _ms(statistics.median(p.cpu[kind])) if p.cpu[kind] else None})
     command = shlex.join([latency._rel(Path(sys.executable)), latency._rel(Path(__file__)), *sys.argv[1:]])
     return {"command": command, "rounds": args.rounds, "trials": args.trials, "cpus": os.cpu_count(),
             "results": rows}
@@ -275,10 +299,11 @@ def _report(proxies: list[Proxy], args: argparse.Namespace, base: dict[str, Any]
 
 def _markdown(report: dict[str, Any]) -> str:
     lines = [f"{report['rounds']} rounds, {report['trials']} trials per kind, {report['cpus']} CPUs; ms, medians.",
-             "", "| tree | window | request | direct | proxied | added | median pair diff |",
-             "|---|---:|---|---:|---:|---:|---:|"]
+             "", "| tree | window | request | direct | proxied | added | median pair diff | proxy CPU |",
+             "|---|---:|---|---:|---:|---:|---:|---:|"]
     lines += [f"| {r['tree']} | {r['window'] // 1024}k | {r['kind']} | {r['direct_ms']:.2f} | {r['proxied_ms']:.2f}"
-              f" | **{r['added_ms']:.2f}** | {r['pair_diff_ms']:.2f} |" for r in report["results"]]
+              f" | **{r['added_ms']:.2f}** | {r['pair_diff_ms']:.2f} | {r['proxy_cpu_ms'] or 0:.2f} |"
+              for r in report["results"]]
     return "\n".join(lines)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import orjson
@@ -68,7 +69,7 @@ def test_nothing_downstream_changes_the_message_objects_the_next_request_reuses(
         assert client.post("/v1/chat/completions", content=body(messages, stream=i % 2 == 1)).status_code == 200
     prefixes: Prefixes = client.app.state.ctx.hasher.prefixes  # type: ignore[attr-defined]
     kept = [entry for lists in prefixes._entries.values() for entry in lists]
-    assert kept and all(entry.top == orjson.loads(entry.raw) for entry in kept)
+    assert kept and all(entry.top == orjson.loads(bytes(entry.raw)) for entry in kept)
 
 
 def _request(messages: list[dict[str, Any]], wait: asyncio.Event | None = None) -> Request:
@@ -116,3 +117,22 @@ def test_a_body_late_is_a_408_and_a_cancellation_from_outside_stays_one() -> Non
         await asyncio.sleep(0.1)  # the read's timer went with it: nothing cancels this task later
 
     asyncio.run(cancelled())
+
+
+def chunked(raw: bytes, size: int) -> Iterator[bytes]:
+    for at in range(0, len(raw), size):
+        yield raw[at:at + size]
+
+
+def test_bodies_sent_in_pieces_go_upstream_as_they_came(roomy_client: TestClient, fake: FakeUpstream) -> None:
+    """Through the app: a session, a fork of it and its next request, each sent in 1 000-byte pieces and held
+    as spans of the kept bodies, reach the upstream byte for byte (unchanged: the window holds them)."""
+    fork = [*HISTORY[:30], {"role": "user", "content": "edited"}, *HISTORY[31:]]
+    more = [{"role": "assistant", "content": "next"}, {"role": "user", "content": "more"}]
+    bodies = [body(messages) for messages in (HISTORY, fork, [*HISTORY, *more])]
+    for raw in bodies:
+        assert roomy_client.post("/v1/chat/completions", content=chunked(raw, 1000)).status_code == 200
+        assert fake.last_chat.body == raw
+    prefixes: Prefixes = roomy_client.app.state.ctx.hasher.prefixes  # type: ignore[attr-defined]
+    spans = [len(entry.raw.spans) for lists in prefixes._entries.values() for entry in lists]
+    assert spans == [2, 2]  # the next request and the fork: each the first body's bytes, then its own

@@ -174,8 +174,10 @@ def test_small_bodies_are_parsed_whole() -> None:
 def test_kept_bodies_are_bounded_in_bytes_and_an_extended_body_replaces_its_parent() -> None:
     prefixes = Prefixes(max_bytes=200_000, min_bytes=0)
     messages = history(10)
-    for n in range(5, 10):  # one conversation growing: one body kept
-        check(prefixes, orjson.dumps({"model": "m", "messages": messages[:n]}))
+    for n in range(5, 10):  # one conversation growing: one body kept, and counted once
+        raw = orjson.dumps({"model": "m", "messages": messages[:n]})
+        check(prefixes, raw)
+        assert prefixes.retained_bytes == len(raw)
     assert len(prefixes._entries) == 1 and len(next(iter(prefixes._entries.values()))) == 1
     for i in range(20):
         check(prefixes, orjson.dumps({"model": f"m{i}", "messages": messages}))

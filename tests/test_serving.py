@@ -14,13 +14,14 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
 from ctxproxy.config import Settings, load_settings
 from ctxproxy.proxy.edge.app import create_app
-from ctxproxy.proxy.edge.serving import uvicorn_options
+from ctxproxy.proxy.edge.serving import HeldPieces, uvicorn_options
 from tests.conftest import chat
 from tests.fakes import FakeUpstream, Reply, completion, serve_in_thread
 
@@ -153,3 +154,37 @@ def test_connections_beyond_the_cap_are_answered_503_and_closed(tmp_path: Path) 
             except httpx.HTTPError:
                 time.sleep(0.1)  # the held connections are still being released
         assert httpx.get(url + "/healthz").status_code == 200
+
+
+async def echo_pieces(scope: Any, receive: Any, send: Any) -> None:
+    """An app that answers with the body it received and how many pieces it came in."""
+    if scope["type"] != "http":
+        return
+    pieces, more = [], True
+    while more:
+        message = await receive()
+        pieces.append(message.get("body", b""))
+        more = message.get("more_body", False)
+    body = b"".join(pieces)
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"x-pieces", str(len(pieces)).encode()), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def test_a_body_in_many_pieces_reaches_the_app_as_sent(tmp_path: Path) -> None:
+    """The protocol hands the app httptools' pieces as they came (``HeldPieces``): the bytes are the body's, in
+    order, however they were cut, and a piece of none at all (an empty body) is an empty body."""
+    settings = settings_with(tmp_path)
+    raw = bytes(range(256)) * 12_000  # 3 MB, every piece distinct from its neighbours
+    with serve_in_thread(echo_pieces, **uvicorn_options(settings)) as url, httpx.Client(timeout=30) as client:
+        sent = client.post(url, content=(raw[at:at + 70_001] for at in range(0, len(raw), 70_001)))
+        assert sent.content == raw and int(sent.headers["x-pieces"]) > 1
+        assert client.post(url, content=b"").content == b""
+
+
+def test_held_pieces_hand_one_piece_over_as_it_came_and_several_joined() -> None:
+    held = HeldPieces()
+    held += b"first"
+    assert bytes(held) is held.pieces[0] and len(held) == 5
+    held += b", second"
+    assert bytes(held) == b"first, second" and len(held) == 13

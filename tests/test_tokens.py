@@ -432,3 +432,21 @@ def test_a_50_mb_message_is_counted_without_encoding_it() -> None:
     tokens = MessageCounter(counter).count({"role": "user", "content": "x" * 50_000_000})
     assert tokens == MESSAGE_OVERHEAD + 50_000_000
     assert encoding.encoded == []
+
+
+@given(st.lists(st.tuples(st.sampled_from("abcdefgh"), st.text(max_size=20)), max_size=12),
+       st.lists(st.tuples(st.sampled_from("abcdefgh"), st.text(max_size=20)), max_size=12), st.integers(1, 6))
+def test_counting_all_at_once_is_counting_each_in_turn(first: list[tuple[str, str]], then: list[tuple[str, str]],
+                                                       capacity: int) -> None:
+    """``count_all`` (the tally's lookups under one lock) gives each message's keyed count, a key seen twice the
+    first one's, and leaves the cache and its hit and miss counts as counting them one by one does; a small
+    capacity still holds."""
+    one, batch = MessageCounter(load_encoding()), MessageCounter(load_encoding())
+    small = MessageCounter(load_encoding(), capacity)
+    for messages in (first, then):
+        bodies = [{"role": "user", "content": text} for _, text in messages]
+        keys = [key for key, _ in messages]
+        expected = [one.count(body, key) for body, key in zip(bodies, keys, strict=True)]
+        assert batch.count_all(bodies, keys) == expected
+        assert (batch.hits, batch.misses) == (one.hits, one.misses) and dict(batch._cache) == dict(one._cache)
+        assert len(small.count_all(bodies, keys)) == len(keys) and len(small._cache) <= capacity

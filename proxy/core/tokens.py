@@ -30,7 +30,7 @@ import functools
 import math
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -226,6 +226,28 @@ class MessageCounter:
             if len(self._cache) > self.capacity:
                 self._cache.popitem(last=False)
         return tokens
+
+    def count_all(self, messages: Sequence[Mapping[str, Any]], keys: Sequence[str]) -> list[int]:
+        """``count`` of each message under its key, the cache looked up for all of them under one lock (a 128k
+        projection's tally looks up ~800 cut messages a request: a lock each was most of its time). A key seen
+        twice is counted once, as one by one."""
+        with self._lock:
+            found = [self._cache.get(key) for key in keys]
+            for key, cached in zip(keys, found, strict=True):
+                if cached is not None:
+                    self._cache.move_to_end(key)
+        missing: dict[str, int] = {}
+        for i, (key, cached) in enumerate(zip(keys, found, strict=True)):
+            if cached is None:
+                missing.setdefault(key, i)
+        counted = {key: self._count_message(messages[i]) for key, i in missing.items()}  # outside the lock
+        with self._lock:
+            self.hits += len(keys) - len(missing)
+            self.misses += len(missing)
+            self._cache.update(counted)
+            while len(self._cache) > self.capacity:
+                self._cache.popitem(last=False)
+        return [counted[key] if cached is None else cached for key, cached in zip(keys, found, strict=True)]
 
     def cached(self, key: str) -> int | None:
         """The count cached under ``key``, if any, without counting (the inspector skips reading known bodies)."""

@@ -12,16 +12,19 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from collections.abc import Callable
 from typing import Any, NoReturn, cast
 
 import orjson
 from starlette.requests import ClientDisconnect, Request
 
+from ctxproxy.proxy.core.arrival import Arrival
+from ctxproxy.proxy.core.pieces import Pieces
 from ctxproxy.proxy.core.prefix import Match, Prefixes
 from ctxproxy.proxy.errors import BadRequest, PayloadTooLarge, RequestTimeout
 from ctxproxy.proxy.wire import ChatBody
 
-__all__ = ["MAX_DEPTH", "parse_chat_body", "read_body", "refuse_unwritable"]
+__all__ = ["MAX_DEPTH", "parse_chat_body", "read_body", "read_chat_body", "refuse_unwritable"]
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 MAX_DEPTH = 254
@@ -33,7 +36,23 @@ _INT_RANGE = (-(2 ** 63), 2 ** 64 - 1)
 
 async def read_body(request: Request, limit: int, timeout: float | None = None) -> bytes:
     """The whole body, refusing (413) as soon as it is known to exceed ``limit`` bytes, and (408) when it has
-    not all arrived within ``timeout`` seconds (a client trickling its body would hold a connection forever).
+    not all arrived within ``timeout`` seconds (a client trickling its body would hold a connection forever)."""
+    chunks: list[bytes] = []
+    await _read(request, limit, timeout, chunks.append)
+    return b"".join(chunks)
+
+
+async def read_chat_body(request: Request, limit: int, timeout: float | None,
+                         prefixes: Prefixes) -> tuple[Pieces, Match | None]:
+    """``read_body``'s body, compared with the kept ones as it arrives (``proxy.core.arrival``): what it repeats
+    of one is that one's bytes, never copied; and the kept body it is to be parsed from, if any."""
+    arrival = Arrival(prefixes)
+    await _read(request, limit, timeout, arrival.feed)
+    return arrival.finish()
+
+
+async def _read(request: Request, limit: int, timeout: float | None, take: Callable[[bytes], None]) -> None:
+    """The body's pieces to ``take`` as they arrive, within ``limit`` and ``timeout`` (``read_body``).
 
     Read from the ASGI ``receive`` under a timer of the loop's, not through Starlette's ``request.stream()`` (an
     async generator asyncio registers) under anyio's ``move_on_after`` (a cancel scope): the two cost ~20 µs of
@@ -45,32 +64,31 @@ async def read_body(request: Request, limit: int, timeout: float | None = None) 
     assert task is not None
     timer = None if timeout is None else asyncio.get_running_loop().call_later(
         timeout, lambda: expired.append(task.cancel()))
-    chunks: list[bytes] = []
+    received = [0]
     try:
-        await _receive_body(request, chunks, limit)
+        await _receive_body(request, take, limit, received)
     except asyncio.CancelledError:
         if expired and task.uncancel() == 0:  # cancelled by the timer alone, not (also) from outside
-            raise _too_slow(timeout, sum(map(len, chunks))) from None
+            raise _too_slow(timeout, received[0]) from None
         raise
     finally:
         if timer is not None:
             timer.cancel()
-    return b"".join(chunks)
 
 
-async def _receive_body(request: Request, chunks: list[bytes], limit: int) -> None:
-    """The body's pieces into ``chunks``, as ``request.stream()`` reads them (a client gone: ``ClientDisconnect``)."""
-    total = 0
+async def _receive_body(request: Request, take: Callable[[bytes], None], limit: int, received: list[int]) -> None:
+    """The body's pieces to ``take``, as ``request.stream()`` reads them (a client gone: ``ClientDisconnect``);
+    ``received[0]``: the bytes that came so far."""
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             raise ClientDisconnect()
         chunk = message.get("body", b"")
-        total += len(chunk)
-        if total > limit:
-            raise _too_large(total, limit)
+        received[0] += len(chunk)
+        if received[0] > limit:
+            raise _too_large(received[0], limit)
         if chunk:
-            chunks.append(chunk)
+            take(chunk)
         if not message.get("more_body", False):
             return
 
@@ -85,7 +103,7 @@ def _too_large(size: int, limit: int) -> PayloadTooLarge:
                            "Raise max_body_bytes (CTXPROXY_MAX_BODY_BYTES) if such requests are expected.")
 
 
-def parse_chat_body(raw: bytes, prefixes: Prefixes | None = None, match: Match | None = None) -> ChatBody:
+def parse_chat_body(raw: bytes | Pieces, prefixes: Prefixes | None = None, match: Match | None = None) -> ChatBody:
     """The validated body. Whether it can be written again is checked here only when the stdlib parsed it (it
     takes any integer); what orjson parsed can only be nested too deep to write, which the caller learns when it
     serialises the body's new parts for the journal, before anything is journaled (``refuse_unwritable``).
@@ -94,7 +112,11 @@ def parse_chat_body(raw: bytes, prefixes: Prefixes | None = None, match: Match |
     its new messages are parsed and validated, the others are the recent body's, validated when it came
     (``match``: the recent body, when the caller looked it up already)."""
     reused = prefixes.loads(raw, match) if prefixes is not None else None
-    body, exact = (reused.body, True) if reused is not None else _loads(raw)
+    if reused is not None:
+        body, exact = reused.body, True
+    else:
+        raw = bytes(raw)  # parsed whole: joined once, and kept so
+        body, exact = _loads(raw)
     if not isinstance(body, dict):
         raise BadRequest("Request body must be a JSON object with a `messages` array.", code="invalid_json")
     _expect(body, "model", str, "a string")

@@ -19,8 +19,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ctxproxy.proxy.core import canonical_json, content_hash, fingerprint
+from ctxproxy.proxy.core.pieces import Pieces
 from ctxproxy.proxy.core.prefix import Match
-from ctxproxy.proxy.edge.body import parse_chat_body, read_body, refuse_unwritable
+from ctxproxy.proxy.edge.body import parse_chat_body, read_chat_body, refuse_unwritable
 from ctxproxy.proxy.edge.callers import incognito_requested, requested_session, scoped_fingerprint
 from ctxproxy.proxy.engine.context import read_new_session
 from ctxproxy.proxy.engine.driver import drive
@@ -41,8 +42,9 @@ async def chat_completions(request: Request) -> Response:
     state: AppState = request.app.state.ctx
     refuse_loop(request.headers, state.upstream.instance)
     incognito = incognito_requested(request) or state.settings.incognito
-    raw = await read_body(request, state.settings.max_body_bytes, state.settings.client_body_timeout)
-    match = state.hasher.prefixes.match(raw)  # the parse costs what the bytes after the shared ones cost
+    # the parse costs what the bytes after the shared ones cost, and those are the only ones copied
+    raw, match = await read_chat_body(request, state.settings.max_body_bytes, state.settings.client_body_timeout,
+                                      state.hasher.prefixes)
     body, incoming = await state.offload.run(is_heavy(raw, match.shared if match else 0), _admit, request, raw,
                                              state, match)
     writer = state.journal_for(incognito)
@@ -64,7 +66,7 @@ async def chat_completions(request: Request) -> Response:
         raise
 
 
-def _admit(request: Request, raw: bytes, state: AppState, match: Match | None) -> tuple[ChatBody, IncomingRequest]:
+def _admit(request: Request, raw: Pieces, state: AppState, match: Match | None) -> tuple[ChatBody, IncomingRequest]:
     """Parse, validate and hash: sized by the request's new bytes (``match``: the recent body it repeats), so a
     large one's runs on the worker (``proxy.engine.heavy``)."""
     body = parse_chat_body(raw, state.hasher.prefixes, match)
@@ -75,7 +77,7 @@ def _admit(request: Request, raw: bytes, state: AppState, match: Match | None) -
         refuse_unwritable(dict(body))
 
 
-def incoming_request(request: Request, raw: bytes, body: ChatBody, state: AppState) -> IncomingRequest:
+def incoming_request(request: Request, raw: bytes | Pieces, body: ChatBody, state: AppState) -> IncomingRequest:
     """The journal's view of a request: content hashes and canonical bodies, credentials redacted."""
     messages = body["messages"]
     session_name = requested_session(request, state.settings)

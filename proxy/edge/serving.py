@@ -11,6 +11,11 @@ complete, so it does not bound them. ``GuardedProtocol`` adds what is missing, p
   begun a request, silently if it sent nothing, as the keep-alive timer does);
 - ``max_connections``: a connection over the cap gets a 503 and is closed at once.
 
+It also hands the body's pieces to the app as httptools made them: uvicorn appends each to a ``bytearray`` and
+hands the app ``bytes`` of it, two copies of every body (about 1 ms for 6.5 MB, warm, and fresh memory when the
+app keeps them); the app compares large ones with the bodies it keeps and keeps only what they do not repeat
+(``proxy.core.arrival``), so a piece handed as it came is not copied at all.
+
 The body is the app's to bound (``client_body_timeout`` in ``proxy.edge.body.read_body``, a 408 in the OpenAI envelope).
 """
 
@@ -26,7 +31,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from ctxproxy.config import Settings
 from ctxproxy.proxy.errors import envelope
 
-__all__ = ["GuardedProtocol", "guarded_protocol", "port_taken", "uvicorn_options"]
+__all__ = ["GuardedProtocol", "HeldPieces", "guarded_protocol", "port_taken", "uvicorn_options"]
 
 
 def _raw_response(status: str, message: str, code: str) -> bytes:
@@ -34,6 +39,29 @@ def _raw_response(status: str, message: str, code: str) -> bytes:
     head = (f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\nconnection: close\r\n"
             f"content-length: {len(body)}\r\n\r\n")
     return head.encode("latin-1") + body
+
+
+class HeldPieces:
+    """What uvicorn's request cycle buffers a body in between two of the app's ``receive`` calls, in place of its
+    ``bytearray``: it appends (``+=``), measures (``len``) and hands over (``bytes(...)``) the pieces, the one piece
+    as it came when it holds one (the usual case: the app takes each as soon as it arrives)."""
+
+    __slots__ = ("pieces", "size")
+
+    def __init__(self) -> None:
+        self.pieces: list[bytes] = []
+        self.size = 0
+
+    def __iadd__(self, piece: bytes) -> HeldPieces:
+        self.pieces.append(piece)
+        self.size += len(piece)
+        return self
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __bytes__(self) -> bytes:
+        return self.pieces[0] if len(self.pieces) == 1 else b"".join(self.pieces)
 
 
 class GuardedProtocol(HttpToolsProtocol):
@@ -61,6 +89,11 @@ class GuardedProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         self._began = True
         super().data_received(data)
+
+    def on_body(self, body: bytes) -> None:
+        if self.cycle is not None and not isinstance(self.cycle.body, HeldPieces) and not self.cycle.body:
+            self.cycle.body = HeldPieces()  # type: ignore[assignment]  # what uvicorn's cycle does with it, it does
+        super().on_body(body)
 
     def on_response_complete(self) -> None:
         super().on_response_complete()

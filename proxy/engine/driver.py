@@ -14,6 +14,7 @@ from typing import Any, Protocol, cast
 
 from starlette.responses import Response
 
+from ctxproxy.proxy.core.pieces import Pieces
 from ctxproxy.proxy.core.state import Rules
 from ctxproxy.proxy.engine.buffered import BufferedSink
 from ctxproxy.proxy.engine.exchange import Exchange
@@ -54,7 +55,7 @@ class Sink(Protocol):
     async def respond(self, rounds: AsyncIterator[bytes], opened: Opened) -> Response: ...
 
 
-async def drive(exchange: Exchange, raw: bytes, compact: str | None) -> Response:
+async def drive(exchange: Exchange, raw: bytes | Pieces, compact: str | None) -> Response:
     """Run one request's turn: the first forward here, the rest of the rounds as the sink's response goes out."""
     context = await exchange.load_context()
     messages = cast(list[dict[str, Any]], exchange.body["messages"])

@@ -15,6 +15,7 @@ from typing import Any, Protocol, cast
 import httpx
 import orjson
 
+from ctxproxy.proxy.core.pieces import Pieces
 from ctxproxy.proxy.engine.exchange import Exchange, target_of
 from ctxproxy.proxy.engine.planning import Ask, Plan, plan_forward, what_takes_room
 from ctxproxy.proxy.engine.turn import Forward
@@ -75,7 +76,7 @@ class Opened:
 class Forwarder:
     """The request's forwards: each planned (``proxy.engine.planning``), sent, and judged for an overflow."""
 
-    def __init__(self, exchange: Exchange, raw: bytes, compact: str | None) -> None:
+    def __init__(self, exchange: Exchange, raw: bytes | Pieces, compact: str | None) -> None:
         self.exchange, self.raw, self.compact = exchange, raw, compact
         self.streamed = bool(exchange.body.get("stream"))
 

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import anyio
 import anyio.to_thread
 
+from ctxproxy.proxy.core.pieces import Pieces
 from ctxproxy.proxy.errors import PayloadTooLarge
 
 __all__ = ["OFFLOAD_BYTES", "OFFLOAD_MESSAGES", "OFFLOAD_OBJECTS", "Offload", "check_message_count", "is_heavy",
@@ -44,7 +45,7 @@ WORKERS = 2
 """Heavy steps running at once: the machine's cores; more would only share them, and hold more memory."""
 
 
-def is_heavy(raw: bytes, shared: int = 0) -> bool:
+def is_heavy(raw: bytes | Pieces, shared: int = 0) -> bool:
     """Before parsing: does this body's parsing and hashing belong on the worker? Only the bytes after the
     ``shared`` ones are parsed and hashed (``proxy.core.prefix``: they repeat a recent body's), so only they
     count: the next request of a 6.5 MB session parses a few KB, on the loop. (``bytes.count`` scans 630 KB in

@@ -28,6 +28,7 @@ from ctxproxy.proxy.core import (
     violations,
 )
 from ctxproxy.proxy.core.fenced import presets_for, route_of
+from ctxproxy.proxy.core.pieces import Pieces
 from ctxproxy.proxy.core.tokens import MessageCounter
 from ctxproxy.proxy.engine.context import ParentState, SessionContext
 from ctxproxy.proxy.engine.decided import decision_rows
@@ -119,7 +120,8 @@ class Ask:
     the last round, without the context tools; ``compact``: what the agent's own compaction prompt asked."""
 
     body: ChatBody
-    raw: bytes
+    raw: bytes | Pieces
+    """The body as it came (``proxy.core.pieces``): joined only if it goes upstream unchanged."""
     incoming: IncomingRequest
     recorded: RecordedRequest
     attempt: int
@@ -172,7 +174,8 @@ def _shape(app: AppState, settings: Settings, ctx: SessionContext, ask: Ask, win
                                     if may_offer and not offered else 0)
     record = _forward_record(ask.recorded, ask.incoming, ctx, p, ask.attempt, rules.k, sent, hashes, changed,
                              None if ask.splice else estimate)  # a splice's tokens are not in the estimate
-    return _Shaped(p, rules, offered, estimate, hashes, record, orjson.dumps(payload.body) if changed else ask.raw,
+    out = orjson.dumps(payload.body) if changed else bytes(ask.raw)
+    return _Shaped(p, rules, offered, estimate, hashes, record, out,
                    tally(p, messages, ask.incoming.hashes, app.counter, estimate, budgeted))
 
 

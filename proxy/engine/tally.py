@@ -37,9 +37,11 @@ def tally(p: Projection, messages: Sequence[dict[str, Any]], hashes: Sequence[st
     what the projection's estimate holds for them, listed or not (none of it is the agent's)."""
     state = p.state
     removed = [0] * len(state.counts)
-    for i, count in enumerate(state.counts):
-        if state.out_hashes[i] != state.hashes[i] or state.out[i] is None:
-            removed[i] = counter.count(messages[i], hashes[i]) - count  # a fold's stub: less than 0
+    cut = [i for i, (_, out, kept, message) in enumerate(zip(state.counts, state.out_hashes, state.hashes, state.out,
+                                                              strict=False)) if out != kept or message is None]
+    originals = counter.count_all([messages[i] for i in cut], [hashes[i] for i in cut])
+    for i, original in zip(cut, originals, strict=True):
+        removed[i] = original - state.counts[i]  # a fold's stub: less than 0
     cuts: dict[str, int] = {}
     for d in p.new:
         cuts[d.kind] = cuts.get(d.kind, 0) + 1
@@ -49,6 +51,8 @@ def tally(p: Projection, messages: Sequence[dict[str, Any]], hashes: Sequence[st
 def _freed(new: Sequence[Decision], ids: Sequence[str], removed: Sequence[int]) -> dict[str, int]:
     """What each new cut took out: the tokens its message lost; a fold, every message of its span (a result elided
     and folded by the same request counts once, for the fold), so that the kinds add up to what was freed."""
+    if not new:
+        return {}
     where = {mid: i for i, mid in enumerate(ids)}
     spans = {d.target: (where[d.target], where[d.target] + d.count) for d in new
              if d.kind == "fold" and d.target in where}
