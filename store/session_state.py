@@ -89,13 +89,8 @@ def _record_mirror(journal: Journal, session_id: str, text: str, previous: str |
         if grown is not None:
             return grown
     tail = _MIRROR_TAIL if text.endswith(_MIRROR_TAIL) else ""
-    pieces = [*text[: len(text) - len(tail)].split(MIRROR_SEPARATOR), tail]
-    hashes = [hashlib.sha256(p.encode()).hexdigest() for p in pieces]
     before, depth = ([], 0) if row is None else _mirror_hashes(journal, int(row[0]))
-    stored = set(before)
-    journal.conn.executemany("INSERT INTO blobs (hash, kind, body, chars) VALUES (?, 'mirror', ?, ?)"
-                             " ON CONFLICT DO NOTHING",
-                             [(h, p, len(p)) for h, p in zip(hashes, pieces, strict=True) if h not in stored])
+    hashes = _offer_pieces(journal, [*text[: len(text) - len(tail)].split(MIRROR_SEPARATOR), tail], set(before))
     if row is None or depth >= _MAX_DEPTH:
         return _insert_mirror_list(journal, None, [], 0, hashes)
     same = next((i for i, (a, b) in enumerate(zip(before, hashes, strict=False)) if a != b),
@@ -128,13 +123,20 @@ def _record_growth(journal: Journal, list_id: int, length: int, text: str, previ
         return None
     if journal.conn.execute(_DEPTH, [list_id]).fetchone()[0] >= _MAX_DEPTH:
         return None
-    grown = text[kept + len(MIRROR_SEPARATOR): len(text) - len(_MIRROR_TAIL)].split(MIRROR_SEPARATOR)
-    hashes = [hashlib.sha256(p.encode()).hexdigest() for p in grown]
-    journal.conn.executemany("INSERT INTO blobs (hash, kind, body, chars) VALUES (?, 'mirror', ?, ?)"
-                             " ON CONFLICT DO NOTHING", [(h, p, len(p)) for h, p in zip(hashes, grown, strict=True)])
+    hashes = _offer_pieces(journal, text[kept + len(MIRROR_SEPARATOR): len(text) - len(_MIRROR_TAIL)]
+                           .split(MIRROR_SEPARATOR))
     tail = hashlib.sha256(_MIRROR_TAIL.encode()).hexdigest()  # stored with the list this one extends
     return journal.conn.insert("INSERT INTO message_lists (base_id, base_len, added, length) VALUES (?, ?, ?, ?)",
                                [list_id, length - 1, json.dumps([*hashes, tail]), length + len(hashes)])
+
+
+def _offer_pieces(journal: Journal, pieces: list[str], stored: set[str] | frozenset[str] = frozenset()) -> list[str]:
+    """The pieces' hashes; each piece whose hash is not in ``stored`` offered to ``blobs`` (kept once)."""
+    hashes = [hashlib.sha256(p.encode()).hexdigest() for p in pieces]
+    journal.conn.executemany("INSERT INTO blobs (hash, kind, body, chars) VALUES (?, 'mirror', ?, ?)"
+                             " ON CONFLICT DO NOTHING",
+                             [(h, p, len(p)) for h, p in zip(hashes, pieces, strict=True) if h not in stored])
+    return hashes
 
 
 def _insert_mirror_list(journal: Journal, base_id: int | None, base: list[str], same: int, hashes: list[str]) -> int:

@@ -36,11 +36,11 @@ def write_mirror(ctx: SessionContext, settings: Settings, session_id: str, p: Pr
         ctx.mirror = ctx.mirror or mirror_path(settings, session_id)
     if ctx.mirror is None or not above:
         return None
-    if _draft_pending(ctx, ctx.mirror):
+    stat = _stat(ctx.mirror)
+    if _draft_pending(ctx, ctx.mirror, stat):
         return ctx.mirror  # the model is editing it: its draft waits for ctx commit
     ids = [mid for mid, out in zip(p.state.ids, p.state.out, strict=True) if out is not None]
     key = (session_id, ctx.mirror_revision, tuple(ids), tuple(p.hashes[: len(ids)]))
-    stat = _stat(ctx.mirror)
     if key == ctx.mirror_key and ctx.mirror_written and ctx.mirror_stat == stat:
         return ctx.mirror  # what it shows has not changed, nor has the file
     kept = _kept_entries(ctx, key, stat)
@@ -69,12 +69,11 @@ def _kept_entries(ctx: SessionContext, key: tuple[Any, ...], stat: tuple[int, in
     return n
 
 
-def _draft_pending(ctx: SessionContext, path: Path) -> bool:
-    """Does the file hold a draft of the model's (it differs from what was last written)? Read only when its size
-    or times changed since the proxy wrote it (or the proxy restarted since)."""
+def _draft_pending(ctx: SessionContext, path: Path, stat: tuple[int, int, int, int] | None) -> bool:
+    """Does the file (whose ``_stat`` is ``stat``) hold a draft of the model's, which differs from what was last
+    written? Read only when its size or times changed since the proxy wrote it (or the proxy restarted since)."""
     if not ctx.mirror_written:
         return False
-    stat = _stat(path)
     if stat is None:
         return False
     if stat == ctx.mirror_stat:
