@@ -37,8 +37,8 @@ def tally(p: Projection, messages: Sequence[dict[str, Any]], hashes: Sequence[st
     what the projection's estimate holds for them, listed or not (none of it is the agent's)."""
     state = p.state
     removed = [0] * len(state.counts)
-    cut = [i for i, (_, out, kept, message) in enumerate(zip(state.counts, state.out_hashes, state.hashes, state.out,
-                                                              strict=False)) if out != kept or message is None]
+    cut = [i for i, (out_hash, in_hash, out) in enumerate(zip(state.out_hashes, state.hashes, state.out, strict=True))
+           if out_hash != in_hash or out is None]
     originals = counter.count_all([messages[i] for i in cut], [hashes[i] for i in cut])
     for i, original in zip(cut, originals, strict=True):
         removed[i] = original - state.counts[i]  # a fold's stub: less than 0
