@@ -8,6 +8,8 @@ from typing import Any
 
 import httpx
 from fastapi.testclient import TestClient
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from ctxproxy.config import load_settings
@@ -15,7 +17,7 @@ from ctxproxy.proxy.core.identity import message_hash
 from ctxproxy.proxy.core.project import Projection, project
 from ctxproxy.proxy.core.state import Rules
 from ctxproxy.proxy.core.tokens import MessageCounter
-from ctxproxy.proxy.engine.tally import Tally, tally
+from ctxproxy.proxy.engine.tally import Tally, counting, tally
 from tests.conftest import app_client
 from tests.fakes import CountingUpstream, FakeUpstream
 from tests.test_project import budget, history
@@ -68,6 +70,26 @@ def tallied(messages: list[dict[str, Any]], rules: Rules) -> tuple[Projection, T
     hashes = [message_hash(m) for m in messages]
     p = project(messages, hashes, [], rules, counter)
     return p, tally(p, messages, hashes, counter, p.report.estimate, 0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(1, 400), min_size=1, max_size=24), st.sets(st.integers(0, 60)), st.integers(0, 2))
+def test_a_tally_is_the_same_whatever_the_counter_had_counted(sizes: list[int], warm: set[int], pick: int) -> None:
+    """What the counter had not counted (a result spilled as it came) is counted later, off the request's path:
+    the tally comes out the same as from a counter that knew every original, whichever of them it knew."""
+    messages = history([f"output line {n} " * n for n in sizes])
+    hashes = [message_hash(m) for m in messages]
+    rules = Rules(budget((2048, 4096, 8192)[pick], spill_chars=600))
+    p = project(messages, hashes, [], rules, MessageCounter())
+    knows_all = MessageCounter()
+    for m, h in zip(messages, hashes, strict=True):
+        knows_all.count(m, h)
+    partly = MessageCounter()
+    for i in warm & set(range(len(messages))):
+        partly.count(messages[i], hashes[i])
+    later = counting(p, messages, hashes, partly, p.report.estimate, 0)
+    assert later.complete == all(knows_all.cached(h) == partly.cached(h) for h in (hashes[i] for i in later.cut))
+    assert later.finish(partly) == tally(p, messages, hashes, knows_all, p.report.estimate, 0)
 
 
 def test_an_elision_and_a_fold_count_what_they_took_out() -> None:

@@ -231,11 +231,7 @@ class MessageCounter:
         """``count`` of each message under its key, the cache looked up for all of them under one lock (a 128k
         projection's tally looks up ~800 cut messages a request: a lock each was most of its time). A key seen
         twice is counted once, as one by one."""
-        with self._lock:
-            found = [self._cache.get(key) for key in keys]
-            for key, cached in zip(keys, found, strict=True):
-                if cached is not None:
-                    self._cache.move_to_end(key)
+        found = self._found(keys)
         missing: dict[str, int] = {}
         for i, (key, cached) in enumerate(zip(keys, found, strict=True)):
             if cached is None:
@@ -248,6 +244,23 @@ class MessageCounter:
             while len(self._cache) > self.capacity:
                 self._cache.popitem(last=False)
         return [counted[key] if cached is None else cached for key, cached in zip(keys, found, strict=True)]
+
+    def cached_all(self, keys: Sequence[str]) -> list[int | None]:
+        """The count cached under each key, None where there is none, without counting: what a tally can take on
+        the request's path (``count_all`` the Nones later)."""
+        found = self._found(keys)
+        with self._lock:
+            self.hits += sum(cached is not None for cached in found)
+        return found
+
+    def _found(self, keys: Sequence[str]) -> list[int | None]:
+        """Each key's cached count or None, looked up under one lock; those found become the most recent."""
+        with self._lock:
+            found = [self._cache.get(key) for key in keys]
+            for key, cached in zip(keys, found, strict=True):
+                if cached is not None:
+                    self._cache.move_to_end(key)
+        return found
 
     def cached(self, key: str) -> int | None:
         """The count cached under ``key``, if any, without counting (the inspector skips reading known bodies)."""

@@ -8,6 +8,7 @@ the session's lock, whatever path the request took (an answer, an error, a clien
 
 from __future__ import annotations
 
+import asyncio
 import time
 from datetime import UTC, datetime
 
@@ -52,8 +53,8 @@ class Exchange:
         self.internal_rounds = 0
         self.totals = {"prompt_tokens": 0, "completion_tokens": 0}
         self.context: SessionContext | None = None
-        self.tally: Tally | None = None
-        """The latest forward's tokens (in, out) and the cuts every forward of this request decided."""
+        self.tally: Tally | asyncio.Task[Tally] | None = None
+        """The latest forward's tokens (in, out): a task while it counts (``proxy.engine.planning._tallied``)."""
         self.cuts: dict[str, int] = {}
         self.retries = 0
         """Forwards again after the upstream refused the prompt as too long."""
@@ -115,7 +116,7 @@ class Exchange:
         the request's line waits for the next call (the response's cleanup, once the answer has left): formatting
         and writing it was 5% of a small request's time before the client had its answer."""
         if self._finished:
-            self._write_line()
+            await self._write_line()
             return
         self._finished = True
         try:  # the row first: what is learnt from the answer after, so that nothing in it can cost the row
@@ -128,7 +129,7 @@ class Exchange:
             self.state.metrics.timed(self.sent_ms, self.upstream_ms)
             self._line = self._fields(outcome, status)
             if not log_later:
-                self._write_line()
+                await self._write_line()
         finally:
             if self._locked:
                 self.state.locks.release(self.recorded.session_id)
@@ -149,25 +150,29 @@ class Exchange:
             log.warning("the answer of request %s is kept in memory until the journal can take it: %s",
                         self.recorded.request_id, exc.message)
 
-    def planned(self, tally: Tally) -> None:
+    def planned(self, cuts: dict[str, int], tally: Tally | asyncio.Task[Tally]) -> None:
         """A forward was planned: its tokens, and its new cuts added to the request's."""
         self.tally = tally
-        for kind, n in tally.cuts.items():
+        for kind, n in cuts.items():
             self.cuts[kind] = self.cuts.get(kind, 0) + n
 
     def _fields(self, outcome: str, status: int) -> dict[str, object]:
         """The request's one line at info: who, where, what happened, the tokens, the cuts, the time."""
         return {"event": "request", "session": self.recorded.session_id, "request_id": self.recorded.request_id,
                   "route": f"{self.request.method} {target_of(self.request)[0]}", "status": status, "outcome": outcome,
-                  "tokens_in": self.tally.tokens_in if self.tally else None,
-                  "tokens_out": self.tally.tokens_out if self.tally else None, "cuts": self.cuts,
+                  "tokens_in": None, "tokens_out": None, "cuts": self.cuts,  # once the tally is known
                   "retries": self.retries, "rounds": self.internal_rounds, "added_ms": self.sent_ms,
                   "total_ms": self.elapsed()}
 
-    def _write_line(self) -> None:
+    async def _write_line(self) -> None:
         fields, self._line = self._line, None
-        if fields is not None:
-            log.info(request_line(fields), extra={"ctx": fields})
+        if fields is None:
+            return
+        if isinstance(self.tally, asyncio.Task):
+            self.tally = await self.tally
+        if self.tally is not None:
+            fields |= {"tokens_in": self.tally.tokens_in, "tokens_out": self.tally.tokens_out}
+        log.info(request_line(fields), extra={"ctx": fields})
 
     def _calibrate(self, usage: dict[str, object] | None) -> None:
         prompt = usage_figure(usage, "prompt_tokens")

@@ -91,7 +91,7 @@ class Forwarder:
             plan = await plan_forward(x.state, x.writer, x.context, ask)
             x.estimate = 0 if splice else plan.estimate  # usage with a splice does not measure the estimate
             x.deferred = plan.deferred
-            x.planned(plan.tally)
+            x.planned(plan.cuts, plan.tally)
             opened, overflow = await self._attempt(plan)
             if overflow is None:
                 return opened

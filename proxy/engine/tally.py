@@ -3,12 +3,15 @@ of new cut freed. The metrics count it (``ctxproxy_tokens_freed_total{by=…}``)
 
 Counted with the session's own ``MessageCounter`` (ctxproxy's count, before the calibrated ratio), keyed by each
 message's identity hash, so a message counted once is not counted again: only a cut message's original is counted
-here, and the projection counted most of those already when they came in.
+here, and the projection counted most of those already when they came in. Not all: a large result spilled as it
+arrived was never counted whole (the spill is decided by its size), and tokenising 16 KB takes about 4 ms. Those
+only feed the metrics and the log line, so ``counting`` takes what the counter knows on the request's path and
+``Counting.finish`` counts the rest, off it (``proxy.engine.planning``), once the forward is on its way.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,7 +19,7 @@ from ctxproxy.proxy.core import Decision, Projection
 from ctxproxy.proxy.core.decisions import CUTS
 from ctxproxy.proxy.core.tokens import MessageCounter
 
-__all__ = ["Tally", "tally"]
+__all__ = ["Counting", "Tally", "counting", "tally"]
 
 
 @dataclass(frozen=True)
@@ -31,29 +34,70 @@ class Tally:
     """This request's new decisions, by kind."""
 
 
-def tally(p: Projection, messages: Sequence[dict[str, Any]], hashes: Sequence[str], counter: MessageCounter,
-          sent: int, budgeted: int) -> Tally:
+@dataclass(frozen=True)
+class Counting:
+    """A request's tally as far as the counter already knew it; ``finish`` counts the cut originals it did not.
+    Holds copies, not the projection's state: the session's next request extends that state in place."""
+
+    agent: int
+    """What the agent sent less what its cut messages lost (the projection's estimate, the proxy's tools out)."""
+    sent: int
+    cuts: dict[str, int]
+    cut: list[int]
+    """The indices of the messages the projection cut (changed, or folded away)."""
+    stubs: list[int]
+    """What each of them counts as it goes upstream (a fold's covered messages: 0, or the stub's)."""
+    originals: list[int | None]
+    """Each one's original, as the counter had it; None: not counted yet."""
+    pending: Sequence[tuple[Mapping[str, Any], str]]
+    """The originals not counted yet, and their keys, in the order of the Nones."""
+    new: tuple[Decision, ...]
+    where: dict[str, int]
+    """The index of each message id a new decision targets."""
+
+    @property
+    def complete(self) -> bool:
+        return not self.pending
+
+    def finish(self, counter: MessageCounter) -> Tally:
+        """The tally, every original counted (those not counted yet, now: thread-safe, cached for next time)."""
+        counted = iter(counter.count_all([m for m, _ in self.pending], [k for _, k in self.pending]))
+        removed = {i: (next(counted) if original is None else original) - stub  # a fold's stub: less than 0
+                   for i, stub, original in zip(self.cut, self.stubs, self.originals, strict=True)}
+        return Tally(self.agent + sum(removed.values()), self.sent, _freed(self.new, self.where, removed),
+                     self.cuts)
+
+
+def counting(p: Projection, messages: Sequence[dict[str, Any]], hashes: Sequence[str], counter: MessageCounter,
+             sent: int, budgeted: int) -> Counting:
     """``sent``: the estimate of what goes upstream (the proxy's own tools or note only if listed); ``budgeted``:
     what the projection's estimate holds for them, listed or not (none of it is the agent's)."""
     state = p.state
-    removed = [0] * len(state.counts)
     cut = [i for i, (out_hash, in_hash, out) in enumerate(zip(state.out_hashes, state.hashes, state.out, strict=True))
            if out_hash != in_hash or out is None]
-    originals = counter.count_all([messages[i] for i in cut], [hashes[i] for i in cut])
-    for i, original in zip(cut, originals, strict=True):
-        removed[i] = original - state.counts[i]  # a fold's stub: less than 0
+    keys = [hashes[i] for i in cut]
+    originals = counter.cached_all(keys)
+    pending = [(messages[i], key) for i, key, original in zip(cut, keys, originals, strict=True) if original is None]
     cuts: dict[str, int] = {}
     for d in p.new:
         cuts[d.kind] = cuts.get(d.kind, 0) + 1
-    return Tally(p.report.estimate - budgeted + sum(removed), sent, _freed(p.new, state.ids, removed), cuts)
+    targets = {d.target for d in p.new}
+    where = {mid: i for i, mid in enumerate(state.ids) if mid in targets} if targets else {}
+    return Counting(p.report.estimate - budgeted, sent, cuts, cut, [state.counts[i] for i in cut], originals, pending,
+                    tuple(p.new), where)
 
 
-def _freed(new: Sequence[Decision], ids: Sequence[str], removed: Sequence[int]) -> dict[str, int]:
+def tally(p: Projection, messages: Sequence[dict[str, Any]], hashes: Sequence[str], counter: MessageCounter,
+          sent: int, budgeted: int) -> Tally:
+    """``counting`` and its ``finish`` at once."""
+    return counting(p, messages, hashes, counter, sent, budgeted).finish(counter)
+
+
+def _freed(new: Sequence[Decision], where: Mapping[str, int], removed: Mapping[int, int]) -> dict[str, int]:
     """What each new cut took out: the tokens its message lost; a fold, every message of its span (a result elided
     and folded by the same request counts once, for the fold), so that the kinds add up to what was freed."""
     if not new:
         return {}
-    where = {mid: i for i, mid in enumerate(ids)}
     spans = {d.target: (where[d.target], where[d.target] + d.count) for d in new
              if d.kind == "fold" and d.target in where}
     claimed = {i for start, end in spans.values() for i in range(start, end)}
@@ -63,5 +107,5 @@ def _freed(new: Sequence[Decision], ids: Sequence[str], removed: Sequence[int]) 
         if i is None or d.kind not in CUTS | {"fold"} or (d.kind != "fold" and i in claimed):
             continue
         start, end = spans.get(d.target, (i, i + 1)) if d.kind == "fold" else (i, i + 1)
-        freed[d.kind] = freed.get(d.kind, 0) + sum(removed[start:end])
+        freed[d.kind] = freed.get(d.kind, 0) + sum(removed.get(j, 0) for j in range(start, end))
     return {kind: max(0, tokens) for kind, tokens in freed.items()}
