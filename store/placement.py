@@ -17,7 +17,7 @@ from every row, a third of a new run's time on the journal's thread after a thou
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
@@ -78,7 +78,8 @@ class PlacementMixin:
         head = _continued(extended, digests, self._answered_heads(req.fingerprint))
         if head is not None:
             return Placement(head, head.list_id, head.length, False, None)
-        parent, shared = self._closest(self._recent_heads(req.fingerprint), digests)
+        parent, shared = _closest(self._recent_heads(req.fingerprint),
+                                  lambda head, at_least: self._common_with(head, digests, at_least))
         return self._open(req, self._new_id(req.fingerprint, self._siblings(req.fingerprint)), parent, shared,
                           req.fingerprint)
 
@@ -107,16 +108,6 @@ class PlacementMixin:
             n += 1
             candidate = f"{stem}-{n}"
         return candidate
-
-    def _closest(self, candidates: Sequence[Head], digests: PrefixDigests) -> tuple[Head | None, int]:
-        """The same-fingerprint session sharing the longest message prefix with the request (a fork's parent); of
-        those sharing as much, the first. Each later candidate is only searched for a longer prefix."""
-        best: tuple[Head | None, int] = (None, 0)
-        for head in candidates:
-            common = self._common_with(head, digests, at_least=best[1] if best[0] is not None else 0)
-            if common > best[1] or best[0] is None:
-                best = (head, common)
-        return best
 
     def _common_with(self, head: Head, digests: PrefixDigests, at_least: int = 0) -> int:
         """The messages the head shares with the request (``at_least`` when no more than that). A head no longer
@@ -204,6 +195,25 @@ class PlacementMixin:
     def forget_interrupted(self) -> None:
         """Requests were marked interrupted, or another process wrote the journal: read them again when asked."""
         self.interrupted.clear()
+
+
+def _closest(candidates: Sequence[Head], common_with: Callable[[Head, int], int]) -> tuple[Head | None, int]:
+    """The same-fingerprint session sharing the longest message prefix with the request (a fork's parent); of those
+    sharing as much, the first. ``common_with(head, at_least)``: what the head shares, or at most ``at_least`` when
+    no more than that (``PlacementMixin._common_with``). The longest heads are searched first, each later one only
+    for a prefix that would win: a fork's parent is usually the longest, and then a head no longer than what it
+    shares needs no lookup at all (before, the 7 other recent sessions were each searched: a third of a fork's
+    placement)."""
+    best: tuple[int, int] | None = None  # (candidate's index, messages shared)
+    for i in sorted(range(len(candidates)), key=lambda i: -candidates[i].length):
+        if best is None:
+            best = (i, common_with(candidates[i], 0))
+            continue
+        wins_tie = i < best[0]
+        common = common_with(candidates[i], max(0, best[1] - wins_tie))
+        if common > best[1] or (common == best[1] and wins_tie):
+            best = (i, common)
+    return (None, 0) if best is None else (candidates[best[0]], best[1])
 
 
 _FORK_CANDIDATES = 8

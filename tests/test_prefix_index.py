@@ -8,7 +8,7 @@ sessions, unanswered requests) the index must choose exactly what the walk chose
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from ctxproxy.proxy.engine.context import read_new_session
 from ctxproxy.store import IncomingRequest, Journal, RecordedRequest, ResponseRecord, prefix_digest
 from ctxproxy.store.ancestry import _ANCESTRY
-from ctxproxy.store.placement import Head, Placement, _continued
+from ctxproxy.store.placement import Head, Placement, _closest, _continued
 from ctxproxy.store.prefixes import PrefixDigests
 from ctxproxy.store.recovery import ANSWERED
 from ctxproxy.store.sql import SqliteConnection
@@ -58,7 +58,7 @@ class ScanAll(Journal):
         head = _continued(candidates, digests, answered)
         if head is not None:
             return Placement(head, head.list_id, head.length, False, None)
-        parent, shared = self._closest(candidates[-8:], digests)
+        parent, shared = _closest(candidates[-8:], lambda head, at_least: self._common_with(head, digests, at_least))
         placed = self._open(req, self._new_id(req.fingerprint, len(candidates)), parent, shared, req.fingerprint)
         base = parent.list_id if parent and shared else None
         return replace(placed, base_list_id=base)
@@ -383,3 +383,28 @@ def test_a_new_run_s_read_back_walks_no_ancestry_when_its_parent_was_opened_here
                                                  read_new_session("m", named=False), True)
     assert rec.forked and saved is not None
     assert not [s for s in statements if "WITH RECURSIVE up" in s]
+
+
+def _shares(shared: dict[str, int], below: int, asked: list[str]) -> Callable[[Head, int], int]:
+    """``common_with`` as the prefix index answers it: the messages shared when more than ``at_least``, else any
+    figure no more than ``at_least`` (the search stops there); each head asked is recorded."""
+    def common_with(head: Head, at_least: int) -> int:
+        asked.append(head.id)
+        return shared[head.id] if shared[head.id] > at_least else max(0, at_least - below)
+    return common_with
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 12), st.integers(0, 12)), min_size=0, max_size=8), st.integers(0, 3))
+def test_a_fork_s_parent_is_the_first_of_the_heads_sharing_the_most(heads: list[tuple[int, int]], below: int) -> None:
+    """Whichever order the heads are searched in, the parent is the earliest head of those sharing the most
+    messages (a head shares no more than its length), as when each was searched in turn."""
+    candidates = [Head(f"s{i}", i, length, "d", "t") for i, (length, _) in enumerate(heads)]
+    shared = {f"s{i}": min(length, common) for i, (length, common) in enumerate(heads)}
+    asked: list[str] = []
+    parent, most = _closest(candidates, _shares(shared, below, asked))
+    assert sorted(asked) == sorted(shared)  # each head asked once
+    if not candidates:
+        assert (parent, most) == (None, 0)
+        return
+    assert most == max(shared.values()) and parent == next(h for h in candidates if shared[h.id] == most)

@@ -152,9 +152,7 @@ class Exchange:
 
     def planned(self, cuts: dict[str, int], tally: Tally | asyncio.Task[Tally]) -> None:
         """A forward was planned: its tokens, and its new cuts added to the request's."""
-        self.tally = tally
-        for kind, n in cuts.items():
-            self.cuts[kind] = self.cuts.get(kind, 0) + n
+        self.tally, self.cuts = tally, {kind: self.cuts.get(kind, 0) + cuts.get(kind, 0) for kind in self.cuts | cuts}
 
     def _fields(self, outcome: str, status: int) -> dict[str, object]:
         """The request's one line at info: who, where, what happened, the tokens, the cuts, the time."""
@@ -166,13 +164,10 @@ class Exchange:
 
     async def _write_line(self) -> None:
         fields, self._line = self._line, None
-        if fields is None:
-            return
-        if isinstance(self.tally, asyncio.Task):
-            self.tally = await self.tally
-        if self.tally is not None:
-            fields |= {"tokens_in": self.tally.tokens_in, "tokens_out": self.tally.tokens_out}
-        log.info(request_line(fields), extra={"ctx": fields})
+        if fields is not None:
+            self.tally = tally = await self.tally if isinstance(self.tally, asyncio.Task) else self.tally
+            fields |= {"tokens_in": tally.tokens_in, "tokens_out": tally.tokens_out} if tally else {}
+            log.info(request_line(fields), extra={"ctx": fields})
 
     def _calibrate(self, usage: dict[str, object] | None) -> None:
         prompt = usage_figure(usage, "prompt_tokens")
