@@ -13,11 +13,17 @@ import pytest
 from fastapi.testclient import TestClient
 
 from ctxproxy.config import load_settings
+from ctxproxy.proxy.core.fenced import PRESETS
+from ctxproxy.proxy.core.identity import message_hash
+from ctxproxy.proxy.core.project import PASTE, project
+from ctxproxy.proxy.core.state import Rules
 from ctxproxy.proxy.tools.blocks import NOTE
-from ctxproxy.proxy.tools.offer import person_asked, turn_of
+from ctxproxy.proxy.tools.offer import person_asked, turn_in, turn_of
 from ctxproxy.proxy.tools.schemas import TOOL_NAMES
 from tests.conftest import app_client
 from tests.fakes import FakeUpstream, Reply, completion, tool_answer
+from tests.test_project import CharCounter, budget
+from tests.transcripts import FORMATS, PERSON, transcript
 
 AGENT_TOOLS = [{"type": "function", "function": {"name": "read", "parameters": {
     "type": "object", "properties": {"path": {"type": "string"}}}}}]
@@ -75,6 +81,23 @@ def test_a_turn_counts_results_messages_as_rounds() -> None:
     assert turn_of(messages).rounds == 0  # without the results found, each results message looks like a person's
     assert turn_of(messages, {5 + 2 * k for k in range(4)}).rounds == 4  # the first is the person's
     assert turn_of(messages, {3 + 2 * k for k in range(5)}).round == 6
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_projected_request_s_turn_is_read_from_its_state_as_from_its_messages(fmt: str) -> None:
+    """``turn_in`` reads the turn from the projection's indices of user messages and calls; it is the turn that
+    walking the messages finds, for each request of a run, with the person's messages between rounds."""
+    messages = transcript(fmt, rounds=8).messages
+    messages = [*messages[:5], {"role": "user", "content": PERSON}, *messages[5:]]
+    rules = Rules(budget(32768), fenced=() if fmt == "native" else PRESETS)
+    turns = set()
+    for end in range(1, len(messages) + 1):
+        sent = messages[:end]
+        state = project(sent, [message_hash(m) for m in sent], [], rules, CharCounter()).state
+        results = {i for i, r in state.fenced.items() if r.command != PASTE}
+        assert turn_in(sent, state) == turn_of(sent, results), end
+        turns.add(turn_of(sent, results))
+    assert len({t.start for t in turns}) >= 2 and max(t.rounds for t in turns) >= 4  # the person's message counted
 
 
 # --- events carry the agent's round -------------------------------------------------------------------------------

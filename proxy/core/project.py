@@ -164,6 +164,7 @@ def _ingest(state: State, i: int, messages: Sequence[dict[str, Any]], message_ha
         state.call_indices.append(i)
         out = _cut_calls(state, mid, message, message_hash)
     elif message.get("role") == "user":
+        state.user_indices.append(i)
         result = _results_of(state, i, messages, rules)
         if result is not None:
             state.fenced[i] = result

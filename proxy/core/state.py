@@ -93,6 +93,9 @@ class State:
     tool_indices: list[int] = field(default_factory=list)
     call_indices: list[int] = field(default_factory=list)
     """Assistant messages with tool calls: their large arguments may be cut (``proxy.core.arguments``)."""
+    user_indices: list[int] = field(default_factory=list)
+    """User messages: where the turn starts is found among them, not by walking the history
+    (``proxy.tools.offer.turn_in``)."""
     fenced: dict[int, FencedResult] = field(default_factory=dict)
     """Text-protocol results messages (index → round, segments, command): cut result by result."""
     rounds: int = 0

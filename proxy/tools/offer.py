@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import re
+from bisect import bisect_left
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -53,8 +54,14 @@ def turn_of(messages: Sequence[dict[str, Any]], results: Collection[int] = ()) -
 
 def turn_in(messages: Sequence[dict[str, Any]], state: State) -> Turn:
     """The turn of a projected request: the fenced results messages its projection found are the agent's rounds
-    (a person's paste is not)."""
-    return turn_of(messages, {i for i, r in state.fenced.items() if r.command != PASTE and i < len(messages)})
+    (a person's paste is not). Read from the state's indices of user messages and of calls when it is the state
+    of these messages (``turn_of`` walked a 600-round history on every request: 0.8 ms)."""
+    results = {i for i, r in state.fenced.items() if r.command != PASTE and i < len(messages)}
+    if len(state.hashes) != len(messages):
+        return turn_of(messages, results)
+    start = next((i for i in reversed(state.user_indices) if i not in results), 0)
+    calls = len(state.call_indices) - bisect_left(state.call_indices, start)
+    return Turn(start, calls + sum(1 for i in results if i >= start))
 
 
 def person_asked(messages: Sequence[dict[str, Any]], turn: Turn, phrases: Sequence[str]) -> bool:
