@@ -34,10 +34,11 @@ def prefix_state(state: State, length: int, messages: Sequence[dict[str, Any]], 
     if not _within(state, length, hashes, absorbed):
         return None
     out = state.out[:length]
+    calls, call_spans = _calls(state, length, messages)
     return State(
         hashes=state.hashes[:length], ids=state.ids[:length], out=out, out_hashes=state.out_hashes[:length],
         counts=state.counts[:length], total=sum(state.counts[:length]), seen=_seen(state, length, messages, hashes),
-        calls=_calls(messages[:length]),
+        calls=calls, call_spans=call_spans,
         result_calls={i: call for i, call in state.result_calls.items() if i < length},
         tool_indices=state.tool_indices[:bisect_left(state.tool_indices, length)],
         call_indices=state.call_indices[:bisect_left(state.call_indices, length)],
@@ -86,11 +87,29 @@ def _rounds(state: State, length: int, messages: Sequence[dict[str, Any]]) -> in
     return int(state.rounds) - sum(1 for m in state.out[length:] if m is not None and m.get("role") == "assistant")
 
 
-def _calls(messages: Sequence[dict[str, Any]]) -> dict[str, tuple[str, str]]:
-    """The latest call per tool_call_id in ``messages``, as ``project`` records them when it ingests them."""
+def _calls(state: State, length: int, messages: Sequence[dict[str, Any]]) -> tuple[dict[str, tuple[str, str]],
+                                                                                  dict[str, tuple[int, int]]]:
+    """The latest call per tool_call_id in the first ``length`` messages, and where each id is called: the parent's
+    for the ids last called before ``length``; walked in those messages when an id is called on both sides of it
+    (its call before ``length`` is then not the parent's latest)."""
     calls: dict[str, tuple[str, str]] = {}
-    for message in messages:
+    spans: dict[str, tuple[int, int]] = {}
+    for call_id, (first, last) in state.call_spans.items():
+        if last < length:
+            calls[call_id], spans[call_id] = state.calls[call_id], (first, last)
+        elif first < length:
+            return _walked_calls(messages[:length])
+    return calls, spans
+
+
+def _walked_calls(messages: Sequence[dict[str, Any]]) -> tuple[dict[str, tuple[str, str]],
+                                                               dict[str, tuple[int, int]]]:
+    """``_calls`` as ``project`` records them when it ingests ``messages``."""
+    calls: dict[str, tuple[str, str]] = {}
+    spans: dict[str, tuple[int, int]] = {}
+    for i, message in enumerate(messages):
         for call in message.get("tool_calls") or ():
-            function = call.get("function") or {}
-            calls[call.get("id", "")] = (str(function.get("name", "?")), str(function.get("arguments") or ""))
-    return calls
+            function, call_id = call.get("function") or {}, call.get("id", "")
+            calls[call_id] = (str(function.get("name", "?")), str(function.get("arguments") or ""))
+            spans[call_id] = (spans.get(call_id, (i, i))[0], i)
+    return calls, spans

@@ -152,8 +152,9 @@ def _ingest(state: State, i: int, messages: Sequence[dict[str, Any]], message_ha
     state.hashes.append(message_hash)
     state.ids.append(mid)
     for call in message.get("tool_calls") or []:
-        function = call.get("function") or {}
-        state.calls[call.get("id", "")] = (str(function.get("name", "?")), str(function.get("arguments") or ""))
+        function, call_id = call.get("function") or {}, call.get("id", "")
+        state.calls[call_id] = (str(function.get("name", "?")), str(function.get("arguments") or ""))
+        state.call_spans[call_id] = (state.call_spans.get(call_id, (i, i))[0], i)
     out = message
     state.rounds += message.get("role") == "assistant"
     if message.get("role") == "tool":
