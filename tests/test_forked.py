@@ -147,7 +147,9 @@ def test_every_fork_point_gives_the_projection_from_the_decisions(case: tuple[li
     if parent is None:
         return
     at = max(1, min(len(messages) - 1, int(len(messages) * where)))
-    fresh, cut = _both([*_edited(messages, at), {"role": "user", "content": "and then"}], at, parent, decisions,
-                       rules)
-    if cut is not None:
-        _same(fresh, cut)
+    edited = [*_edited(messages, at), {"role": "user", "content": "and then"}]
+    retried = [*messages[:at], {"role": "user", "content": "try again from here"}]  # what followed is gone: a
+    for fork in (edited, retried):  # call id it reused is the one before the fork, not the parent's latest
+        fresh, cut = _both(fork, at, parent, decisions, rules)
+        if cut is not None:
+            _same(fresh, cut)

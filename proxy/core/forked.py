@@ -16,12 +16,14 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from ctxproxy.proxy.core.identity import identity_base
 from ctxproxy.proxy.core.state import State
 
 __all__ = ["prefix_state"]
+
+T = TypeVar("T")
 
 
 def prefix_state(state: State, length: int, messages: Sequence[dict[str, Any]], hashes: Sequence[str],
@@ -34,21 +36,42 @@ def prefix_state(state: State, length: int, messages: Sequence[dict[str, Any]], 
     if not _within(state, length, hashes, absorbed):
         return None
     out = state.out[:length]
-    calls, call_spans = _calls(state, length, messages)
+    calls, call_spans, recalled = _calls(state, length, messages)
     return State(
         hashes=state.hashes[:length], ids=state.ids[:length], out=out, out_hashes=state.out_hashes[:length],
-        counts=state.counts[:length], total=sum(state.counts[:length]), seen=_seen(state, length, messages, hashes),
-        calls=calls, call_spans=call_spans,
-        result_calls={i: call for i, call in state.result_calls.items() if i < length},
+        counts=state.counts[:length], total=_sum_before(state.total, state.counts, length),
+        seen=_seen(state, length, messages, hashes), calls=calls, call_spans=call_spans,
+        recalled=recalled, result_calls=_before(state.result_calls, length),
         tool_indices=state.tool_indices[:bisect_left(state.tool_indices, length)],
         call_indices=state.call_indices[:bisect_left(state.call_indices, length)],
         user_indices=state.user_indices[:bisect_left(state.user_indices, length)],
-        fenced={i: result for i, result in state.fenced.items() if i < length},
+        fenced=_before(state.fenced, length),
         rounds=_rounds(state, length, messages),
         decided=dict(state.decided), pins=dict(state.pins), fold=state.fold,
         fold_sum=state.fold_sum if state.fold_sum is not None and state.fold_sum.end <= length else None,
-        folded=state.folded, cut=sum(a != b for a, b in zip(state.out_hashes[:length], state.hashes, strict=False)),
-        absorbed=absorbed, settled=min(state.settled, length))
+        folded=state.folded, cut=_cut_before(state, length), absorbed=absorbed, settled=min(state.settled, length))
+
+
+def _sum_before(total: int, counts: Sequence[int], length: int) -> int:
+    """``sum(counts[:length])``, ``total`` being the sum of all: summed on the shorter side of ``length``."""
+    return sum(counts[:length]) if length <= len(counts) - length else total - sum(counts[length:])
+
+
+def _cut_before(state: State, length: int) -> int:
+    """How many of the first ``length`` messages go upstream changed (``State.cut`` counts all of them)."""
+    if length <= len(state.hashes) - length:
+        return sum(a != b for a, b in zip(state.out_hashes[:length], state.hashes, strict=False))
+    return state.cut - sum(a != b for a, b in zip(state.out_hashes[length:], state.hashes[length:], strict=True))
+
+
+def _before(by_index: dict[int, T], length: int) -> dict[int, T]:
+    """The entries of a dict keyed by message index whose index is below ``length``. Its keys ascend (the messages
+    are ingested in order, and a fork's dict is cut from its parent's, then extended), so the copy loses its last
+    ones (``popitem``), and a fork near the end of a long history copies rather than filters."""
+    kept = dict(by_index)
+    while kept and next(reversed(kept)) >= length:
+        kept.popitem()
+    return kept
 
 
 def _within(state: State, length: int, hashes: Sequence[str], absorbed: int) -> bool:
@@ -87,29 +110,37 @@ def _rounds(state: State, length: int, messages: Sequence[dict[str, Any]]) -> in
     return int(state.rounds) - sum(1 for m in state.out[length:] if m is not None and m.get("role") == "assistant")
 
 
-def _calls(state: State, length: int, messages: Sequence[dict[str, Any]]) -> tuple[dict[str, tuple[str, str]],
-                                                                                  dict[str, tuple[int, int]]]:
-    """The latest call per tool_call_id in the first ``length`` messages, and where each id is called: the parent's
-    for the ids last called before ``length``; walked in those messages when an id is called on both sides of it
-    (its call before ``length`` is then not the parent's latest)."""
-    calls: dict[str, tuple[str, str]] = {}
-    spans: dict[str, tuple[int, int]] = {}
-    for call_id, (first, last) in state.call_spans.items():
-        if last < length:
-            calls[call_id], spans[call_id] = state.calls[call_id], (first, last)
-        elif first < length:
-            return _walked_calls(messages[:length])
-    return calls, spans
+Calls = tuple[dict[str, tuple[str, str]], dict[str, tuple[int, int]], set[str]]
+"""``State.calls``, ``State.call_spans``, ``State.recalled``."""
 
 
-def _walked_calls(messages: Sequence[dict[str, Any]]) -> tuple[dict[str, tuple[str, str]],
-                                                               dict[str, tuple[int, int]]]:
+def _calls(state: State, length: int, messages: Sequence[dict[str, Any]]) -> Calls:
+    """The latest call per tool_call_id in the first ``length`` messages, where each id is called, and which are
+    called more than once: the parent's without the ids first called from ``length`` on, which come last (a dict
+    keeps the order its keys came in); walked in those messages when an id called more than once is called on
+    both sides of ``length`` (its call before ``length`` is then not the parent's latest)."""
+    spans = state.call_spans
+    if any(spans[c][0] < length <= spans[c][1] for c in state.recalled):
+        return _walked_calls(messages[:length])
+    calls, kept = dict(state.calls), dict(spans)
+    for call_id, (first, _) in reversed(spans.items()):
+        if first < length:
+            break
+        del calls[call_id], kept[call_id]
+    return calls, kept, {c for c in state.recalled if c in kept}
+
+
+def _walked_calls(messages: Sequence[dict[str, Any]]) -> Calls:
     """``_calls`` as ``project`` records them when it ingests ``messages``."""
     calls: dict[str, tuple[str, str]] = {}
     spans: dict[str, tuple[int, int]] = {}
+    recalled: set[str] = set()
     for i, message in enumerate(messages):
         for call in message.get("tool_calls") or ():
             function, call_id = call.get("function") or {}, call.get("id", "")
             calls[call_id] = (str(function.get("name", "?")), str(function.get("arguments") or ""))
-            spans[call_id] = (spans.get(call_id, (i, i))[0], i)
-    return calls, spans
+            first = spans.get(call_id)
+            spans[call_id] = (i, i) if first is None else (first[0], i)
+            if first is not None:
+                recalled.add(call_id)
+    return calls, spans, recalled

@@ -91,6 +91,8 @@ class State:
     call_spans: dict[str, tuple[int, int]] = field(default_factory=dict)
     """Per tool_call_id, the first and the latest message that calls it: a fork's ``calls`` are its parent's whose
     latest call it shares (``proxy.core.forked``), not a walk of its history."""
+    recalled: set[str] = field(default_factory=set)
+    """The tool_call_ids called more than once (a client that reuses its ids)."""
     result_calls: dict[int, tuple[str, str]] = field(default_factory=dict)
     """The call each result answers (index → name, arguments), fixed when the result arrives: ids get reused."""
     tool_indices: list[int] = field(default_factory=list)
