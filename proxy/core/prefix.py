@@ -131,6 +131,11 @@ class Prefixes:
         self._lock = threading.Lock()
 
     @property
+    def min_bytes(self) -> int:
+        """Bodies below this size are parsed whole, and never kept."""
+        return self._min_bytes
+
+    @property
     def retained_bytes(self) -> int:
         return self._bytes
 
