@@ -31,10 +31,6 @@ from ctxproxy.store.sql import Connection
 __all__ = ["Head", "Placement", "PlacementMixin"]
 
 
-_EVERY_LENGTH = 16
-"""Below this many messages, placement asks for a request's digest at every length rather than for the lengths its
-opening's heads have (``_heads_extended``)."""
-
 @dataclass(frozen=True)
 class Head:
     """A session as placement sees it: its last message list (the head) and whether that can be continued."""
@@ -67,8 +63,6 @@ class PlacementMixin:
     """Per opening (fingerprint), its sessions whose last request was interrupted (``_interrupted_sessions``)."""
     siblings: dict[str, int]
     """Per opening, how many sessions it has (``_siblings``; SQLite only)."""
-    every_length = _EVERY_LENGTH
-    """Below this many messages, a request's digest is looked up at every length (``_heads_extended``)."""
     instance: str | None
     """This process's instance id on a shared store (``store.liveness``), else None."""
 
@@ -156,13 +150,9 @@ class PlacementMixin:
     def _heads_extended(self, fingerprint: str, digests: PrefixDigests) -> list[Head]:
         """The opening's sessions whose head the request starts with (equal digests at the head's length), oldest
         first, with ``pending``. The heads' distinct lengths are found by skipping through an index
-        (``_HEAD_LENGTHS``), not by reading every session of the opening; a short request asks for its digest at
-        every length instead, one statement fewer (a new run of the peers' benchmark has 3 messages)."""
-        if len(digests) < self.every_length:  # a digest stands for one length: asking for each is the same question
-            lengths: Sequence[int] = range(len(digests) + 1)
-        else:
-            lengths = [int(n) for (n,) in self.conn.execute(_HEAD_LENGTHS, [fingerprint, fingerprint, len(digests),
-                                                                             len(digests)])]
+        (``_HEAD_LENGTHS``), not by reading every session of the opening."""
+        lengths = [int(n) for (n,) in self.conn.execute(_HEAD_LENGTHS, [fingerprint, fingerprint, len(digests),
+                                                                         len(digests)])]
         wanted = sorted({digests.at(n) for n in lengths})
         rows: list[tuple[Any, ...]] = []
         for start in range(0, len(wanted), _CHUNK):

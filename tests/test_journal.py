@@ -331,4 +331,3 @@ def test_interrupted_sessions_are_kept_for_a_bounded_number_of_openings(journal:
         retry = [*run(0, opening=opening)[0], {"role": "user", "content": f"again {n}"}]
         rec = record(journal, incoming(retry, n=2 + n))
         assert rec.session_id == first[opening].session_id and len(journal.interrupted) <= 2
-

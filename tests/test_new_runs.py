@@ -1,49 +1,12 @@
-"""Placing a new run of an opening (every request of the peers' benchmark is one): what it reads, kept or asked.
-
-The reference for each shortcut is placement without it, on the same requests: the same sessions, parents, shared
-lengths and ids.
-"""
+"""Placing a new run of an opening (every request of the peers' benchmark is one): what it reads, kept or asked."""
 
 from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any
-
-from hypothesis import given, settings
 
 from ctxproxy.store import IncomingRequest, Journal, JournalWriter
 from tests.test_journal import incoming, record
-from tests.test_prefix_index import _answer, _placed, steps
-
-
-class HeadLengths(Journal):
-    """Placement reading the opening's head lengths for every request, however short."""
-
-    every_length = 0
-
-
-@settings(max_examples=120, deadline=None)
-@given(steps)
-def test_a_short_request_is_placed_as_when_its_heads_lengths_are_read(
-        plan: list[tuple[int, int, list[int], bool, int]]) -> None:
-    short, lengths = Journal(None), HeadLengths(None)
-    statements: list[str] = []
-    short.conn.raw.set_trace_callback(statements.append)  # type: ignore[attr-defined]
-    opening: list[dict[str, Any]] = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
-    histories = [list(opening) for _ in range(4)]
-    for serial, (which, cut, grow, answered, named) in enumerate(plan):
-        history = histories[which][: max(2, len(histories[which]) - cut)]
-        history += [{"role": "assistant" if (len(history) + k) % 2 else "user", "content": f"m{g}"}
-                    for k, g in enumerate(grow)]
-        histories[which] = history
-        req = incoming(history, session="named" if named == 0 else None, n=serial % 60)
-        got, expected = short.record_request(req), lengths.record_request(req)
-        assert _placed(got) == _placed(expected)
-        if answered:
-            _answer(short, got)
-            _answer(lengths, expected)
-    assert not [s for s in statements if "WITH RECURSIVE lengths" in s]
 
 
 def test_an_opening_s_sessions_are_counted_once_and_again_after_any_are_removed(tmp_path: Path) -> None:
