@@ -55,6 +55,7 @@ class Journal(PlacementMixin, ReadsMixin, CutsMixin, InspectMixin, RecoveryMixin
                 self.conn.close()
                 raise
         self.interrupted: dict[str, tuple[str, ...]] = {}
+        self.siblings: dict[str, int] = {}
         self.ancestries = {}
         self.instance = instance_id() if self.conn.dialect == "postgresql" else None
         """The process its requests record (``store.liveness``): on a shared store only."""
@@ -90,6 +91,8 @@ class Journal(PlacementMixin, ReadsMixin, CutsMixin, InspectMixin, RecoveryMixin
         self.continued_interrupted(req.fingerprint if req.session_name is None else None, place.session.id)
         if place.created:
             self.remember_ancestry(place.session.id, place.parent_id, place.inherit_upto)
+            if req.session_name is None:
+                self.opened_sibling(req.fingerprint)
         self.after_request()
         forked = place.created and place.parent_id is not None
         return RecordedRequest(request_id, place.session.id, place.parent_id, forked, len(req.hashes) - place.common,

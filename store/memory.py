@@ -123,6 +123,7 @@ class MemoryJournal(Journal):
         self.forgotten.extend(family)
         self.replaced_texts.clear()  # nothing of a forgotten session stays, here either
         self.forget_ancestries()
+        self.forget_siblings()
         for _ in range(4):  # one pass can leave a page it freed while moving others (seen with a mirror's text)
             self.conn.execute("PRAGMA incremental_vacuum").fetchall()
             if not self.conn.execute("PRAGMA freelist_count").fetchone()[0]:

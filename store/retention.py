@@ -47,6 +47,7 @@ class RetentionMixin:
         @property
         def replaced_texts(self) -> ReplacedTexts: ...
         def forget_ancestries(self) -> None: ...
+        def forget_siblings(self) -> None: ...
 
     def prune(self, before: str, dry_run: bool = False) -> PruneReport:
         """Remove the sessions last active before ``before`` (an ISO timestamp, as the journal writes them).
@@ -64,6 +65,7 @@ class RetentionMixin:
                 self._bump_version()
             self.replaced_texts.clear()  # texts of the removed sessions' decisions are not kept either
             self.forget_ancestries()
+            self.forget_siblings()
         except _DryRun as done:
             return done.report
         return report

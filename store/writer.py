@@ -120,6 +120,7 @@ class JournalWriter:
                 self.generation += 1
                 journal.forget_interrupted()
                 journal.forget_ancestries()
+                journal.forget_siblings()
             self._data_version = version
 
     def _write_unwritten(self, journal: Journal) -> None:

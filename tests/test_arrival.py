@@ -98,6 +98,37 @@ def test_a_body_read_in_pieces_is_its_bytes_and_matched_as_a_whole_one(
             assert all(orjson.loads(bytes(k.raw)) == k.top for lists in prefixes._entries.values() for k in lists)
 
 
+class LookedUp(Prefixes):
+    """Prefixes that count the bodies the kept ones were looked up for."""
+
+    looked_up = 0
+
+    def candidates(self, head: bytes) -> list[Any]:
+        self.looked_up += 1
+        return super().candidates(head)
+
+
+@examples(max_examples=100)
+@given(st.lists(message, min_size=1, max_size=6), st.lists(EDITS, max_size=6), st.integers(0, 600),
+       st.lists(st.integers(1, 40), max_size=30))
+def test_a_body_below_the_kept_size_is_never_compared(messages: list[dict[str, Any]], edits: list[tuple[Any, ...]],
+                                                      min_bytes: int, sizes: list[int]) -> None:
+    """Below ``min_bytes`` a body is parsed whole whatever it shares (``Prefixes.match``: None), so the kept
+    bodies are not even looked up for it; from there on it is matched as a whole one would be."""
+    prefixes = LookedUp(min_bytes=min_bytes, window=16, key_bytes=4)
+    body: dict[str, Any] = {"model": "m", "messages": messages}
+    for edit in [("append", []), *edits]:
+        body, _, data = apply(body, "compact", edit)
+        raw = data if data is not None else encode(body, "compact")
+        expected = prefixes.match(raw)
+        before = prefixes.looked_up
+        pieces, match = arrive(prefixes, raw, sizes)
+        assert bytes(pieces) == raw and same_match(match, expected)
+        assert (prefixes.looked_up > before) == (len(raw) >= min_bytes)
+        if expected is None and data is None:
+            prefixes.keep(pieces, orjson.loads(raw), None)
+
+
 def test_what_a_fork_repeats_is_the_kept_body_s_bytes_not_a_copy() -> None:
     prefixes = Prefixes(min_bytes=0)
     messages = history(60)

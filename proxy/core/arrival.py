@@ -27,7 +27,10 @@ class Arrival:
         self._prefixes = prefixes
         self._size = 0
         self._pending: list[bytes] | None = []
-        """The first pieces, until they hold the ``key_bytes`` the candidates are looked up by."""
+        """The first pieces, until they hold the ``key_bytes`` the candidates are looked up by, and as many as a
+        body must have to be matched at all (``min_bytes``): a smaller one is never compared."""
+        self._pending_size = 0
+        self._look_at = max(prefixes.key_bytes, prefixes.min_bytes)
         self._candidates: list[_Kept] = []
         self._alive: list[_Kept] = []
         """The candidates every byte so far agrees with, the newest first."""
@@ -40,13 +43,20 @@ class Arrival:
     def feed(self, piece: bytes) -> None:
         if self._pending is not None:
             self._pending.append(piece)
-            if sum(map(len, self._pending)) >= self._prefixes.key_bytes:
+            self._pending_size += len(piece)
+            if self._pending_size >= self._look_at:
                 self._look_up()
             return
         self._compare(piece)
 
     def finish(self) -> tuple[Pieces, Match | None]:
-        """The body's bytes, and the kept body it is to be parsed from (as ``Prefixes.match`` finds it), if any."""
+        """The body's bytes, and the kept body it is to be parsed from (as ``Prefixes.match`` finds it), if any.
+        A body below ``min_bytes`` was never compared: ``match`` would not parse it from a kept one either (the
+        3 KB request of the peers' benchmark was compared with the 630 KB history's kept bodies, which open with
+        the same tools: ~0.2 ms of its path for a match that could not be used)."""
+        if self._pending is not None and self._pending_size < self._prefixes.min_bytes:
+            pending = self._pending
+            return Pieces.of(pending[0] if len(pending) == 1 else b"".join(pending)), None
         if self._pending is not None:
             self._look_up()
         head = self._lead.raw.cut(0, self._covered) if self._lead is not None else Pieces(())

@@ -127,7 +127,7 @@ class Prefixes:
                  window: int = _WINDOW, key_bytes: int = _KEY_BYTES) -> None:
         self._window, self.key_bytes = window, key_bytes
         self._entries: OrderedDict[int, list[_Kept]] = OrderedDict()
-        self._max_bytes, self._per_key, self._min_bytes, self._bytes = max_bytes, per_key, min_bytes, 0
+        self._max_bytes, self._per_key, self.min_bytes, self._bytes = max_bytes, per_key, min_bytes, 0
         self._lock = threading.Lock()
 
     @property
@@ -142,7 +142,7 @@ class Prefixes:
     def match(self, raw: bytes | Pieces) -> Match | None:
         """The kept body ``raw`` shares the most with (bytes compared only: ~0.3 ms for 6.5 MB), or None."""
         raw = _pieces(raw)
-        if len(raw) < self._min_bytes:
+        if len(raw) < self.min_bytes:
             return None
         best, shared, compared = None, -1, {}
         for kept in self.candidates(raw[:self.key_bytes]):  # the newest first
@@ -153,7 +153,7 @@ class Prefixes:
 
     def matched(self, raw: Pieces, compared: dict[_Kept, int]) -> Match | None:
         """What ``match`` finds, from the shared lengths already known of every candidate (newest first)."""
-        if len(raw) < self._min_bytes:
+        if len(raw) < self.min_bytes:
             return None
         best, shared = None, -1
         for kept, n in compared.items():
@@ -170,7 +170,7 @@ class Prefixes:
 
     def keep(self, raw: bytes | Pieces, body: dict[str, Any], reused: Reused | None) -> None:
         """Remember a validated body for the next ones (``reused``: what ``loads`` made of it, if anything)."""
-        if len(raw) < self._min_bytes:
+        if len(raw) < self.min_bytes:
             return
         raw = _pieces(raw)
         kept = _derived(raw, body, reused) if reused is not None else _located(bytes(raw), body, self._window)
