@@ -293,9 +293,9 @@ class MessageCounter:
             tokens += self._count_function(call.get("function") or {})
         if message.get("function_call"):  # the deprecated single-call form some clients still send
             tokens += self._count_function(message["function_call"])
-        for field in ("name", "tool_call_id"):
-            if message.get(field):
-                tokens += self.text_counter.count(str(message[field]))
+        for key in ("name", "tool_call_id"):
+            if message.get(key):
+                tokens += self.text_counter.count(str(message[key]))
         return tokens
 
     def _count_content(self, content: Any) -> int:
