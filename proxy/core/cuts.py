@@ -196,6 +196,7 @@ def _replace(state: State, i: int, message: dict[str, Any] | None, counter: Coun
     was_cut = state.out_hashes[i] != state.hashes[i]
     state.out[i] = message
     state.out_hashes[i] = out_hash
+    state.touched.add(i)
     state.cut += (state.out_hashes[i] != state.hashes[i]) - was_cut
 
 

@@ -73,6 +73,7 @@ def project(messages: Sequence[dict[str, Any]], hashes: Sequence[str], decisions
     result arrives, so a recomputation never spills those afresh (the rules may have changed since: another
     window, another model); their decisions, if any, are in ``decisions``."""
     state = _resume(previous, hashes, len(decisions)) or _fresh(decisions)
+    state.touched = set()
     reused = len(state.hashes)
     new: list[Decision] = []
     writes: list[OverflowWrite] = []

@@ -113,6 +113,9 @@ class State:
     """How many incoming messages go out changed or folded away (0: the request can go upstream verbatim)."""
     absorbed: int = 0
     """How many of the session's decisions this state reflects (the log only grows)."""
+    touched: set[int] = field(default_factory=set)
+    """Incoming indices whose outgoing message this projection replaced (cut, folded away, put back): with the new
+    messages, all that changed since the last projection of the session, which was checked (``violations_since``)."""
     settled: int = 0
     """Every elision candidate below this index is settled (``proxy.core.cuts.elide``): taken out, cut already or
     never cuttable. A resumed state keeps it (its messages, decisions and pins are what they were); a state rebuilt
