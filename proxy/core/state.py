@@ -113,6 +113,9 @@ class State:
     """How many incoming messages go out changed or folded away (0: the request can go upstream verbatim)."""
     absorbed: int = 0
     """How many of the session's decisions this state reflects (the log only grows)."""
+    primed: int = 0
+    """How far (a position in ``tool_indices``) the markers of the next elisions were counted ahead
+    (``proxy.core.cuts.prime``): only the counter's cache holds them."""
     touched: set[int] = field(default_factory=set)
     """Incoming indices whose outgoing message this projection replaced (cut, folded away, put back): with the new
     messages, all that changed since the last projection of the session, which was checked (``violations_since``)."""

@@ -1,0 +1,116 @@
+"""Markers counted ahead (``proxy.core.cuts.prime``): the projection is what it is without them, and an elision
+pass finds the markers it writes counted already."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import fields, replace
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ctxproxy.proxy.core import cuts
+from ctxproxy.proxy.core.decisions import Decision
+from ctxproxy.proxy.core.identity import message_hash
+from ctxproxy.proxy.core.project import Projection, project
+from ctxproxy.proxy.core.state import Rules, State
+from tests.test_project import CharCounter, argued_histories, budget, history, prefixes
+
+project_module = sys.modules["ctxproxy.proxy.core.project"]  # the package names its function `project` too
+
+
+class CachingCounter(CharCounter):
+    """``CharCounter`` with a cache by key, as the proxy's; ``marked``: the markers counted, and whether each was
+    counted inside an elision pass (not ahead of it)."""
+
+    def __init__(self) -> None:
+        self.cache: dict[str, int] = {}
+        self.in_pass = False
+        self.marked: list[bool] = []
+
+    def count(self, message: dict[str, Any], key: str | None = None) -> int:
+        if key is not None and key in self.cache:
+            return self.cache[key]
+        content = message.get("content")
+        if isinstance(content, str) and content.startswith("[overflow id=") and "Elided" in content:
+            self.marked.append(self.in_pass)
+        tokens = super().count(message, key)
+        if key is not None:
+            self.cache[key] = tokens
+        return tokens
+
+
+def _session(msgs: list[Any], rules: Rules, decisions: list[Decision], primed: bool) -> list[Projection]:
+    counter, state, out = CachingCounter(), None, []
+    hashes = [message_hash(m) for m in msgs]
+    decisions = list(decisions)
+    with pytest.MonkeyPatch.context() as patch:
+        if not primed:
+            patch.setattr(project_module, "prime", lambda *_: None)
+        for end in range(2, len(msgs) + 1):
+            p = project(msgs[:end], hashes[:end], decisions, rules, counter, state)
+            decisions += p.new
+            state = p.state
+            out.append(p)
+    return out
+
+
+@given(argued_histories(), st.sampled_from([4096, 8192, 32768]))
+def test_counting_ahead_changes_nothing_projected(case: tuple[list[Any], set[int]], window: int) -> None:
+    msgs, pinned = case
+    rules = Rules(budget(window))
+    ids = project(msgs, [message_hash(m) for m in msgs], [], rules, CharCounter()).state.ids
+    pins = [Decision("pin", ids[i], source="operator") for i in sorted(pinned)]
+    for a, b in zip(_session(msgs, rules, pins, True), _session(msgs, rules, pins, False), strict=True):
+        assert (a.messages, a.hashes, a.new, a.writes, a.report, a.changed) == \
+            (b.messages, b.hashes, b.new, b.writes, b.report, b.changed)
+        for f in fields(State):
+            if f.name not in ("primed", "fold_sum"):  # fold_sum holds a hash object: compared by what it closes to
+                assert getattr(a.state, f.name) == getattr(b.state, f.name), f.name
+        assert (a.state.fold_sum and a.state.fold_sum.closed()) == (b.state.fold_sum and b.state.fold_sum.closed())
+
+
+def _watched(counter: CachingCounter) -> Any:
+    """``cuts.elide``, telling ``counter`` while it runs."""
+    def elide(*args: Any, **kwargs: Any) -> None:
+        counter.in_pass = True
+        try:
+            cuts.elide(*args, **kwargs)
+        finally:
+            counter.in_pass = False
+    return elide
+
+
+def test_an_elision_pass_finds_its_markers_counted_ahead() -> None:
+    """A long session over its target: the later passes tokenise no marker of their own, where without counting
+    ahead each pass tokenised every marker it wrote."""
+    rules = Rules(budget(8192, spill_chars=100_000))
+    msgs = history([f"line {k}\n" + "r" * 2000 for k in range(80)])
+    for primed, most in ((True, 0), (False, None)):
+        counter, state, decisions, passes = CachingCounter(), None, [], 0
+        with pytest.MonkeyPatch.context() as patch:
+            if not primed:
+                patch.setattr(project_module, "prime", lambda *_: None)
+            patch.setattr(project_module, "elide", _watched(counter))
+            for request in prefixes(msgs):
+                p = project(request, [message_hash(m) for m in request], decisions, rules, counter, state)
+                decisions += p.new
+                state = p.state
+                passes += bool(p.report.elided)
+        in_passes = sum(counter.marked[len(counter.marked) // 2:])  # the later half: past the first passes
+        assert passes >= 3
+        assert in_passes == 0 if most is not None else in_passes > 5
+
+
+def test_counting_ahead_waits_for_the_target_and_keeps_to_its_share() -> None:
+    rules = Rules(budget(8192, spill_chars=100_000))
+    msgs = history(["r" * 2000] * 30)
+    state = project(msgs[:6], [message_hash(m) for m in msgs[:6]], [], rules, CharCounter()).state
+    assert state.primed == 0  # under the target: nothing counted ahead
+    counter = CachingCounter()
+    big = replace(rules, budget=replace(rules.budget, target=1))
+    state = project(msgs, [message_hash(m) for m in msgs], [], replace(big, budget=replace(
+        big.budget, budget=10**9)), counter).state
+    assert len(counter.marked) == cuts.PRIMED_PER_REQUEST and state.primed == cuts.PRIMED_PER_REQUEST
