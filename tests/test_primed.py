@@ -114,3 +114,41 @@ def test_counting_ahead_waits_for_the_target_and_keeps_to_its_share() -> None:
     state = project(msgs, [message_hash(m) for m in msgs], [], replace(big, budget=replace(
         big.budget, budget=10**9)), counter).state
     assert len(counter.marked) == cuts.PRIMED_PER_REQUEST and state.primed == cuts.PRIMED_PER_REQUEST
+
+
+class _Forgetful(dict[tuple[str, ...], str]):
+    """A marker cache that never finds what it keeps: every marker built afresh."""
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        return default
+
+
+@given(argued_histories(), st.sampled_from([4096, 8192]))
+def test_a_kept_marker_is_the_one_built_afresh(case: tuple[list[Any], set[int]], window: int) -> None:
+    """The markers ``prime`` built, found again by the pass, are those the pass would build: the same session with
+    a cache that forgets gives the same bytes and decisions (run second: the first warmed the cache)."""
+    msgs, _ = case
+    rules = Rules(budget(window))
+    kept = _session(msgs, rules, [], True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cuts, "_MARKERS", _Forgetful())
+        fresh = _session(msgs, rules, [], True)
+    for a, b in zip(kept, fresh, strict=True):
+        assert (a.messages, a.new) == (b.messages, b.new)
+
+
+def test_a_marker_is_kept_for_its_own_call_and_storage_only() -> None:
+    """The same result under another command, another storage or another outfiles folder gets its own marker."""
+    results = [f"line {k}\n" + "r" * 2000 for k in range(40)]
+    seen = set()
+    for command, storage, outdir in (("cmd", "disk", ""), ("grep", "disk", ""), ("cmd", "memory-only (incognito)", ""),
+                                     ("cmd", "disk", "/tmp/out")):
+        msgs = history(results)
+        for m in msgs:
+            for call in m.get("tool_calls") or []:
+                call["function"]["arguments"] = call["function"]["arguments"].replace("cmd", command)
+        rules = Rules(budget(8192, spill_chars=100_000), storage=storage, overflow_dir=outdir)
+        marker = next(d.replacement for p in _session(msgs, rules, [], True) for d in p.new if d.kind == "elide")
+        assert marker not in seen
+        seen.add(marker)
+        assert (f"`{command} 0`" in marker, storage in marker, outdir in marker) == (True, True, True)
