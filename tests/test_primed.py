@@ -8,7 +8,7 @@ from dataclasses import fields, replace
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from ctxproxy.proxy.core import cuts
@@ -16,7 +16,7 @@ from ctxproxy.proxy.core.decisions import Decision
 from ctxproxy.proxy.core.identity import message_hash
 from ctxproxy.proxy.core.project import Projection, project
 from ctxproxy.proxy.core.state import Rules, State
-from tests.test_project import CharCounter, argued_histories, budget, history, prefixes
+from tests.test_project import CharCounter, argued_histories, budget, fenced_history, fenced_rules, history, prefixes
 
 project_module = sys.modules["ctxproxy.proxy.core.project"]  # the package names its function `project` too
 
@@ -89,7 +89,8 @@ def test_an_elision_pass_finds_its_markers_counted_ahead() -> None:
     rules = Rules(budget(8192, spill_chars=100_000))
     msgs = history([f"line {k}\n" + "r" * 2000 for k in range(80)])
     for primed, most in ((True, 0), (False, None)):
-        counter, state, decisions, passes = CachingCounter(), None, [], 0
+        counter, state, passes = CachingCounter(), None, 0
+        decisions: list[Decision] = []
         with pytest.MonkeyPatch.context() as patch:
             if not primed:
                 patch.setattr(project_module, "prime", lambda *_: None)
@@ -152,3 +153,68 @@ def test_a_marker_is_kept_for_its_own_call_and_storage_only() -> None:
         assert marker not in seen
         seen.add(marker)
         assert (f"`{command} 0`" in marker, storage in marker, outdir in marker) == (True, True, True)
+
+
+def _checked_spans(seen: list[int]) -> Any:
+    """``cuts._fold_spans``, asserting each time that its spans are the whole walk's."""
+    real = cuts._fold_spans
+
+    def spans(state: State, messages: Any, start: int, paired: bool) -> list[tuple[int, int]]:
+        got = real(state, messages, start, paired)
+        assert got == cuts.rounds(messages, start, state.fenced if paired else ())
+        seen.append(len(got))
+        return got
+    return spans
+
+
+@given(argued_histories(), st.sampled_from([4096, 8192]))
+def test_a_fold_pass_walks_on_from_the_rounds_the_last_one_found(case: tuple[list[Any], set[int]],
+                                                                 window: int) -> None:
+    """The rounds a fold pass starts from (kept from the pass before, walked on from the last one no message
+    could change) are those a walk of the whole history finds, request after request, pins and all."""
+    msgs, pinned = case
+    rules = Rules(budget(window))
+    ids = project(msgs, [message_hash(m) for m in msgs], [], rules, CharCounter()).state.ids
+    pins = [Decision("pin", ids[i], source="operator") for i in sorted(pinned)]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cuts, "_fold_spans", _checked_spans([]))
+        _session(msgs, rules, pins, True)
+
+
+def test_text_protocol_rounds_are_walked_on_as_they_pair() -> None:
+    seen: list[int] = []
+    msgs = fenced_history([f"out {k}\n" + "f" * 2500 for k in range(40)])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cuts, "_fold_spans", _checked_spans(seen))
+        _session(msgs, fenced_rules(4096), [], True)
+        unanswered = history(["u" * 2500] * 30)
+        unanswered.insert(5, {"role": "assistant", "content": "never answered", "tool_calls": [
+            {"id": "lost", "type": "function", "function": {"name": "sh", "arguments": "{}"}}]})
+        _session(unanswered, Rules(budget(4096, spill_chars=100_000)), [], True)
+    assert len(seen) > 10
+
+
+_ROUND_STEP = st.one_of(
+    st.lists(st.sampled_from(["a", "b", "c"]), max_size=2).map(
+        lambda ids: {"role": "assistant", "content": "x", "tool_calls": [{"id": i} for i in ids]}),
+    st.sampled_from(["a", "b", "c"]).map(lambda i: {"role": "tool", "tool_call_id": i}),
+    st.just({"role": "user", "content": "results"}))
+
+
+_CALL_A = {"role": "assistant", "content": "x", "tool_calls": [{"id": "a"}]}
+
+
+@given(st.lists(_ROUND_STEP, max_size=25), st.lists(st.integers(0, 25), max_size=4), st.booleans(),
+       st.sets(st.integers(0, 25)))
+@example([_CALL_A, {"role": "user", "content": "r"}, {"role": "tool", "tool_call_id": "a"}], [2], True, set())
+@example([{"role": "assistant", "content": "x"}, {"role": "user", "content": "results"}], [1], True, {1})
+def test_rounds_walked_on_from_an_earlier_history_are_the_whole_walks(
+        messages: list[Any], cuts_at: list[int], paired: bool, fenced: set[int]) -> None:
+    """Any history, its spans found at earlier lengths first (an unanswered call, a results message not yet
+    there), then at its own: the same as one walk of it."""
+    state = State()
+    for end in [*sorted(c for c in cuts_at if c <= len(messages)), len(messages)]:
+        # the results messages the state knows of: those ingested so far, as in a projection
+        state.fenced = {i: None for i in fenced if i < end and messages[i]["role"] == "user"}  # type: ignore[misc]
+        got = cuts._fold_spans(state, messages[:end], 0, paired)
+        assert got == cuts.rounds(messages[:end], 0, state.fenced if paired else ())

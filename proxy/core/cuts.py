@@ -267,6 +267,35 @@ def rounds(messages: Sequence[dict[str, Any]], start: int, fenced: Collection[in
     return spans
 
 
+def _fold_spans(state: State, messages: Sequence[dict[str, Any]], start: int, paired: bool) -> list[tuple[int, int]]:
+    """``rounds(messages, start, state.fenced if paired else ())``, walked only from the last span the state's
+    previous pass found that no later message can change (``State.spans``): a fold pass at 600 rounds walked all
+    ~550 spans again (1.4 ms at 128k). The walk is greedy from the left, so the spans after a kept one are the
+    walk's from its end."""
+    fenced = state.fenced if paired else ()
+    known = state.spans
+    kept = known[2][:known[3]] if known is not None and known[:2] == (start, paired) else []
+    spans = kept + rounds(messages, kept[-1][1] if kept else start, fenced)
+    stable = len(kept)
+    while stable < len(spans) and _settled_span(messages, spans[stable]):
+        stable += 1
+    state.spans = (start, paired, spans, stable)
+    return spans
+
+
+def _settled_span(messages: Sequence[dict[str, Any]], span: tuple[int, int]) -> bool:
+    """Whether ``rounds`` finds this span again however the history goes on: it ends before the last message, and
+    the calls of its first message are all answered within it (else its end was set by where the history ended)."""
+    i, j = span
+    if j >= len(messages):
+        return False
+    waiting = {c.get("id") for c in messages[i].get("tool_calls") or []}
+    for m in messages[i + 1:j]:
+        if m.get("role") == "tool":
+            waiting.discard(m.get("tool_call_id"))
+    return not waiting
+
+
 def _fold_start(messages: Sequence[dict[str, Any]]) -> int:
     """The first index after the protected head: the system messages and the first task."""
     first_user = next((i for i, m in enumerate(messages) if m.get("role") == "user"), None)
@@ -283,7 +312,7 @@ def fold(state: State, messages: Sequence[dict[str, Any]], rules: Rules, counter
     if not rules.budget.fold_history:
         return
     start = _fold_start(messages)
-    spans = rounds(messages, start, state.fenced if paired else ())
+    spans = _fold_spans(state, messages, start, paired)
     end, total = start, state.total
     for i, j in spans[: max(0, len(spans) - newest)]:
         if rules.scaled(total + rules.tools_tokens + _FOLD_STUB_TOKENS) <= rules.budget.target and end > start:
