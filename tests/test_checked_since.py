@@ -115,3 +115,11 @@ def test_a_span_whose_pairs_close_within_it_leaves_the_pairs_around_it_as_they_w
     if broken_pairs(messages[begin:end]):
         return
     assert broken_pairs(messages[:begin] + messages[end:]) == broken_pairs(messages)
+
+
+def test_a_fold_stub_where_no_fold_is_is_found() -> None:
+    msgs = history(["a", "b"])
+    stub = {"role": "user", "content": f"[folded id={'0' * 64} messages=1 bytes=1 storage=disk]"}
+    out = [*msgs[:2], stub, *msgs[3:]]  # the first round's call replaced by a stub, no fold recorded
+    assert violations_since(msgs, out, len(msgs), {2}, None, False) == ["message 2 is a fold stub where no fold is"]
+    assert violations(msgs, out)

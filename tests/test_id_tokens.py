@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import tiktoken
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from ctxproxy.proxy.core import id_tokens
 from ctxproxy.proxy.core.id_tokens import CL100K_PATTERN, IdCounter
 from ctxproxy.proxy.core.stubs import elision_marker, fold_stub, spill_stub
 from ctxproxy.proxy.core.tokens import ID_TEXT_CHARS, OFFLINE_ENCODING, TiktokenCounter, load_encoding
@@ -77,3 +79,13 @@ def test_an_id_is_counted_once_for_its_three_mentions() -> None:
     before = len(asked)
     counter.id_tokens("=", overflow_id)
     assert len(asked) == before
+
+
+@given(texts)
+@settings(max_examples=50)
+def test_full_caches_start_again_and_count_the_same(text: str) -> None:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(id_tokens, "_KEPT", 1)
+        counter = IdCounter(real)
+        assert [counter.count(text) for _ in range(2)] == [real(text)] * 2
+        assert len(counter._ids) <= 1 and len(counter._pieces) <= 1

@@ -218,3 +218,15 @@ def test_rounds_walked_on_from_an_earlier_history_are_the_whole_walks(
         state.fenced = {i: None for i in fenced if i < end and messages[i]["role"] == "user"}  # type: ignore[misc]
         got = cuts._fold_spans(state, messages[:end], 0, paired)
         assert got == cuts.rounds(messages[:end], 0, state.fenced if paired else ())
+
+
+def test_a_full_marker_cache_starts_again_and_gives_the_same_markers() -> None:
+    rules = Rules(budget(8192, spill_chars=100_000))
+    msgs = history([f"line {k}\n" + "r" * 2000 for k in range(30)])
+    kept = _session(msgs, rules, [], True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cuts, "_MARKERS", {})
+        patch.setattr(cuts, "_MARKERS_KEPT", 1)
+        small = _session(msgs, rules, [], True)
+        assert len(cuts._MARKERS) <= 1
+    assert [(p.messages, p.new) for p in kept] == [(p.messages, p.new) for p in small]
