@@ -26,7 +26,7 @@ run: $(BIN)/ctxproxy
 # The core's and the store's own tests (unit, property, in-process): `make test` runs them first under the coverage
 # gate ([tool.coverage] in pyproject.toml), then the rest untraced. On CPython 3.11 a tracer slows every line it
 # sees, measured or not: the whole suite under it took 303 s instead of 184 s; these alone reach the same coverage.
-CORE_TESTS := $(addprefix tests/test_,$(addsuffix .py,project rewriting fenced stubs tokens arguments hashing \
+CORE_TESTS := $(addprefix tests/test_,$(addsuffix .py,project rewriting fenced stubs tokens id_tokens checked_since primed arguments hashing \
 	templates trajectories unknown_results journal memory_journal recovery retention failures context_tools fenced_tools \
 	folds mirror_writes prefix_index shared_work store_postgres locks forked journal_size prefix arrival new_runs))
 

@@ -7,12 +7,15 @@ the code before (its rows are read as they are, never rewritten).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sqlite3
+import sys
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -26,6 +29,8 @@ from tests.fakes import CountingUpstream
 from tests.test_journal import incoming, record, run
 from tests.test_rewriting import requests_of, settings_for
 from tests.workloads import conversation
+
+session_state_module = sys.modules["ctxproxy.store.session_state"]  # the package names a function so too
 
 hashes = st.lists(st.sampled_from([f"h{i}" for i in range(12)]), max_size=40)
 
@@ -214,3 +219,16 @@ def test_a_journal_written_before_reads_its_decisions_and_lists_as_they_are(tmp_
         base = [] if base_id is None else journal.message_hashes(base_id)
         assert journal.message_hashes(list_id) == base[:base_len] + json.loads(added)
     journal.close()
+
+
+@given(st.lists(st.text(st.characters(blacklist_categories=("Cs",)), max_size=30), max_size=20), st.integers(1, 5))
+def test_a_mirror_piece_is_hashed_as_it_always_was_however_often_it_was_seen(pieces: list[str], kept: int) -> None:
+    """The pieces' hashes kept by their text (a whole rewrite repeats most of them) are their sha256, also when
+    the store of them filled and was cleared in between."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(session_state_module, "_PIECE_HASHES", {})
+        patch.setattr(session_state_module, "_PIECE_HASHES_KEPT", kept)
+        for _ in range(2):
+            got = [session_state_module._piece_hash(p) for p in pieces]
+            assert got == [hashlib.sha256(p.encode()).hexdigest() for p in pieces]
+        assert len(session_state_module._PIECE_HASHES) <= kept

@@ -8,7 +8,7 @@ from ctxproxy.proxy.core.budget import Budget, Limits
 from ctxproxy.proxy.core.cuts import fold_body
 from ctxproxy.proxy.core.decisions import Decision, OverflowWrite
 from ctxproxy.proxy.core.identity import canonical_json, content_hash, fingerprint, message_hash, message_ids
-from ctxproxy.proxy.core.invariants import broken_pairs, violations
+from ctxproxy.proxy.core.invariants import broken_pairs, violations, violations_since
 from ctxproxy.proxy.core.project import Projection, Report, project
 from ctxproxy.proxy.core.state import Rules, State
 
@@ -16,4 +16,5 @@ __all__ = [
     "Budget", "Decision", "Limits", "OverflowWrite", "Projection", "Report", "Rules", "State", "broken_pairs",
     "canonical_json", "content_hash", "fingerprint", "fold_body", "message_hash", "message_ids", "project",
     "violations",
+    "violations_since",
 ]

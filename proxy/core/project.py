@@ -22,7 +22,7 @@ from typing import Any, cast
 
 from ctxproxy.proxy.core.arguments import args_target, with_arguments
 from ctxproxy.proxy.core.budget import MIN_CUT_CHARS, Budget
-from ctxproxy.proxy.core.cuts import apply_fold, apply_hides, elide, fold
+from ctxproxy.proxy.core.cuts import apply_fold, apply_hides, elide, fold, prime
 from ctxproxy.proxy.core.decisions import CUTS, Decision, OverflowWrite
 from ctxproxy.proxy.core.fenced import text_of
 from ctxproxy.proxy.core.identity import identity_base, next_identity
@@ -73,6 +73,7 @@ def project(messages: Sequence[dict[str, Any]], hashes: Sequence[str], decisions
     result arrives, so a recomputation never spills those afresh (the rules may have changed since: another
     window, another model); their decisions, if any, are in ``decisions``."""
     state = _resume(previous, hashes, len(decisions)) or _fresh(decisions)
+    state.touched = set()
     reused = len(state.hashes)
     new: list[Decision] = []
     writes: list[OverflowWrite] = []
@@ -83,6 +84,7 @@ def project(messages: Sequence[dict[str, Any]], hashes: Sequence[str], decisions
     if reused == 0 and state.fold is not None:
         apply_fold(state, state.fold, messages, counter)
     _cut_to_fit(state, messages, rules, counter, new, writes)
+    prime(state, messages, rules, counter)
     state.absorbed = len(decisions) + len(new)
     return _result(state, messages, rules, new, writes, reused)
 

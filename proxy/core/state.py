@@ -121,6 +121,15 @@ class State:
     """How many incoming messages go out changed or folded away (0: the request can go upstream verbatim)."""
     absorbed: int = 0
     """How many of the session's decisions this state reflects (the log only grows)."""
+    spans: tuple[int, bool, list[tuple[int, int]], int] | None = None
+    """The fold's rounds as the last pass found them: (start, paired, spans, how many of them no later message can
+    change), for the next pass to walk on from there (``proxy.core.cuts._fold_spans``)."""
+    primed: int = 0
+    """How far (a position in ``tool_indices``) the markers of the next elisions were counted ahead
+    (``proxy.core.cuts.prime``): only the counter's cache holds them."""
+    touched: set[int] = field(default_factory=set)
+    """Incoming indices whose outgoing message this projection replaced (cut, folded away, put back): with the new
+    messages, all that changed since the last projection of the session, which was checked (``violations_since``)."""
     settled: int = 0
     """Every elision candidate below this index is settled (``proxy.core.cuts.elide``): taken out, cut already or
     never cuttable. A resumed state keeps it (its messages, decisions and pins are what they were); a state rebuilt

@@ -31,9 +31,10 @@ import math
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
+from ctxproxy.proxy.core.id_tokens import CL100K_PATTERN, IdCounter
 from ctxproxy.proxy.core.identity import canonical_json
 
 if TYPE_CHECKING:
@@ -92,6 +93,10 @@ budget whole anyway: it is spilled, cut, or refused as too large, and counting i
 Only a budget set explicitly above that would forward one whole; its estimate then runs high, which errs safe for
 that request, and the calibration learns a lower ``k`` from it until later answers correct it."""
 
+ID_TEXT_CHARS = 2048
+"""Text up to this long (stubs, markers, notes) has its 64-hex ids counted from their pieces; longer text (a tool
+result, a file) is encoded whole rather than searched for ids first."""
+
 _CUT_WINDOW = 256
 """How far back from a piece's end a space is looked for before the piece is cut mid-run."""
 
@@ -114,19 +119,30 @@ class TiktokenCounter:
     """Exact counts under one tiktoken encoding; special-token text is counted as ordinary text, never refused."""
 
     encoding: tiktoken.Encoding
+    ids: IdCounter | None = field(default=None, init=False, compare=False, repr=False)
+    """cl100k only: a stub's or marker's 64-hex ids counted from their pieces (``proxy.core.id_tokens``)."""
+
+    def __post_init__(self) -> None:
+        if getattr(self.encoding, "_pat_str", None) == CL100K_PATTERN:
+            object.__setattr__(self, "ids", IdCounter(self._encoded))
 
     @property
     def name(self) -> str:
         return self.encoding.name
 
     def count(self, text: str) -> int:
+        if len(text) <= ID_TEXT_CHARS and self.ids is not None:
+            return self.ids.count(text)
         if len(text) <= CHUNK_CHARS:
-            return len(self.encoding.encode_ordinary(text))
+            return self._encoded(text)
         if len(text) > BOUND_CHARS:
             return utf8_size(text)
         pieces = list(_pieces(text))
         counted = sum(len(self.encoding.encode_ordinary(piece)) for piece in pieces) + len(pieces) - 1
         return min(counted, utf8_size(text))
+
+    def _encoded(self, text: str) -> int:
+        return len(self.encoding.encode_ordinary(text))
 
 
 def utf8_size(text: str) -> int:
@@ -290,9 +306,9 @@ class MessageCounter:
             tokens += self._count_function(call.get("function") or {})
         if message.get("function_call"):  # the deprecated single-call form some clients still send
             tokens += self._count_function(message["function_call"])
-        for field in ("name", "tool_call_id"):
-            if message.get(field):
-                tokens += self.text_counter.count(str(message[field]))
+        for key in ("name", "tool_call_id"):
+            if message.get(key):
+                tokens += self.text_counter.count(str(message[key]))
         return tokens
 
     def _count_content(self, content: Any) -> int:

@@ -28,6 +28,7 @@ from ctxproxy.proxy.core import (
     canonical_json,
     project,
     violations,
+    violations_since,
 )
 from ctxproxy.proxy.core.fenced import presets_for, route_of
 from ctxproxy.proxy.core.pieces import Pieces
@@ -292,11 +293,14 @@ def _checked_projection(messages: list[dict[str, Any]], hashes: Sequence[str], d
 
 def _broken(messages: list[Any], p: Projection) -> bool:
     """Check the invariants; a violation is our bug: log it and forward the agent's request as it came."""
-    steady = p.report.reused > 0 and not (p.report.elided or p.report.folded)
-    pinned = {i for i, mid in enumerate(p.state.ids) if mid in p.state.pins} if p.state.pins else set()
-    fenced = {i: r.segments for i, r in p.state.fenced.items()}
-    problems = violations(messages, p.messages, pinned, start=p.report.reused if steady else 0, pairs=not steady,
-                          fenced=fenced, hidden=frozenset(p.state.hidden))
+    state = p.state
+    pinned = {i for i, mid in enumerate(state.ids) if mid in state.pins} if state.pins else set()
+    fenced = {i: r.segments for i, r in state.fenced.items()}
+    if p.report.reused and not state.hidden:  # it extends the session's last projection, checked then
+        problems = violations_since(messages, p.messages, p.report.reused, state.touched, state.folded,
+                                    bool(p.report.folded), pinned, fenced)
+    else:
+        problems = violations(messages, p.messages, pinned, fenced=fenced, hidden=frozenset(state.hidden))
     if problems:
         log.error("projection broke its invariants, forwarding the request unchanged: %s", "; ".join(problems))
     return bool(problems)
