@@ -53,7 +53,7 @@ class Exchange:
         self.internal_rounds = 0
         self.totals = {"prompt_tokens": 0, "completion_tokens": 0}
         self.context: SessionContext | None = None
-        self.tally: Tally | asyncio.Task[Tally] | None = None
+        self.tally: Tally | asyncio.Future[Tally] | None = None
         """The latest forward's tokens (in, out): a task while it counts (``proxy.engine.planning._tallied``)."""
         self.cuts: dict[str, int] = {}
         self.retries = 0
@@ -150,7 +150,7 @@ class Exchange:
             log.warning("the answer of request %s is kept in memory until the journal can take it: %s",
                         self.recorded.request_id, exc.message)
 
-    def planned(self, cuts: dict[str, int], tally: Tally | asyncio.Task[Tally]) -> None:
+    def planned(self, cuts: dict[str, int], tally: Tally | asyncio.Future[Tally]) -> None:
         """A forward was planned: its tokens, and its new cuts added to the request's."""
         self.tally, self.cuts = tally, {kind: self.cuts.get(kind, 0) + cuts.get(kind, 0) for kind in self.cuts | cuts}
 
@@ -165,7 +165,7 @@ class Exchange:
     async def _write_line(self) -> None:
         fields, self._line = self._line, None
         if fields is not None:
-            self.tally = tally = await self.tally if isinstance(self.tally, asyncio.Task) else self.tally
+            self.tally = tally = await self.tally if isinstance(self.tally, asyncio.Future) else self.tally
             fields |= {"tokens_in": tally.tokens_in, "tokens_out": tally.tokens_out} if tally else {}
             log.info(request_line(fields), extra={"ctx": fields})
 

@@ -16,7 +16,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, cast
 
-import anyio.to_thread
 import orjson
 
 from ctxproxy.config import Settings
@@ -71,7 +70,7 @@ class Plan:
     rules: Rules
     offered: bool
     """The context tools are in this request's tool list."""
-    tally: Tally | asyncio.Task[Tally]
+    tally: Tally | asyncio.Future[Tally]
     """Tokens the agent sent, tokens going upstream, what the new cuts freed (``proxy.engine.tally``): a task
     while originals it cut are still being counted (``_tallied``)."""
     cuts: dict[str, int]
@@ -111,21 +110,23 @@ async def plan_forward(app: AppState, writer: JournalWriter, ctx: SessionContext
                 shaped.counting.cuts, deferred)
 
 
-def _tallied(app: AppState, kinds: list[str], count: Counting) -> Tally | asyncio.Task[Tally]:
-    """The forward's tally, at once when the counter knew every original it cut; else a task that counts the rest
+def _tallied(app: AppState, kinds: list[str], count: Counting) -> Tally | asyncio.Future[Tally]:
+    """The forward's tally, at once when the counter knew every original it cut; else a future of the rest counted
     on a thread (tiktoken lets go of the GIL) while the forward goes upstream: a 16 KB result spilled as it came
-    would add 4 ms to the request. The metrics count the new cuts once it is known."""
+    would add 4 ms to the request. The metrics count the new cuts once it is known; the request's log line waits
+    for it (``Exchange``), and a request that ends before it still has it counted."""
     if count.complete:
         known = count.finish(app.counter)
         app.metrics.decided(kinds, known.freed)
         return known
-    return asyncio.ensure_future(_count_rest(app, kinds, count))
+    counted = asyncio.get_running_loop().run_in_executor(None, count.finish, app.counter)
+    counted.add_done_callback(lambda done: _count_decided(app, kinds, done))
+    return counted
 
 
-async def _count_rest(app: AppState, kinds: list[str], count: Counting) -> Tally:
-    known = await anyio.to_thread.run_sync(count.finish, app.counter)
-    app.metrics.decided(kinds, known.freed)
-    return known
+def _count_decided(app: AppState, kinds: list[str], done: asyncio.Future[Tally]) -> None:
+    if not done.cancelled() and done.exception() is None:
+        app.metrics.decided(kinds, done.result().freed)
 
 
 def _outfile_bodies(rules: Rules, p: Projection, bodies: Sequence[bytes]) -> list[tuple[str, str]]:
