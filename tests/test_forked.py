@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from ctxproxy.proxy.core.decisions import Decision
 from ctxproxy.proxy.core.forked import prefix_state
 from ctxproxy.proxy.core.identity import message_hash
-from ctxproxy.proxy.core.project import Projection, project
+from ctxproxy.proxy.core.project import Projection, absorbed_state, project
 from ctxproxy.proxy.core.state import Rules, State
 from tests.test_project import CharCounter, budget, histories, history, prefixes, session
 
@@ -156,3 +156,27 @@ def test_every_fork_point_gives_the_projection_from_the_decisions(case: tuple[li
         fresh, cut = _both(fork, at, parent, decisions, rules)
         if cut is not None:
             _same(fresh, cut)
+
+
+@given(histories(), st.sampled_from([4096, 8192]), st.floats(0.0, 1.0))
+def test_a_projection_from_the_absorbed_decisions_is_the_projection_from_the_decisions(
+        case: tuple[list[Any], set[int]], window: int, where: float) -> None:
+    """A new run's first request starts from the state its inherited decisions make before any message, absorbed
+    once (``absorbed_state``): its projection is the one that absorbs them itself, and the absorbed state is left
+    as it was for the next session that inherits them."""
+    messages, pinned = case
+    rules = Rules(budget(window))
+    projections, decisions = session(prefixes(messages), rules)
+    ids = projections[-1].state.ids if projections else []
+    cut = [d for d in decisions if d.kind != "fold"][:1]
+    decisions += [Decision("pin", ids[i], source="operator") for i in sorted(pinned) if i < len(ids)]
+    decisions += [Decision("restore", d.target, source="model") for d in cut]  # taken back, then pinned or not
+    run = [*messages[:max(2, int(len(messages) * where))], {"role": "user", "content": "a run of its own"}]
+    hashes = [message_hash(m) for m in run]
+    absorbed = absorbed_state(decisions)
+    before = absorbed.copy()
+    fresh = project(run, hashes, decisions, rules, CharCounter(), None, 2)
+    started = project(run, hashes, decisions, rules, CharCounter(), absorbed.copy(), 2)
+    assert started.report.reused == 0
+    _same(fresh, started)
+    assert all(getattr(absorbed, f.name) == getattr(before, f.name) for f in fields(State))

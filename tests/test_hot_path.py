@@ -22,7 +22,7 @@ from starlette.testclient import TestClient
 
 from ctxproxy.config import load_settings
 from ctxproxy.proxy.core.identity import message_hash
-from ctxproxy.proxy.core.project import _out_hash
+from ctxproxy.proxy.core.project import _out_hash, absorbed_state
 from ctxproxy.proxy.core.tokens import Calibration, MessageCounter, TextCounter
 from ctxproxy.proxy.edge.chat import url_path
 from ctxproxy.proxy.engine.budgets import budget_for
@@ -485,3 +485,37 @@ def test_a_forward_after_a_fold_offers_the_journal_only_bodies_it_lacks(tmp_path
             assert stored == set(hashes)
     finally:
         journal.close()
+
+
+def _new_runs_upstream(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, absorbed: bool) -> tuple[list[bytes], int]:
+    """A 20-round session at 4k (its old results folded), then three new runs of its opening: the bodies they sent
+    upstream, and how often a state was absorbed from the decisions they inherit (``absorbed``: False, never)."""
+    import ctxproxy.proxy.engine.context as context
+
+    calls = []
+    monkeypatch.setattr(context, "absorbed_state", lambda ds: calls.append(len(ds)) or absorbed_state(ds))
+    if not absorbed:
+        monkeypatch.setattr(SessionContexts, "absorbed", lambda self, writer, ctx: None)
+    settings = load_settings(env={"CTXPROXY_DATA_DIR": str(tmp_path), "CTXPROXY_UPSTREAM": "http://u.test/v1",
+                                  "CTXPROXY_CTX_WINDOW": "4096"})
+    fake = FakeUpstream()
+    with app_client(settings, httpx.ASGITransport(app=fake)) as client:
+        messages = history(20)
+        for k in range(1, 21):
+            _send(client, messages[:2 + 2 * k])
+        sent = []
+        for i in range(3):
+            _send(client, [*messages[:2], {"role": "user", "content": f"continue (nonce {i})"}])
+            sent.append(fake.last_chat.body)
+    return sent, len(calls)
+
+
+def test_new_runs_start_from_the_decisions_they_inherit_absorbed_once(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each new run of a long session's opening inherits its decisions; their state before any message is absorbed
+    once for all of them (``SessionContexts.absorbed``), and each sends upstream what absorbing them itself sends."""
+    with monkeypatch.context() as patched:
+        sent, absorbed = _new_runs_upstream(tmp_path / "shared", patched, absorbed=True)
+    with monkeypatch.context() as patched:
+        alone, _ = _new_runs_upstream(tmp_path / "alone", patched, absorbed=False)
+    assert sent == alone and absorbed == 1

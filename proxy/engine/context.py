@@ -27,6 +27,7 @@ from typing import Any
 from ctxproxy.proxy.core import Decision, State
 from ctxproxy.proxy.core.forked import prefix_state
 from ctxproxy.proxy.core.identity import content_text
+from ctxproxy.proxy.core.project import absorbed_state
 from ctxproxy.proxy.core.tokens import Calibration
 from ctxproxy.store import (
     CalibrationInForce,
@@ -81,6 +82,8 @@ class SessionContext:
     """The working state as last journaled (or read back): a request that leaves it as it was writes nothing."""
     claimed: int | None = field(default=None, compare=False)
     """The request of this process that last held the session's lock with this context (``store.claims``)."""
+    absorbs: tuple[str, int] | None = field(default=None, compare=False)
+    """(ancestor, n): its decisions are that ancestor's first n, none its own (``SessionContexts.absorbed``)."""
 
     def calibration(self, model: str | None) -> Calibration:
         return self.calibrations.get(model, Calibration())
@@ -163,6 +166,9 @@ class SessionContexts:
         self._items: OrderedDict[tuple[int, str], SessionContext] = OrderedDict()
         self._capacity = capacity
         self._shared: OrderedDict[tuple[int, int, str], _Shared] = OrderedDict()
+        self._absorbed: OrderedDict[tuple[int, int, str, int], State] = OrderedDict()
+        """The state of an ancestor's first n decisions before any message (``absorbed``), by (writer, its
+        generation, ancestor, n)."""
         """Ancestors' decisions up to a fork (``_inherited``), least recently used first."""
         self.models: dict[str | None, Calibration] = {}
         """The latest calibration per model, across sessions: a new session starts from it."""
@@ -253,14 +259,30 @@ class SessionContexts:
         if saved is None:
             saved = await writer.call(_read_back, session_id, model, request_id)  # one hop to the journal, not six
         decisions: list[Decision] = []
+        sources = []
         for ancestor, upto in saved.ancestors:
             if upto:  # 0: the ancestor had no decision of its own when its child forked (runs forking runs)
                 decisions += await self._inherited(writer, ancestor, upto)
+                sources.append((ancestor, len(decisions)))
         decisions += [Decision(**row) for row in saved.decisions]
         context = SessionContext(decisions, calibrations={model: self._calibration(saved, model)},
                                  mirror_revision=saved.revisions)
+        context.absorbs = sources[0] if len(sources) == 1 and len(decisions) == sources[0][1] else None
         context.resume(saved.state)
         return context
+
+    def absorbed(self, writer: JournalWriter, ctx: SessionContext) -> State | None:
+        """For a session whose decisions are all one ancestor's first n and that has no state yet (a new run's
+        first request): their state before any message, absorbed once for every such session and copied
+        (``proxy.core.project.absorbed_state``); else None."""
+        if ctx.absorbs is None or ctx.state is not None or len(ctx.decisions) != ctx.absorbs[1]:
+            return None
+        key = (id(writer), writer.generation, *ctx.absorbs)
+        template = self._absorbed.pop(key, None) or absorbed_state(ctx.decisions)
+        self._absorbed[key] = template
+        if len(self._absorbed) > SHARED_DECISIONS:
+            self._absorbed.popitem(last=False)
+        return template.copy()
 
     def _calibration(self, saved: Saved, model: str | None) -> Calibration:
         """The session's calibration: the one its latest forward was sent under, and what its answer taught. A

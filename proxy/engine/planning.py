@@ -88,7 +88,8 @@ async def plan_forward(app: AppState, writer: JournalWriter, ctx: SessionContext
     window = settings.ctx_window or (await app.windows.window_for(model)).tokens
     window = min(window, app.contexts.window_limits.get(model, window))
     start: State | ParentState | None = ctx.state or app.contexts.fork_start(
-        writer, ctx, recorded, cast(list[dict[str, Any]], ask.body["messages"]), incoming.hashes)
+        writer, ctx, recorded, cast(list[dict[str, Any]], ask.body["messages"]), incoming.hashes
+    ) or app.contexts.absorbed(writer, ctx)
     ctx.state = None  # consumed by project(); only a journaled projection gives it back
     large = is_large(incoming.body_bytes, len(incoming.hashes))
     shaped = await app.offload.run(large, _shape, app, settings, ctx, ask, window, start)
