@@ -515,7 +515,7 @@ def test_new_runs_start_from_the_decisions_they_inherit_absorbed_once(tmp_path: 
     """Each new run of a long session's opening inherits its decisions; their state before any message is absorbed
     once for all of them (``SessionContexts.absorbed``), and each sends upstream what absorbing them itself sends."""
     with monkeypatch.context() as patched:
-        sent, absorbed = _new_runs_upstream(tmp_path / "shared", patched, absorbed=True)
+        sent, absorbed = _new_runs_upstream(tmp_path / "once", patched, absorbed=True)
     with monkeypatch.context() as patched:
-        alone, _ = _new_runs_upstream(tmp_path / "alone", patched, absorbed=False)
+        alone, _ = _new_runs_upstream(tmp_path / "each", patched, absorbed=False)
     assert sent == alone and absorbed == 1
