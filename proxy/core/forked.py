@@ -132,15 +132,8 @@ def _calls(state: State, length: int, messages: Sequence[dict[str, Any]]) -> Cal
 
 def _walked_calls(messages: Sequence[dict[str, Any]]) -> Calls:
     """``_calls`` as ``project`` records them when it ingests ``messages``."""
-    calls: dict[str, tuple[str, str]] = {}
-    spans: dict[str, tuple[int, int]] = {}
-    recalled: set[str] = set()
+    walked = State()
     for i, message in enumerate(messages):
         for call in message.get("tool_calls") or ():
-            function, call_id = call.get("function") or {}, call.get("id", "")
-            calls[call_id] = (str(function.get("name", "?")), str(function.get("arguments") or ""))
-            first = spans.get(call_id)
-            spans[call_id] = (i, i) if first is None else (first[0], i)
-            if first is not None:
-                recalled.add(call_id)
-    return calls, spans, recalled
+            walked.called(i, call)
+    return walked.calls, walked.call_spans, walked.recalled

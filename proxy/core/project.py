@@ -163,12 +163,7 @@ def _ingest(state: State, i: int, messages: Sequence[dict[str, Any]], message_ha
     state.hashes.append(message_hash)
     state.ids.append(mid)
     for call in message.get("tool_calls") or []:
-        function, call_id = call.get("function") or {}, call.get("id", "")
-        state.calls[call_id] = (str(function.get("name", "?")), str(function.get("arguments") or ""))
-        first = state.call_spans.get(call_id)
-        state.call_spans[call_id] = (i, i) if first is None else (first[0], i)
-        if first is not None:
-            state.recalled.add(call_id)
+        state.called(i, call)
     out = message
     state.rounds += message.get("role") == "assistant"
     if message.get("role") == "tool":

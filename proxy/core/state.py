@@ -135,6 +135,15 @@ class State:
     never cuttable. A resumed state keeps it (its messages, decisions and pins are what they were); a state rebuilt
     from the decisions starts again from 0."""
 
+    def called(self, i: int, call: dict[str, Any]) -> None:
+        """Message ``i`` makes ``call``: the latest call of its id, and where its id is called."""
+        function, call_id = call.get("function") or {}, call.get("id", "")
+        self.calls[call_id] = (str(function.get("name", "?")), str(function.get("arguments") or ""))
+        first = self.call_spans.get(call_id)
+        self.call_spans[call_id] = (i, i) if first is None else (first[0], i)
+        if first is not None:
+            self.recalled.add(call_id)
+
     def copy(self) -> State:
         """A copy whose lists and dicts are its own (``project`` extends the state it is given in place)."""
         mutable = {f.name: copy.copy(getattr(self, f.name)) for f in fields(self)}

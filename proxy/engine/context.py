@@ -166,10 +166,10 @@ class SessionContexts:
         self._items: OrderedDict[tuple[int, str], SessionContext] = OrderedDict()
         self._capacity = capacity
         self._shared: OrderedDict[tuple[int, int, str], _Shared] = OrderedDict()
+        """Ancestors' decisions up to a fork (``_inherited``), least recently used first."""
         self._absorbed: OrderedDict[tuple[int, int, str, int], State] = OrderedDict()
         """The state of an ancestor's first n decisions before any message (``absorbed``), by (writer, its
         generation, ancestor, n)."""
-        """Ancestors' decisions up to a fork (``_inherited``), least recently used first."""
         self.models: dict[str | None, Calibration] = {}
         """The latest calibration per model, across sessions: a new session starts from it."""
         self.window_limits: dict[str | None, int] = {}

@@ -54,7 +54,7 @@ class Exchange:
         self.totals = {"prompt_tokens": 0, "completion_tokens": 0}
         self.context: SessionContext | None = None
         self.tally: Tally | asyncio.Future[Tally] | None = None
-        """The latest forward's tokens (in, out): a task while it counts (``proxy.engine.planning._tallied``)."""
+        """The latest forward's tokens (in, out): a future while it counts (``proxy.engine.planning._tallied``)."""
         self.cuts: dict[str, int] = {}
         self.retries = 0
         """Forwards again after the upstream refused the prompt as too long."""

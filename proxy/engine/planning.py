@@ -71,7 +71,7 @@ class Plan:
     offered: bool
     """The context tools are in this request's tool list."""
     tally: Tally | asyncio.Future[Tally]
-    """Tokens the agent sent, tokens going upstream, what the new cuts freed (``proxy.engine.tally``): a task
+    """Tokens the agent sent, tokens going upstream, what the new cuts freed (``proxy.engine.tally``): a future
     while originals it cut are still being counted (``_tallied``)."""
     cuts: dict[str, int]
     """This forward's new decisions, by kind."""
