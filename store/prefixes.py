@@ -133,14 +133,27 @@ def common_prefix(conn: Connection, list_id: int, length: int, digests: PrefixDi
                   rebuild: Callable[[int], list[str]], at_least: int = 0) -> int:
     """How many leading messages list ``list_id`` (``length`` of them) shares with the request, or ``at_least``
     when it is no more than that (the caller only wants a longer one). Sharing n messages implies sharing every
-    shorter prefix, so a binary search over n finds it."""
+    shorter prefix, so a binary search over n finds it, each probe one ``list_digest``. A request that reaches
+    the list's end is probed there first: a fork that replaces its last message (an edited retry, the peers'
+    benchmark's new text at the end) shares everything before it, one probe where the search took 8 at 300
+    messages; any other such fork pays one more. A shorter request (a new run) is searched as before."""
     lo, hi = at_least, min(length, len(digests))
-    if hi <= lo or list_digest(conn, list_id, lo + 1, rebuild) != digests.at(lo + 1):
+
+    def shares(n: int) -> bool:
+        return list_digest(conn, list_id, n, rebuild) == digests.at(n)
+
+    if hi <= lo:
+        return lo
+    if length <= len(digests):
+        if shares(hi):
+            return hi
+        hi -= 1
+    if hi <= lo or not shares(lo + 1):
         return lo
     lo += 1
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if list_digest(conn, list_id, mid, rebuild) == digests.at(mid):
+        if shares(mid):
             lo = mid
         else:
             hi = mid - 1

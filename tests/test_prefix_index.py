@@ -275,6 +275,23 @@ def test_a_new_run_after_a_long_one_is_placed_without_rebuilding_it(tmp_path: Pa
     assert not [s for s in statements if "added FROM message_lists" in s]
 
 
+def _probes(statements: list[str]) -> int:
+    """Lookups of the prefix index (``store.prefixes._DIGEST_AT``) among ``statements``."""
+    return len([s for s in statements if "p.digest" in s and "FROM message_lists l" in s])
+
+
+def test_a_fork_that_replaces_the_last_message_is_placed_with_one_lookup(tmp_path: Path) -> None:
+    """An edited retry, or the peers' benchmark's new text at the end: everything before the last message is
+    shared, which the search checks first (a binary search over the 300 messages took 8 lookups)."""
+    journal = Journal(tmp_path / "j.db")
+    requests = _long_run(journal, 150)
+    replaced = [*requests[-1][:-1], {"role": "user", "content": "something else"}]
+    statements = _statements(journal)
+    rec = journal.record_request(incoming(replaced, n=1))
+    assert rec.forked and rec.seen == len(replaced) - 1
+    assert _probes(statements) == 1
+
+
 def _unindex(location: Path | str) -> None:
     """Make the journal at ``location`` what a journal written before the index was: no m006, no index."""
     journal = Journal(location)
