@@ -55,6 +55,9 @@ class ForwardRecord:
     created_at: str
     params_hash: str
     verbatim: bool
+    own_list: bool = False
+    """Not verbatim, but the request's own messages went as they came (what changed is the tool list, e.g. the
+    context tools listed): the row names the request's list, as a verbatim one does."""
     length: int = 0
     base_list_id: int | None = None
     base_len: int = 0
@@ -208,7 +211,7 @@ class CutsMixin(SpansMixin, OpsMixin, AncestryMixin):
             [(session_id, b.overflow_id, b.tool, b.call_id, len(b.body.encode()), created_at) for b in bodies])
 
     def _forward_list(self, rec: ForwardRecord) -> int:
-        if rec.verbatim:
+        if rec.verbatim or rec.own_list:
             row = self.conn.execute("SELECT list_id FROM requests WHERE id = ?", [rec.request_id]).fetchone()
             return int(row[0])
         self.conn.executemany(

@@ -207,6 +207,41 @@ def test_a_new_run_is_journaled_and_its_context_read_back_in_one_hop(tmp_path: P
     assert "_read_back" not in writer.names and writer.names.count("record_request_and_read") == 2
 
 
+def test_a_forward_of_the_request_s_own_messages_is_journaled_with_its_answer(tmp_path: Path) -> None:
+    """A new run of a session whose results were cut goes upstream with its messages as they came, and the
+    context tools listed: nothing in its forward row is new (no decision, no cut body; the list is the request's
+    own), so it is written in the answer's transaction, and the request's path makes two hops to the journal's
+    thread, not three (after the opening's first new run, which reads the decisions the runs inherit). The row
+    still says what went: the request's list, not verbatim."""
+    fake = FakeUpstream()
+    settings = load_settings(env={"CTXPROXY_DATA_DIR": str(tmp_path), "CTXPROXY_UPSTREAM": "http://u.test/v1",
+                                  "CTXPROXY_CTX_WINDOW": "8192"})
+    tools = [{"type": "function", "function": {"name": "sh", "parameters": {"type": "object"}}}]
+    opening = history(20)
+    with app_client(settings, httpx.ASGITransport(app=fake)) as client:
+        state: AppState = client.app.state.ctx  # type: ignore[attr-defined]
+        for k in range(1, 21):
+            _send(client, opening[:2 + 2 * k], tools=tools)
+        state.journal = writer = CountingWriter(state.journal.journal)
+        new_run = [*opening[:2], {"role": "user", "content": "another task"}]
+        try:
+            _send(client, [*opening[:2], {"role": "user", "content": "a first new run"}], tools=tools)
+            writer.names.clear()
+            _send(client, new_run, tools=tools)
+        finally:
+            writer.close()
+        sent = fake.last_chat.json()
+    assert writer.names == ["record_request_and_read", "record_response"]
+    assert sent["messages"] == new_run and len(sent["tools"]) > 1  # the context tools listed beside the agent's
+    journal = Journal(tmp_path / "journal.db")
+    try:
+        row = journal.conn.execute("SELECT f.verbatim, f.list_id, r.list_id FROM forwards f JOIN requests r"
+                                   " ON r.id = f.request_id ORDER BY f.id DESC LIMIT 1").fetchone()
+    finally:
+        journal.close()
+    assert row[0] == 0 and row[1] == row[2]
+
+
 def test_a_new_run_is_claimed_in_the_call_that_journals_it(tmp_path: Path) -> None:
     """A session opened by its opening is claimed (``store.claims``) in the call that journals its request, not in
     a hop of its own once its lock is taken: nothing can join it before its answer. Its next request, handled by

@@ -95,9 +95,10 @@ async def plan_forward(app: AppState, writer: JournalWriter, ctx: SessionContext
     shaped = await app.offload.run(large, _shape, app, settings, ctx, ask, window, start)
     p, record = shaped.projection, shaped.record
     deferred = None
-    if record.verbatim and not record.decisions and not record.overflow:
-        # Nothing of it is new: the request's own row already says what goes upstream. The forward row is
-        # journaled with its answer, off the request's path.
+    if (record.verbatim or record.own_list) and not record.decisions and not record.overflow:
+        # Nothing of it is new: the request's own row and the stored decisions already say what goes upstream (its
+        # messages as they came; a tool list differs only by what the rules list). The forward row is journaled
+        # with its answer, off the request's path: a replay after a crash sends the same bytes without it.
         deferred, list_id = record, recorded.list_id
     else:
         list_id = await writer.call(Journal.record_forward, record)
@@ -319,6 +320,8 @@ def _forward_record(recorded: RecordedRequest, incoming: IncomingRequest, ctx: S
                                      for w in p.writes])
     if not changed:
         return record
+    if hashes == list(incoming.hashes):  # the messages went as they came: only the tool list differs
+        return replace(record, own_list=True)
     base_id, base = ctx.sent_list or (recorded.list_id, list(incoming.hashes))
     same = next((i for i, (a, b) in enumerate(zip(base, hashes, strict=False)) if a != b), min(len(base), len(hashes)))
     # the request's messages are journaled with it, the base's with the forward before: their bodies are stored
