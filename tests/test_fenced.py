@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from ctxproxy.proxy.core.fenced import PRESETS, find_results, parse_preset, route_of
+from ctxproxy.proxy.core.fenced import builtin_presets, find_results, parse_preset, route_of
 from tests.transcripts import FORMATS, transcript
 
 FENCED = [f for f in FORMATS if f != "native"]
@@ -20,8 +20,8 @@ FENCED = [f for f in FORMATS if f != "native"]
 def test_every_preset_is_met_by_a_generated_run_or_a_shipped_template() -> None:
     from tests.test_templates import CASES
 
-    assert set(FENCED) <= {p.name for p in PRESETS}
-    assert {p.name for p in PRESETS} <= set(FENCED) | {c.preset for c in CASES}
+    assert set(FENCED) <= {p.name for p in builtin_presets()}
+    assert {p.name for p in builtin_presets()} <= set(FENCED) | {c.preset for c in CASES}
 
 
 @pytest.mark.parametrize("fmt", FENCED)
@@ -91,7 +91,7 @@ def test_the_route_is_native_with_tools_and_can_be_forced() -> None:
     assert route_of(history, None, "auto") == "fenced"
     assert route_of([{"role": "user", "content": "hi"}], None, "auto") == "native"
     assert route_of([{"role": "user", "content": "hi"}], None, "fenced") == "fenced"
-    assert len(PRESETS) == 10
+    assert len(builtin_presets()) == 10
 
 
 def test_an_operators_preset_from_toml_is_tried_first(tmp_path: Path) -> None:

@@ -345,9 +345,9 @@ def fenced_history(outputs: Sequence[str]) -> list[Any]:
 
 
 def fenced_rules(window: int = 8192, **overrides: Any) -> Rules:
-    from ctxproxy.proxy.core.fenced import PRESETS
+    from ctxproxy.proxy.core.fenced import builtin_presets
 
-    return Rules(budget(window, **overrides), fenced=PRESETS)
+    return Rules(budget(window, **overrides), fenced=builtin_presets())
 
 
 def test_a_huge_fenced_result_is_spilled_inside_its_wrapper() -> None:

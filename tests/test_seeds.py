@@ -13,7 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from ctxproxy.config import load_settings
-from ctxproxy.proxy.core.fenced import PRESETS
+from ctxproxy.proxy.core.fenced import builtin_presets
 from ctxproxy.proxy.core.identity import message_hash
 from ctxproxy.proxy.core.project import PASTE, project
 from ctxproxy.proxy.core.state import Rules
@@ -89,7 +89,7 @@ def test_a_projected_request_s_turn_is_read_from_its_state_as_from_its_messages(
     walking the messages finds, for each request of a run, with the person's messages between rounds."""
     messages = transcript(fmt, rounds=8).messages
     messages = [*messages[:5], {"role": "user", "content": PERSON}, *messages[5:]]
-    rules = Rules(budget(32768), fenced=() if fmt == "native" else PRESETS)
+    rules = Rules(budget(32768), fenced=() if fmt == "native" else builtin_presets())
     turns = set()
     for end in range(1, len(messages) + 1):
         sent = messages[:end]

@@ -12,7 +12,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from ctxproxy.proxy.core.decisions import Decision
-from ctxproxy.proxy.core.fenced import PRESETS
+from ctxproxy.proxy.core.fenced import builtin_presets
 from ctxproxy.proxy.core.invariants import violations
 from ctxproxy.proxy.core.state import Rules, sha256_text
 from ctxproxy.proxy.core.stubs import argument_stub, elision_marker, parse_stub, program, spill_stub, stub_line
@@ -92,7 +92,7 @@ def test_every_stub_a_fenced_projection_emits_parses(rounds: list[tuple[str, int
     for k, (command, size) in enumerate(rounds):
         msgs.append({"role": "assistant", "content": f"Step {k}.\n```bash\n{command}\n```"})
         msgs.append({"role": "user", "content": f"<returncode>0</returncode>\n<output>\n{'o' * size}\n</output>"})
-    p = run(msgs, Rules(budget(4096, spill_chars=2500, keep_tool_rounds=1), fenced=PRESETS))
+    p = run(msgs, Rules(budget(4096, spill_chars=2500, keep_tool_rounds=1), fenced=builtin_presets()))
     assert all(parse_stub(line) is not None for line in _stub_lines(p.messages))
 
 

@@ -349,7 +349,7 @@ def test_cline_sends_its_blocks_as_text_parts_and_they_are_recognised_and_cut_to
     api/transform/openai-format.ts): the "[tool] Result:" line, the output, the environment details."""
     from ctxproxy.config import load_settings
     from ctxproxy.proxy.core import Rules, message_hash, project, violations
-    from ctxproxy.proxy.core.fenced import PRESETS, route_of
+    from ctxproxy.proxy.core.fenced import builtin_presets, route_of
     from ctxproxy.proxy.core.tokens import MessageCounter
     from ctxproxy.proxy.engine.budgets import budget_for
 
@@ -362,7 +362,7 @@ def test_cline_sends_its_blocks_as_text_parts_and_they_are_recognised_and_cut_to
                {"role": "user", "content": parts}]
     assert [r.preset for r in find_results(history)] == ["cline"]
     assert route_of(history, None, "auto") == "fenced"
-    rules = Rules(budget_for(load_settings(env={}), 8192), fenced=PRESETS)
+    rules = Rules(budget_for(load_settings(env={}), 8192), fenced=builtin_presets())
     p = project(history, [message_hash(m) for m in history], [], rules, MessageCounter(), seen=0)
     out = p.messages[-1]["content"]
     assert isinstance(out, str) and out.startswith("[execute_command for 'pytest'] Result:\nCommand executed.\n"

@@ -16,7 +16,7 @@ from bench.gen_fenced import build
 from ctxproxy.config import load_settings
 from ctxproxy.proxy.commands.replay import replay, summarize
 from ctxproxy.proxy.core import Rules, message_hash, project, violations
-from ctxproxy.proxy.core.fenced import PRESETS, find_results
+from ctxproxy.proxy.core.fenced import builtin_presets, find_results
 from ctxproxy.proxy.core.tokens import MessageCounter
 from ctxproxy.proxy.engine.budgets import budget_for
 
@@ -42,7 +42,7 @@ def unknown(n: int, size: int) -> dict[str, Any]:
 
 
 def projected(messages: list[dict[str, Any]], window: int) -> Any:
-    rules = Rules(budget_for(load_settings(env={}), window), fenced=PRESETS)
+    rules = Rules(budget_for(load_settings(env={}), window), fenced=builtin_presets())
     return project(messages, [message_hash(m) for m in messages], [], rules, COUNTER, seen=0)
 
 

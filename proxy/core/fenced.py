@@ -23,8 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["PRESETS", "Preset", "ResultsMessage", "Segment", "find_results", "parse_preset", "presets_for", "route_of",
-           "text_of"]
+__all__ = ["Preset", "ResultsMessage", "Segment", "builtin_presets", "find_results", "parse_preset", "presets_for",
+           "route_of", "text_of"]
 
 
 @dataclass(frozen=True)
@@ -82,72 +82,102 @@ def _preset(name: str, *alternatives: str) -> Preset:
     return Preset(name, re.compile("|".join(f"(?:{a})" for a in alternatives), re.S))
 
 
-# Each pattern below is the text a released agent renders; tests/test_templates.py renders every one of them.
-PRESETS: tuple[Preset, ...] = (
-    _preset(  # mini-swe-agent 1.x and 2.x text mode: config/*.yaml observation_template / action_observation_template
-        "mini-swe-agent",
-        r"(?:<exception>.*?</exception>\n)?<returncode>-?\d+</returncode>\n(?:"
-        r"(?:<warning>.*?</warning>\n)?<output>\n?(?P<body>.*?)\n?</output>"
-        r"|<warning>.*?</warning>\s*" + _HEAD_TAIL.format(tag="output", a=2, b=3)
-        + r")(?:\s*<IMPORTANT>.*?</IMPORTANT>)*\s*"),
-    _preset(  # mini-swe-agent 1.x: agents/default.py timeout_template
-        "mini-swe-agent-timeout",
-        r"The last command <command>.*?</command> timed out and has been killed\.\nThe output of the command was:\n"
-        r"(?: ?<output>\n(?P<body>.*?)\n</output>"
-        r"|<warning>Output was too long and has been truncated\.</warning>\n"
-        + _HEAD_TAIL.format(tag="output", a=2, b=3)
-        + r")\s*Please try another command and make sure to avoid those requiring interactive input\.\s*"),
-    _preset(  # mini-swe-agent: format_error_template of each config (text mode, tool-call mode, output limit)
-        "mini-swe-agent-format-error",
-        r"(?:Format error:\n\n<error>\n(?P<body>.*?)\n</error>\n\nHere is general guidance on how to format your "
-        r"response:\n\n)?Please always provide EXACTLY ONE action .*",
-        r"Tool call error:\n\n<error>\n(?P<body2>.*?)\n</error>\n\nHere is general guidance on how to submit .*",
-        r"Your previous response reached the output token limit \(finish_reason=\w+\) before you produced .*"),
-    _preset(  # SWE-agent 0.7 and the windowed configs: next_step_template / next_step_no_output_template
-        "swe-agent",
-        r"(?:Your command ran successfully and did not produce any output\.|(?P<body>.*?))\n?\(Open file: [^\n]*\)\n"
-        r"\(Current directory: [^\n]*\)\n(?:\(Interactive session: [^\n]*\)\n)?bash-\$\s*"),
-    _preset(  # SWE-agent 1.x: config/default*.yaml, bash_only.yaml, TemplateConfig's defaults (and OpenHands' own
-        # "OBSERVATION:" of its CodeAct agent before function calling)
-        "swe-agent-observation",
-        r"OBSERVATION:\n(?P<body>.*?)(?:\n\[Last action has been rejected by the user\])?\s*",
-        r"<observation>\n(?P<body2>.*?)\n?</observation>\s*",
-        r"Observation: (?P<body3>.*?)<response clipped><NOTE>Observations should not exceeded \d+ characters\. "
-        r"\d+ characters were elided\..*?</NOTE>\s*",
-        r"<warning>\nThe output of your last command was too long\..*?</warning>\s*"
-        + _HEAD_TAIL.format(tag="observation", a=4, b=5) + r"\s*",
-        r"(?:<warning>\n)?Your (?:last )?command ran successfully and did not produce any output\.(?:\n</warning>)?\s*",
-        r"(?:<warning>\n)?The command '.*?' was cancelled because it took more than \S+ seconds.*",
-        r"Your bash command contained syntax errors and was NOT executed\..*?Here is the output of `bash -n`:\n"
-        r"(?P<body6>.*)"),
-    _preset(  # SWE-agent 1.x: sweagent/tools/parsing.py error_message of each parse function, blocklist_error_template
-        "swe-agent-format-error",
-        r"(?:Your output was not formatted correctly\.|The command you provided was not recognized\.|Your last output "
-        r"did not use any tool calls!|It seems like something went wrong with your output\.|Your output could not be "
-        r"parsed as JSON\.|No bash code blocks were detected in your output\.|We did not detect the right number of "
-        r"bash code blocks in your output\.|No message found in model response\.).*",
-        r"Operation '.*' is not supported by this environment\.\s*"),
-    _preset(  # OpenHands CodeAct without function calling: llm/fn_call_converter.py, events/observation/commands.py,
+@functools.cache
+def builtin_presets() -> tuple[Preset, ...]:
+    """The presets of the released agents' formats, compiled once, when first asked for: their ~40 expressions
+    take 8-9 ms to compile, on the start path when they were compiled at import (the warm-up asks for them,
+    ``proxy.engine.state``). Each pattern is the text a released agent renders; tests/test_templates.py renders
+    every one of them."""
+    return (*_mini_swe_agent(), *_swe_agent(), *_openhands_cline_and_generic())
+
+
+def _mini_swe_agent() -> tuple[Preset, ...]:
+    """mini-swe-agent's observations, timeouts and format errors."""
+    return (
+        # mini-swe-agent 1.x and 2.x text mode: config/*.yaml observation_template / action_observation_template
+        _preset(
+            "mini-swe-agent",
+            r"(?:<exception>.*?</exception>\n)?<returncode>-?\d+</returncode>\n(?:"
+            r"(?:<warning>.*?</warning>\n)?<output>\n?(?P<body>.*?)\n?</output>"
+            r"|<warning>.*?</warning>\s*" + _HEAD_TAIL.format(tag="output", a=2, b=3)
+            + r")(?:\s*<IMPORTANT>.*?</IMPORTANT>)*\s*"),
+        _preset(  # mini-swe-agent 1.x: agents/default.py timeout_template
+            "mini-swe-agent-timeout",
+            r"The last command <command>.*?</command> timed out and has been killed\.\nThe output of the command was:\n"
+            r"(?: ?<output>\n(?P<body>.*?)\n</output>"
+            r"|<warning>Output was too long and has been truncated\.</warning>\n"
+            + _HEAD_TAIL.format(tag="output", a=2, b=3)
+            + r")\s*Please try another command and make sure to avoid those requiring interactive input\.\s*"),
+        _preset(  # mini-swe-agent: format_error_template of each config (text mode, tool-call mode, output limit)
+            "mini-swe-agent-format-error",
+            r"(?:Format error:\n\n<error>\n(?P<body>.*?)\n</error>\n\nHere is general guidance on how to format your "
+            r"response:\n\n)?Please always provide EXACTLY ONE action .*",
+            r"Tool call error:\n\n<error>\n(?P<body2>.*?)\n</error>\n\nHere is general guidance on how to submit .*",
+            r"Your previous response reached the output token limit \(finish_reason=\w+\) before you produced .*"),
+    )
+
+
+def _swe_agent() -> tuple[Preset, ...]:
+    """SWE-agent's (0.7 and 1.x) observations and format errors."""
+    return (
+        _preset(  # SWE-agent 0.7 and the windowed configs: next_step_template / next_step_no_output_template
+            "swe-agent",
+            r"(?:Your command ran successfully and did not produce any output\.|(?P<body>.*?))\n?"
+            r"\(Open file: [^\n]*\)\n\(Current directory: [^\n]*\)\n(?:\(Interactive session: [^\n]*\)\n)?bash-\$\s*"),
+        _preset(  # SWE-agent 1.x: config/default*.yaml, bash_only.yaml, TemplateConfig's defaults (and OpenHands' own
+            # "OBSERVATION:" of its CodeAct agent before function calling)
+            "swe-agent-observation",
+            r"OBSERVATION:\n(?P<body>.*?)(?:\n\[Last action has been rejected by the user\])?\s*",
+            r"<observation>\n(?P<body2>.*?)\n?</observation>\s*",
+            r"Observation: (?P<body3>.*?)<response clipped><NOTE>Observations should not exceeded \d+ characters\. "
+            r"\d+ characters were elided\..*?</NOTE>\s*",
+            r"<warning>\nThe output of your last command was too long\..*?</warning>\s*"
+            + _HEAD_TAIL.format(tag="observation", a=4, b=5) + r"\s*",
+            r"(?:<warning>\n)?Your (?:last )?command ran successfully and did not produce any output\."
+            r"(?:\n</warning>)?\s*",
+            r"(?:<warning>\n)?The command '.*?' was cancelled because it took more than \S+ seconds.*",
+            r"Your bash command contained syntax errors and was NOT executed\..*?Here is the output of `bash -n`:\n"
+            r"(?P<body6>.*)"),
+        # SWE-agent 1.x: sweagent/tools/parsing.py error_message of each parse function, blocklist_error_template
+        _preset(
+            "swe-agent-format-error",
+            r"(?:Your output was not formatted correctly\.|The command you provided was not recognized\.|"
+            r"Your last output did not use any tool calls!|It seems like something went wrong with your output\.|"
+            r"Your output could not be parsed as JSON\.|No bash code blocks were detected in your output\.|"
+            r"We did not detect the right number of bash code blocks in your output\.|"
+            r"No message found in model response\.).*",
+            r"Operation '.*' is not supported by this environment\.\s*"),
+    )
+
+
+def _openhands_cline_and_generic() -> tuple[Preset, ...]:
+    """OpenHands CodeAct's, Cline's and Roo Code's results, and a generic header."""
+    return (
+        # OpenHands CodeAct without function calling: llm/fn_call_converter.py, events/observation/commands.py,
         # runtime/utils/bash.py (timeouts), events/serialization/event.py (truncation)
-        "openhands",
-        r"EXECUTION RESULT of \[[^\]\n]+\]:\n(?:\[Below is the output of the previous command\.\]\n)?(?P<body>.*?)"
-        r"(?:\n\[\.\.\. Observation truncated due to length \.\.\.\]\n(?P<body2>.*?))?"
-        r"(?:\n\[(?:Current working directory: |Python interpreter: |Command finished with exit code |The command "
-        r"has no new output after |The command timed out after |Error occurred in processing last action|Last action "
-        r"has been rejected by the user)[^\n]*\])*\s*",
-        r"(?P<body3>.*?)\n\[Error occurred in processing last action\]\s*"),
-    Preset(  # Cline and Roo Code: each tool's "[tool for '…'] Result:" block, then core/prompts/responses.ts's words
-        "cline", re.compile(r"^\[[\w.-]+(?: for '[^'\n]*')?\] Result:[ \t]*\n", re.M), repeat=True,
-        inner=re.compile(
-            r"(?:Command executed[^\n]*\nOutput:\n|Command is still running in [^\n]*\n(?:Here's the output so far:\n)?"
-            r"|The tool execution failed with the following error:\n<error>\n|The user denied this operation and "
-            r"provided the following feedback:\n<feedback>\n)?"
-            r"(?:The user denied this operation\.|Command executed\.|(?P<body>.*?))"
-            r"(?:\n</error>|\n</feedback>)?\s*", re.S)),
-    _preset(  # Cline and Roo Code: responses.ts noToolsUsed, sent alone after an answer without a tool
-        "cline-no-tool", r"\[ERROR\] You did not use a tool in your previous response!.*"),
-    Preset("generic", re.compile(r"(?:tool execution results?|tool results?)[ \t]*:[ \t]*\n(?P<body>.+)", re.S | re.I)),
-)
+        _preset(
+            "openhands",
+            r"EXECUTION RESULT of \[[^\]\n]+\]:\n(?:\[Below is the output of the previous command\.\]\n)?(?P<body>.*?)"
+            r"(?:\n\[\.\.\. Observation truncated due to length \.\.\.\]\n(?P<body2>.*?))?"
+            r"(?:\n\[(?:Current working directory: |Python interpreter: |Command finished with exit code |The command "
+            r"has no new output after |The command timed out after |Error occurred in processing last action|"
+            r"Last action has been rejected by the user)[^\n]*\])*\s*",
+            r"(?P<body3>.*?)\n\[Error occurred in processing last action\]\s*"),
+        # Cline and Roo Code: each tool's "[tool for '…'] Result:" block, then core/prompts/responses.ts's words
+        Preset(
+            "cline", re.compile(r"^\[[\w.-]+(?: for '[^'\n]*')?\] Result:[ \t]*\n", re.M), repeat=True,
+            inner=re.compile(
+                r"(?:Command executed[^\n]*\nOutput:\n|Command is still running in [^\n]*\n"
+                r"(?:Here's the output so far:\n)?"
+                r"|The tool execution failed with the following error:\n<error>\n|The user denied this operation and "
+                r"provided the following feedback:\n<feedback>\n)?"
+                r"(?:The user denied this operation\.|Command executed\.|(?P<body>.*?))"
+                r"(?:\n</error>|\n</feedback>)?\s*", re.S)),
+        _preset(  # Cline and Roo Code: responses.ts noToolsUsed, sent alone after an answer without a tool
+            "cline-no-tool", r"\[ERROR\] You did not use a tool in your previous response!.*"),
+        Preset("generic",
+               re.compile(r"(?:tool execution results?|tool results?)[ \t]*:[ \t]*\n(?P<body>.+)", re.S | re.I)),
+    )
 
 
 def parse_preset(name: str, pattern: str) -> Preset:
@@ -168,8 +198,10 @@ class ResultsMessage:
     segments: tuple[Segment, ...]
 
 
-def find_results(messages: Sequence[dict[str, Any]], presets: Sequence[Preset] = PRESETS) -> list[ResultsMessage]:
-    """Every user message that carries the results of the assistant round before it, with its segments."""
+def find_results(messages: Sequence[dict[str, Any]], presets: Sequence[Preset] | None = None) -> list[ResultsMessage]:
+    """Every user message that carries the results of the assistant round before it, with its segments
+    (``presets``: the built-in ones unless given)."""
+    presets = builtin_presets() if presets is None else presets
     found, round_ = [], 0
     for i, message in enumerate(messages):
         if message.get("role") == "assistant":
@@ -203,11 +235,11 @@ def text_of(content: Any) -> str | None:
 @functools.lru_cache(maxsize=32)
 def presets_for(custom: tuple[tuple[str, str], ...]) -> tuple[Preset, ...]:
     """The operator's presets (tried first), then the built-in ones. Compiled once per configuration."""
-    return (*(parse_preset(name, pattern) for name, pattern in custom), *PRESETS)
+    return (*(parse_preset(name, pattern) for name, pattern in custom), *builtin_presets())
 
 
 def route_of(messages: Sequence[dict[str, Any]], tools: Any, setting: str,
-             presets: Sequence[Preset] = PRESETS) -> str:
+             presets: Sequence[Preset] | None = None) -> str:
     """``native`` when the request carries tools or tool messages, ``fenced`` when a preset recognises its history
     (or the setting says so), else ``native``: a plain conversation has nothing to find."""
     if setting in ("native", "fenced"):
