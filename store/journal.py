@@ -56,6 +56,7 @@ class Journal(PlacementMixin, ReadsMixin, CutsMixin, InspectMixin, RecoveryMixin
                 raise
         self.interrupted: dict[str, tuple[str, ...]] = {}
         self.siblings: dict[str, int] = {}
+        self.digest_rows = {}
         self.ancestries = {}
         self.instance = instance_id() if self.conn.dialect == "postgresql" else None
         """The process its requests record (``store.liveness``): on a shared store only."""

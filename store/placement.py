@@ -23,7 +23,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from ctxproxy.store.liveness import is_dead
-from ctxproxy.store.prefixes import PrefixDigests, common_prefix, holder, list_digest
+from ctxproxy.store.prefixes import DigestRows, PrefixDigests, common_prefix, holder, list_digest
 from ctxproxy.store.records import IncomingRequest, prefix_digest
 from ctxproxy.store.recovery import ANSWERED, INTERRUPTED, MARK_ABANDONED
 from ctxproxy.store.sql import Connection
@@ -91,6 +91,9 @@ class SiblingsMixin:
 
 class PlacementMixin(SiblingsMixin):
     conn: Connection
+    digest_rows: DigestRows
+    """The prefix index's rows placement read (``store.prefixes._digest_row``; SQLite only: on a shared store
+    another replica may prune)."""
     interrupted: dict[str, tuple[str, ...]]
     """Per opening (fingerprint), its sessions whose last request was interrupted (``_interrupted_sessions``)."""
     instance: str | None
@@ -151,7 +154,8 @@ class PlacementMixin(SiblingsMixin):
         if head.list_id is None:
             return at_least
         most = head.length - 1 if head.length <= len(digests) else head.length
-        return common_prefix(self.conn, head.list_id, most, digests, self.message_hashes, at_least)
+        return common_prefix(self.conn, head.list_id, most, digests, self.message_hashes, at_least,
+                             self.digest_rows if self.conn.dialect == "sqlite" else None)
 
     def _advance_head(self, session_id: str, list_id: int, req: IncomingRequest, digest: str,
                       claimed_by: int | None = None) -> None:
@@ -219,6 +223,10 @@ class PlacementMixin(SiblingsMixin):
         known = self.interrupted.get(fingerprint) if fingerprint is not None else None
         if known and session_id in known:
             self.interrupted[fingerprint] = tuple(s for s in known if s != session_id)  # type: ignore[index]
+
+    def forget_digests(self) -> None:
+        """Lists were removed, or another process wrote the journal: the prefix index is read again."""
+        self.digest_rows.clear()
 
     def forget_interrupted(self) -> None:
         """Requests were marked interrupted, or another process wrote the journal: read them again when asked."""

@@ -23,10 +23,11 @@ import hashlib
 from bisect import bisect_right, insort
 from collections.abc import Callable, Iterator, Sequence
 from itertools import accumulate
+from typing import Any
 
 from ctxproxy.store.sql import Connection
 
-__all__ = ["PrefixDigests", "common_prefix", "holder", "index_list", "list_digest"]
+__all__ = ["DIGEST_ROWS_KEPT", "DigestRows", "PrefixDigests", "common_prefix", "holder", "index_list", "list_digest"]
 
 
 class PrefixDigests:
@@ -91,12 +92,18 @@ def index_list(conn: Connection, list_id: int, digests: PrefixDigests, base_id: 
                      [(segment, n, d) for n, d in digests.run(base_len, len(digests))])
 
 
-def list_digest(conn: Connection, list_id: int, n: int, rebuild: Callable[[int], list[str]]) -> str:
+DigestRows = dict[tuple[int, int], tuple[Any, ...]]
+"""``_DIGEST_AT``'s rows a journal keeps, by (list, n) (``list_digest``'s ``known``)."""
+
+
+def list_digest(conn: Connection, list_id: int, n: int, rebuild: Callable[[int], list[str]],
+                known: DigestRows | None = None) -> str:
     """``prefix_digest`` of the first ``n`` messages of request list ``list_id`` (n ≤ its length): one indexed
-    SELECT, or one per fork below it. ``rebuild``: the journal's chain walk, for a list the index does not cover."""
+    SELECT, or one per fork below it. ``rebuild``: the journal's chain walk, for a list the index does not cover.
+    ``known``: the rows read before, kept (``_digest_row``)."""
     current: int | None = list_id
     while n and current is not None:
-        row = conn.execute(_DIGEST_AT, [n, current]).fetchone()
+        row = _digest_row(conn, current, n, known)
         if row is None:
             return PrefixDigests(rebuild(current)).at(n)
         base_id, base_len, digest = row
@@ -120,6 +127,28 @@ def holder(conn: Connection, list_id: int, n: int) -> int:
         current = int(row[0])
 
 
+def _digest_row(conn: Connection, list_id: int, n: int, known: DigestRows | None) -> tuple[Any, ...] | None:
+    """``_DIGEST_AT`` of (n, list), from ``known`` when read before. A row, once there, never changes: a list's
+    segment is set in the transaction that writes it, and a segment's digest at n is never rewritten (lists join a
+    segment only past its last position). Only removing lists (a prune, the incognito bound) or another process
+    can make one stale: the journal forgets them then (``forget_digests``). The rows kept are the ones a search
+    reads again: every new run of an opening probes the same few positions of the same recent heads (a new run of
+    the peers' benchmark: 14 statements, then 2)."""
+    key = (list_id, n)
+    row = known.get(key) if known is not None else None
+    if row is None:
+        row = conn.execute(_DIGEST_AT, [n, list_id]).fetchone()
+        if known is not None and row is not None and (row[2] is not None or n <= row[1]):  # else rebuilt, not kept
+            if len(known) >= DIGEST_ROWS_KEPT:
+                known.pop(next(iter(known)))
+            known[key] = tuple(row)
+    return row
+
+
+DIGEST_ROWS_KEPT = 8192
+"""``_digest_row``'s rows a journal keeps at most (~1 MB); beyond, the one read first is read again."""
+
+
 _DIGEST_AT = """
 SELECT r.base_id, r.base_len, p.digest
   FROM message_lists l JOIN message_lists r ON r.id = l.segment
@@ -130,7 +159,7 @@ SELECT r.base_id, r.base_len, p.digest
 
 
 def common_prefix(conn: Connection, list_id: int, length: int, digests: PrefixDigests,
-                  rebuild: Callable[[int], list[str]], at_least: int = 0) -> int:
+                  rebuild: Callable[[int], list[str]], at_least: int = 0, known: DigestRows | None = None) -> int:
     """How many leading messages list ``list_id`` (``length`` of them) shares with the request, or ``at_least``
     when it is no more than that (the caller only wants a longer one). Sharing n messages implies sharing every
     shorter prefix, so a binary search over n finds it, each probe one ``list_digest``. A request that reaches
@@ -140,7 +169,7 @@ def common_prefix(conn: Connection, list_id: int, length: int, digests: PrefixDi
     lo, hi = at_least, min(length, len(digests))
 
     def shares(n: int) -> bool:
-        return list_digest(conn, list_id, n, rebuild) == digests.at(n)
+        return list_digest(conn, list_id, n, rebuild, known) == digests.at(n)
 
     if hi <= lo:
         return lo

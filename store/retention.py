@@ -48,6 +48,7 @@ class RetentionMixin:
         def replaced_texts(self) -> ReplacedTexts: ...
         def forget_ancestries(self) -> None: ...
         def forget_siblings(self) -> None: ...
+        def forget_digests(self) -> None: ...
 
     def prune(self, before: str, dry_run: bool = False) -> PruneReport:
         """Remove the sessions last active before ``before`` (an ISO timestamp, as the journal writes them).
@@ -66,6 +67,7 @@ class RetentionMixin:
             self.replaced_texts.clear()  # texts of the removed sessions' decisions are not kept either
             self.forget_ancestries()
             self.forget_siblings()
+            self.forget_digests()
         except _DryRun as done:
             return done.report
         return report

@@ -121,6 +121,7 @@ class JournalWriter:
                 journal.forget_interrupted()
                 journal.forget_ancestries()
                 journal.forget_siblings()
+                journal.forget_digests()
             self._data_version = version
 
     def _write_unwritten(self, journal: Journal) -> None:

@@ -79,6 +79,19 @@ def test_sessions_idle_past_the_age_are_forgotten_at_the_next_request() -> None:
     assert list(journal.forgotten) == [old.session_id]
 
 
+def test_forgetting_sessions_forgets_the_prefix_index_rows_kept() -> None:
+    """The lists forgotten go with them; a new list may take one of their ids (``store.prefixes._digest_row``)."""
+    clock = [0.0]
+    journal = journal_at(10**9, 60, clock)
+    history = session_run(1, rounds=3)
+    answer(journal, journal.record_request(request_at(history, 0)))
+    answer(journal, journal.record_request(request_at([*history[:2], {"role": "user", "content": "again"}], 1)))
+    assert journal.digest_rows
+    clock[0] = 120
+    answer(journal, journal.record_request(request_at(session_run(2), 120)))
+    assert journal.forgotten and journal.digest_rows == {}
+
+
 def test_a_session_with_a_request_in_flight_is_never_forgotten() -> None:
     clock = [0.0]
     journal = journal_at(64 * 1024, 1, clock)

@@ -195,6 +195,48 @@ def test_a_new_run_looks_up_no_prefix_of_a_recent_run_it_cannot_share_more_with(
     assert len([s for s in statements if "p.digest" in s and "FROM message_lists l" in s]) <= 4
 
 
+def test_new_runs_among_longer_runs_read_the_prefix_index_rows_they_read_before_from_memory(tmp_path: Path) -> None:
+    """The peers' benchmark: short new runs of an opening between long ones, each placed among the 8 recent runs,
+    probes the same few positions of the same heads as the run before it. The rows are kept (``_digest_row``):
+    14 lookups a new run before, 4 now; the run is placed as before (the walk and the full scan agree above)."""
+    journal = Journal(tmp_path / "j.db")
+    long = _long_run(journal, 20)[-1]
+    for i in range(8):
+        _answer(journal, journal.record_request(incoming([*long, {"role": "user", "content": f"long {i}"}], n=i)))
+        _new_runs(journal, long[:2], i, 1)
+    statements = _statements(journal)
+    rec = _new_runs(journal, long[:2], 100, 1)
+    assert rec.forked and rec.seen == 2
+    assert _probes(statements) <= 4
+
+
+def test_removing_lists_forgets_the_prefix_index_rows_kept(tmp_path: Path) -> None:
+    """A prune removes lists, whose ids a new list may take again: nothing read of them is kept."""
+    journal = Journal(tmp_path / "j.db")
+    opening = _long_run(journal, 5)[0]
+    _new_runs(journal, opening, 0, 3)
+    assert journal.digest_rows
+    journal.prune("9999")
+    assert journal.digest_rows == {}
+    _new_runs(journal, opening, 3, 3)
+    assert journal.digest_rows
+
+
+def test_another_process_writing_forgets_the_prefix_index_rows_kept(tmp_path: Path) -> None:
+    ours, theirs = Journal(tmp_path / "j.db"), Journal(tmp_path / "j.db")
+    opening = _long_run(ours, 5)[0]
+    _new_runs(ours, opening, 0, 3)
+    writer = JournalWriter(ours)
+    try:
+        asyncio.run(writer.call(Journal.sessions))
+        assert ours.digest_rows
+        _new_runs(theirs, opening, 3, 1)
+        asyncio.run(writer.call(Journal.sessions))
+    finally:
+        writer.close()
+    assert ours.digest_rows == {}
+
+
 def _placement_steps(journal: Journal, opening: list[dict[str, Any]], n: int) -> int:
     """The SQLite VM instructions that placing the ``n``th new run of ``opening`` spent reading the opening's
     sessions by their fingerprint (its count aside)."""
