@@ -27,7 +27,7 @@ from typing import Any
 
 from ctxproxy.store.sql import Connection
 
-__all__ = ["DIGEST_ROWS_KEPT", "DigestRows", "PrefixDigests", "common_prefix", "holder", "index_list", "list_digest"]
+__all__ = ["DigestRows", "PrefixDigests", "common_prefix", "holder", "index_list", "list_digest"]
 
 
 class PrefixDigests:
