@@ -8,6 +8,7 @@ for an earlier request must not be done again: these tests count the work, never
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import replace
@@ -240,6 +241,30 @@ def test_a_forward_of_the_request_s_own_messages_is_journaled_with_its_answer(tm
     finally:
         journal.close()
     assert row[0] == 0 and row[1] == row[2]
+
+
+def test_a_large_body_s_messages_go_upstream_as_their_bytes_came_when_only_the_tools_change(tmp_path: Path) -> None:
+    """A 47 KB new run of a session whose results were cut: its messages go as they came, the context tools listed
+    beside the agent's. The messages are not serialised again (0.3 ms of a 630 KB body): their bytes are the
+    client's own, spaced and escaped as it sent them, in a body that parses to the same request."""
+    fake = FakeUpstream()
+    settings = load_settings(env={"CTXPROXY_DATA_DIR": str(tmp_path), "CTXPROXY_UPSTREAM": "http://u.test/v1",
+                                  "CTXPROXY_CTX_WINDOW": "32768"})
+    tools = [{"type": "function", "function": {"name": "sh", "parameters": {"type": "object"}}}]
+    opening = history(20)
+    talk = [m for i in range(14) for m in ({"role": "user", "content": f"q{i} " + "é ab " * 250},
+                                            {"role": "assistant", "content": f"a{i} " + "cd " * 250})]
+    new_run = [*opening[:2], *talk, {"role": "user", "content": "another task"}]
+    as_sent = json.dumps(new_run, indent=2).encode()  # spaced, and é escaped: not what orjson writes
+    raw = b'{"model": "fake-model", "tools": ' + json.dumps(tools).encode() + b', "messages": ' + as_sent + b"}"
+    with app_client(settings, httpx.ASGITransport(app=fake)) as client:
+        for k in range(1, 21):
+            _send(client, opening[:2 + 2 * k], tools=tools)
+        response = client.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+    assert response.status_code == 200, response.text
+    sent = fake.last_chat.json()
+    assert sent["messages"] == new_run and len(sent["tools"]) > 1 and sent["model"] == "fake-model"
+    assert as_sent in fake.last_chat.body
 
 
 def test_a_new_run_is_claimed_in_the_call_that_journals_it(tmp_path: Path) -> None:

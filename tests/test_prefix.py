@@ -51,6 +51,9 @@ def check(prefixes: Prefixes, raw: bytes) -> bool:
         if isinstance(body, dict) and isinstance(body.get("messages"), list):
             assert [list(m) for m in body["messages"] if isinstance(m, dict)] == \
                 [list(m) for m in full["messages"] if isinstance(m, dict)]  # key order, message by message
+        as_came = prefixes.messages_as_came(raw, body)
+        if as_came is not None:  # the array's own bytes (what goes upstream when only the tools change)
+            assert orjson.loads(as_came) == full["messages"] and as_came in raw
     return reused
 
 
@@ -162,6 +165,29 @@ def test_the_middle_nests_as_deep_as_in_the_body() -> None:
     got = prefixes.loads(spliced(1021))
     full = orjson.loads(spliced(1021))  # parses: so does the splice (compared short of the deep part)
     assert got is not None and len(got.body["messages"]) == 6 and got.body["messages"][:5] == full["messages"][:5]
+
+
+@pytest.mark.parametrize("style", ["compact", "spaced", "ascii", "indented"])
+def test_a_kept_body_s_messages_are_the_bytes_it_came_with(style: str) -> None:
+    """Exactly the array's bytes, as the client spaced and escaped them, for the body parsed from them (whole or
+    from a kept one); nothing for an equal body that is not the kept object, a small body, or one dropped."""
+    prefixes = Prefixes(max_bytes=8000, min_bytes=1000)
+    messages = [*history(20, size=5), {"role": "user", "content": "é \"quoted\" ]"}]
+    for body in ({"model": "m", "messages": messages[:-1], "tools": []}, {"model": "m", "messages": messages,
+                                                                          "tools": []}):
+        raw = encode(body, style)
+        array = encode(body["messages"], style) if style != "indented" else None
+        parsed, _ = parse(prefixes, raw)
+        as_came = prefixes.messages_as_came(raw, parsed)
+        assert as_came is not None and orjson.loads(as_came) == body["messages"] and as_came in raw
+        assert array is None or as_came == array
+        assert raw.index(as_came) == raw.index(b"[", raw.index(b'"messages"'))
+        assert prefixes.messages_as_came(raw, orjson.loads(raw)) is None  # equal, but not what was kept
+    small = encode({"model": "m", "messages": history(1, size=1)}, style)
+    assert prefixes.messages_as_came(small, parse(prefixes, small)[0]) is None
+    for i in range(3):  # others push it out of the kept bytes
+        check(prefixes, encode({"model": f"other {i}", "messages": messages}, style))
+    assert prefixes.messages_as_came(raw, parsed) is None
 
 
 def test_small_bodies_are_parsed_whole() -> None:

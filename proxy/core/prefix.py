@@ -32,6 +32,7 @@ import threading
 import weakref
 from bisect import bisect_right
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,10 +81,6 @@ class _Kept:
     @property
     def close(self) -> int:
         return len(self.raw) - self.tail
-
-    @property
-    def weight(self) -> int:
-        return self.raw.weight()
 
     def remember(self, cuts: list[tuple[int, int]]) -> None:
         for offset, count in cuts:
@@ -168,6 +165,11 @@ class Prefixes:
         match = match or self.match(raw)
         return None if match is None else _splice(raw, match, self._lock)
 
+    def messages_as_came(self, raw: bytes | Pieces, body: Mapping[str, object]) -> bytes | None:
+        """``body``'s ``messages`` array as ``raw`` holds it, if ``body`` is kept (what it was parsed from)."""
+        kept = next((k for k in self.candidates(_pieces(raw)[:self.key_bytes]) if k.top is body), None)
+        return None if kept is None else kept.raw.take(kept.open, kept.close + 1)
+
     def keep(self, raw: bytes | Pieces, body: dict[str, Any], reused: Reused | None) -> None:
         """Remember a validated body for the next ones (``reused``: what ``loads`` made of it, if anything)."""
         if len(raw) < self.min_bytes:
@@ -179,14 +181,14 @@ class Prefixes:
         key = hash(raw[:self.key_bytes])
         with self._lock:
             lists = self._entries.pop(key, [])
-            self._bytes -= sum(entry.weight for entry in lists)  # before the extended one goes: it was counted
+            self._bytes -= sum(entry.raw.weight() for entry in lists)  # before the extended one goes: it was counted
             if reused is not None and reused.count == len(reused.kept.top["messages"]):
                 lists = [entry for entry in lists if entry is not reused.kept]  # extended: the new one covers it
             lists = [kept, *lists][: self._per_key]
             self._entries[key] = lists
-            self._bytes += sum(entry.weight for entry in lists)
+            self._bytes += sum(entry.raw.weight() for entry in lists)
             while len(self._entries) > 1 and self._bytes > self._max_bytes:
-                self._bytes -= sum(entry.weight for entry in self._entries.popitem(last=False)[1])
+                self._bytes -= sum(entry.raw.weight() for entry in self._entries.popitem(last=False)[1])
 
 
 def _pieces(raw: bytes | Pieces) -> Pieces:
@@ -194,8 +196,7 @@ def _pieces(raw: bytes | Pieces) -> Pieces:
 
 
 def _fits(raw: Pieces, kept: _Kept, shared: int) -> bool:
-    """Whether ``raw`` can be parsed from ``kept``: they share more than the array's head, and ``raw`` ends with
-    the kept body's bytes after its array."""
+    """Whether ``raw`` parses from ``kept``: they share more than the array's head, and the bytes after the array."""
     return shared > kept.open and len(raw) - kept.tail > kept.open \
         and raw[len(raw) - kept.tail:] == kept.raw[kept.close:]
 

@@ -201,9 +201,18 @@ def _shape(app: AppState, settings: Settings, ctx: SessionContext, ask: Ask, win
                                     if may_offer and not offered else 0)
     record = _forward_record(ask.recorded, ask.incoming, ctx, p, ask.attempt, rules.k, sent, hashes, changed,
                              None if ask.splice else estimate)  # a splice's tokens are not in the estimate
-    out = orjson.dumps(payload.body) if changed else bytes(ask.raw)
+    out = _upstream_bytes(app, ask, payload.body, record)
     return _Shaped(p, rules, offered, estimate, hashes, record, out,
                    counting(p, messages, ask.incoming.hashes, app.counter, estimate, budgeted))
+
+
+def _upstream_bytes(app: AppState, ask: Ask, body: dict[str, Any], record: ForwardRecord) -> bytes:
+    """The body as it came if nothing changed. If only fields beside the messages did (the context tools listed),
+    the messages' bytes as they came, not serialised again: 0.3 ms of a 630 KB request, 3 ms of a 6.5 MB one."""
+    if record.verbatim:
+        return bytes(ask.raw)
+    as_came = app.hasher.prefixes.messages_as_came(ask.raw, ask.body) if record.own_list else None
+    return orjson.dumps(body if as_came is None else {**body, "messages": orjson.Fragment(as_came)})
 
 
 def _ingest_key(rules: Rules) -> tuple[Any, ...]:
