@@ -27,6 +27,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from ctxproxy.store.checkpoints import Checkpointer, checkpoint_backstop
 from ctxproxy.store.failures import JournalUnavailable, explain
 from ctxproxy.store.hops import Threads
 from ctxproxy.store.journal import Journal
@@ -69,6 +70,8 @@ class JournalWriter:
         """Answers handed to the threads and not yet journaled. A request waits for those handed in before it:
         placement continues a session only from an answered head, and an answer's call (journaled after the client
         has it) may otherwise run on another thread, later (one thread, on SQLite, keeps them in order anyway)."""
+        self._checkpoints = _checkpointer(journal)
+        """A SQLite file's checkpoints, off the requests' path (``store.checkpoints``)."""
         self._data_version: int | None = None
         self.generation = 0
         """Counts the times another process wrote the journal (``ctxproxy prune``): what the proxy remembers of
@@ -90,7 +93,7 @@ class JournalWriter:
             self._notice_other_writers(journal)
         self._write_unwritten(journal)
         try:
-            return method(journal, *args)
+            result = method(journal, *args)
         except journal.conn.Error as exc:
             problem = storage_failure(exc, journal)
             if problem is None:
@@ -98,6 +101,9 @@ class JournalWriter:
             if method is Journal.record_response:
                 self._unwritten.append(args)
             raise self._failure(problem) from exc
+        if self._checkpoints is not None:
+            self._checkpoints.poke()
+        return result
 
     def _own(self) -> Journal:
         """This thread's journal: the one given, or (PostgreSQL's other threads) a connection of its own."""
@@ -140,8 +146,18 @@ class JournalWriter:
     def close(self) -> None:
         self._threads.run_blocking(lambda: self._write_unwritten(self._own()))
         self._threads.stop()
+        if self._checkpoints is not None:
+            self._checkpoints.close()
         for journal in self._journals:
             journal.close()
+
+
+def _checkpointer(journal: Journal) -> Checkpointer | None:
+    """A SQLite file's: its commits leave checkpoints to it (``store.checkpoints``). None in memory, on PostgreSQL."""
+    if journal.path is None:
+        return None
+    checkpoint_backstop(journal.conn)
+    return Checkpointer(journal.path, journal.sync)
 
 
 def storage_failure(exc: Exception, journal: Journal) -> JournalUnavailable | None:

@@ -1,0 +1,106 @@
+"""The journal's checkpoints run on their own thread (``store.checkpoints``), never inside a request's commit."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from ctxproxy.store import Journal, JournalWriter, MemoryJournal
+from ctxproxy.store.checkpoints import BACKSTOP_PAGES, Checkpointer, checkpoint_backstop
+from tests.test_journal import incoming, record
+
+PAGE = 4096
+
+
+def _write_log_pages(journal: Journal, pages: int) -> None:
+    """Requests whose bodies take ``pages`` of the write-ahead log or more."""
+    for n in range(pages * PAGE // 100_000 + 1):
+        record(journal, incoming([{"role": "user", "content": f"{n} " + "x" * 100_000}], n=n % 60))
+
+
+def _wait_for(done: Callable[[], object], seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_commits_leave_the_log_to_the_checkpointer_which_copies_it_back_when_poked(tmp_path: Path) -> None:
+    """1500 pages of log: SQLite's default has the commit that passes 1000 copy them into the file (18-24 ms,
+    on a request's path); with the backstop no commit does, and the checkpointer does once poked."""
+    default = Journal(tmp_path / "default.db")
+    start = default.path.stat().st_size  # type: ignore[union-attr]
+    _write_log_pages(default, 1500)
+    assert default.path.stat().st_size > start + 1000 * PAGE  # type: ignore[union-attr]  # a commit checkpointed
+    default.close()
+
+    journal = Journal(tmp_path / "journal.db")
+    checkpoint_backstop(journal.conn)
+    checkpoints = Checkpointer(tmp_path / "journal.db", every=0.05)
+    try:
+        start = (tmp_path / "journal.db").stat().st_size
+        _write_log_pages(journal, 1500)
+        assert (tmp_path / "journal.db").stat().st_size == start  # the file untouched: every page still in the log
+        assert (tmp_path / "journal.db-wal").stat().st_size > 1500 * PAGE
+        checkpoints.poke()
+        _wait_for(lambda: checkpoints.checkpoints)
+        assert (tmp_path / "journal.db").stat().st_size > start + 1000 * PAGE
+        log = (tmp_path / "journal.db-wal").stat().st_size
+        record(journal, incoming([{"role": "user", "content": "after"}]))
+        assert (tmp_path / "journal.db-wal").stat().st_size == log  # the log begun again: written over, not grown
+        assert journal.conn.execute("SELECT COUNT(*) FROM requests").fetchone()[0] == 1500 * PAGE // 100_000 + 2
+    finally:
+        checkpoints.close()
+        journal.close()
+
+
+def test_a_checkpoint_is_not_another_process_s_write(tmp_path: Path) -> None:
+    """The writer notices other writers by ``PRAGMA data_version`` (``store.writer``): a checkpoint from another
+    connection changes no data, and must not make it forget what it keeps (the prefix index's rows...)."""
+    journal = Journal(tmp_path / "journal.db")
+    checkpoints = Checkpointer(tmp_path / "journal.db", every=0.0)
+    try:
+        record(journal, incoming([{"role": "user", "content": "one"}]))
+        version = journal.data_version()
+        checkpoints.poke()
+        _wait_for(lambda: checkpoints.checkpoints)
+        assert checkpoints.checkpoints and journal.data_version() == version
+    finally:
+        checkpoints.close()
+        journal.close()
+
+
+def test_the_writer_of_a_sqlite_file_checkpoints_on_its_own_thread_and_stops_it_when_closed(tmp_path: Path) -> None:
+    writer = JournalWriter(Journal(tmp_path / "journal.db"))
+    try:
+        assert writer.journal.conn.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == BACKSTOP_PAGES
+        asyncio.run(writer.call(Journal.record_request, incoming([{"role": "user", "content": "hi"}])))
+        assert writer._checkpoints is not None
+        _wait_for(lambda: writer._checkpoints.checkpoints)  # type: ignore[union-attr]
+        assert writer._checkpoints.checkpoints == 1  # poked by the commit, once
+    finally:
+        writer.close()
+    assert not [t for t in threading.enumerate() if t.name == "ctxproxy-checkpoints"]
+    incognito = JournalWriter(MemoryJournal(1 << 20, 3600.0))
+    try:
+        assert incognito._checkpoints is None  # in memory: no log, nothing to checkpoint
+    finally:
+        incognito.close()
+
+
+def test_a_checkpoint_that_fails_is_logged_and_tried_again_at_the_next_poke(tmp_path: Path,
+                                                                            caplog: pytest.LogCaptureFixture) -> None:
+    (tmp_path / "journal.db").write_bytes(b"not a database, " * 512)
+    checkpoints = Checkpointer(tmp_path / "journal.db", every=0.0)
+    try:
+        for expected in (1, 2):
+            checkpoints.poke()
+            _wait_for(lambda n=expected: len(caplog.records) >= n)  # type: ignore[misc]
+            assert len(caplog.records) == expected and checkpoints.checkpoints == 0
+    finally:
+        checkpoints.close()
+    assert "could not checkpoint the journal's write-ahead log" in caplog.records[0].getMessage()
