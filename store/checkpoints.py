@@ -63,7 +63,10 @@ class Checkpointer:
     def _run(self) -> None:
         conn: sqlite3.Connection | None = None
         try:
-            while self._poked.wait() and not self._stopping.wait(self._every):
+            while True:
+                self._poked.wait()
+                if self._stopping.wait(self._every):
+                    break  # closing
                 self._poked.clear()  # commits from here on poke again, for the next one
                 conn = self._checkpoint(conn)
         finally:

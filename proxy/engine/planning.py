@@ -208,7 +208,7 @@ def _shape(app: AppState, settings: Settings, ctx: SessionContext, ask: Ask, win
 
 def _upstream_bytes(app: AppState, ask: Ask, body: dict[str, Any], record: ForwardRecord) -> bytes:
     """The body as it came if nothing changed. If only fields beside the messages did (the context tools listed),
-    the messages' bytes as they came, not serialised again: 0.3 ms of a 630 KB request, 3 ms of a 6.5 MB one."""
+    the messages' bytes as they came, not serialised again (0.30 → 0.065 ms for 630 KB of messages)."""
     if record.verbatim:
         return bytes(ask.raw)
     as_came = app.hasher.prefixes.messages_as_came(ask.raw, ask.body) if record.own_list else None

@@ -26,18 +26,8 @@ from ctxproxy.proxy.core.identity import content_text
 from ctxproxy.proxy.core.state import Rules, sha256_text
 from ctxproxy.proxy.core.stubs import full_output, stub_line
 
-__all__ = [
-    "CLOSE",
-    "PARAGRAPH",
-    "MirrorPlaces",
-    "Revision",
-    "appended_document",
-    "indented",
-    "maintenance_rounds",
-    "mirror_document",
-    "mirror_path",
-    "revise",
-]
+__all__ = ["CLOSE", "PARAGRAPH", "MirrorPlaces", "Revision", "appended_document", "indented", "maintenance_rounds",
+           "mirror_document", "mirror_path", "revise"]
 
 _FILE_TOOL = re.compile(r"read|view|open|cat|edit|write|create|patch|replace|insert", re.I)
 _SHELL_TOOL = re.compile(r"bash|shell|run|exec|terminal|command|python", re.I)
