@@ -33,9 +33,9 @@ def test_commits_leave_the_log_to_the_checkpointer_which_copies_it_back_when_pok
     """1500 pages of log: SQLite's default has the commit that passes 1000 copy them into the file (18-24 ms,
     on a request's path); with the backstop no commit does, and the checkpointer does once poked."""
     default = Journal(tmp_path / "default.db")
-    start = default.path.stat().st_size  # type: ignore[union-attr]
+    start = (tmp_path / "default.db").stat().st_size
     _write_log_pages(default, 1500)
-    assert default.path.stat().st_size > start + 1000 * PAGE  # type: ignore[union-attr]  # a commit checkpointed
+    assert (tmp_path / "default.db").stat().st_size > start + 1000 * PAGE  # a commit checkpointed
     default.close()
 
     journal = Journal(tmp_path / "journal.db")
@@ -51,7 +51,7 @@ def test_commits_leave_the_log_to_the_checkpointer_which_copies_it_back_when_pok
         assert (tmp_path / "journal.db").stat().st_size > start + 1000 * PAGE
         log = (tmp_path / "journal.db-wal").stat().st_size
         record(journal, incoming([{"role": "user", "content": "after"}]))
-        assert (tmp_path / "journal.db-wal").stat().st_size == log  # the log begun again: written over, not grown
+        assert (tmp_path / "journal.db-wal").stat().st_size == log  # the log began again: written over, not grown
         assert journal.conn.execute("SELECT COUNT(*) FROM requests").fetchone()[0] == 1500 * PAGE // 100_000 + 2
     finally:
         checkpoints.close()
