@@ -17,7 +17,7 @@ from ctxproxy.proxy.core.identity import message_hash
 from ctxproxy.proxy.core.project import Projection, project
 from ctxproxy.proxy.core.state import Rules
 from ctxproxy.proxy.core.tokens import MessageCounter
-from ctxproxy.proxy.engine.tally import Tally, counting, tally
+from ctxproxy.proxy.engine.tally import Tally, counting, taken, tally
 from tests.conftest import app_client
 from tests.fakes import CountingUpstream, FakeUpstream
 from tests.test_project import budget, history
@@ -90,6 +90,23 @@ def test_a_tally_is_the_same_whatever_the_counter_had_counted(sizes: list[int], 
     later = counting(p, messages, hashes, partly, p.report.estimate, 0)
     assert later.complete == all(knows_all.cached(h) == partly.cached(h) for h in (hashes[i] for i in later.cut))
     assert later.finish(partly) == tally(p, messages, hashes, knows_all, p.report.estimate, 0)
+
+
+def test_a_tally_counted_after_the_session_moved_on_is_the_one_its_forward_planned() -> None:
+    """A forward's tally is counted once its answer has left, when the session's lock is let go: by then the
+    session's next request may have extended the projection's state in place. What was taken when the forward was
+    planned still counts that forward, cut for cut."""
+    messages = history([f"output line {n} " * 300 for n in range(12)])
+    hashes = [message_hash(m) for m in messages]
+    rules, counter = Rules(budget(2048, spill_chars=600)), MessageCounter()
+    p = project(messages, hashes, [], rules, counter)
+    planned, expected = taken(p), tally(p, messages, hashes, counter, p.report.estimate, 0)
+    longer = messages + history(["next output " * 300], call_id="next_{}")[2:]
+    longer_hashes = [message_hash(m) for m in longer]
+    project(longer, longer_hashes, list(p.new), rules, counter, p.state, len(messages))
+    assert len(p.state.hashes) == len(longer) and len(planned.hashes) == len(messages)  # the state moved on
+    later = counting(planned, messages, hashes, counter, p.report.estimate, 0)
+    assert expected.freed and later.finish(counter) == expected
 
 
 def test_an_elision_and_a_fold_count_what_they_took_out() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 
 from starlette.requests import Request
@@ -53,8 +54,7 @@ class Exchange:
         self.internal_rounds = 0
         self.totals = {"prompt_tokens": 0, "completion_tokens": 0}
         self.context: SessionContext | None = None
-        self.tally: Tally | asyncio.Future[Tally] | None = None
-        """The latest forward's tokens (in, out): a future while it counts (``proxy.engine.planning._tallied``)."""
+        self.tallies: list[Tallying] = []  # each forward's, counted once the answer has left (``counted``)
         self.cuts: dict[str, int] = {}
         self.retries = 0
         """Forwards again after the upstream refused the prompt as too long."""
@@ -150,9 +150,10 @@ class Exchange:
             log.warning("the answer of request %s is kept in memory until the journal can take it: %s",
                         self.recorded.request_id, exc.message)
 
-    def planned(self, cuts: dict[str, int], tally: Tally | asyncio.Future[Tally]) -> None:
+    def planned(self, cuts: dict[str, int], tally: Tallying) -> None:
         """A forward was planned: its tokens, and its new cuts added to the request's."""
-        self.tally, self.cuts = tally, {kind: self.cuts.get(kind, 0) + cuts.get(kind, 0) for kind in self.cuts | cuts}
+        self.tallies.append(tally)
+        self.cuts = {kind: self.cuts.get(kind, 0) + cuts.get(kind, 0) for kind in self.cuts | cuts}
 
     def _fields(self, outcome: str, status: int) -> dict[str, object]:
         """The request's one line at info: who, where, what happened, the tokens, the cuts, the time."""
@@ -164,8 +165,9 @@ class Exchange:
 
     async def _write_line(self) -> None:
         fields, self._line = self._line, None
+        tallies, self.tallies = self.tallies, []
+        tally = await counted(tallies)  # for the metrics as well, line or not
         if fields is not None:
-            self.tally = tally = await self.tally if isinstance(self.tally, asyncio.Future) else self.tally
             fields |= {"tokens_in": tally.tokens_in, "tokens_out": tally.tokens_out} if tally else {}
             log.info(request_line(fields), extra={"ctx": fields})
 
@@ -183,6 +185,19 @@ class Exchange:
 
     def elapsed(self) -> float:
         return round((time.perf_counter() - self.started) * 1000, 3)
+
+
+Tallying = Callable[[], "Tally | asyncio.Future[Tally]"]
+"""A forward's tally, counted when called (``proxy.engine.planning._tallied``)."""
+
+
+async def counted(tallies: list[Tallying]) -> Tally | None:
+    """Each forward's tally counted (each gives the metrics what its cuts freed); the latest one, whose tokens (in,
+    out) the request's log line gives."""
+    latest = None
+    for tally in [count() for count in tallies]:
+        latest = await tally if isinstance(tally, asyncio.Future) else tally
+    return latest
 
 
 def target_of(request: Request) -> tuple[str, str]:

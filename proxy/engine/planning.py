@@ -11,6 +11,7 @@ it runs on a worker thread as a whole (``proxy.engine.heavy``) while the event l
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -34,7 +35,7 @@ from ctxproxy.proxy.core.pieces import Pieces
 from ctxproxy.proxy.core.tokens import MessageCounter
 from ctxproxy.proxy.engine.context import ParentState, SessionContext
 from ctxproxy.proxy.engine.decided import decision_rows
-from ctxproxy.proxy.engine.exchange import now
+from ctxproxy.proxy.engine.exchange import Tallying, now
 from ctxproxy.proxy.engine.heavy import is_large
 from ctxproxy.proxy.engine.mirror_file import write_mirror
 from ctxproxy.proxy.engine.outfiles import outfiles_dir, write_outfiles
@@ -49,7 +50,7 @@ from ctxproxy.proxy.engine.policy import (
     restorable,
 )
 from ctxproxy.proxy.engine.state import AppState
-from ctxproxy.proxy.engine.tally import Counting, Tally, counting
+from ctxproxy.proxy.engine.tally import Taken, Tally, counting, taken
 from ctxproxy.proxy.errors import ContextTooLarge
 from ctxproxy.proxy.tools.offer import person_asked, turn_in
 from ctxproxy.proxy.wire import ChatBody
@@ -70,9 +71,9 @@ class Plan:
     rules: Rules
     offered: bool
     """The context tools are in this request's tool list."""
-    tally: Tally | asyncio.Future[Tally]
-    """Tokens the agent sent, tokens going upstream, what the new cuts freed (``proxy.engine.tally``): a future
-    while originals it cut are still being counted (``_tallied``)."""
+    tally: Tallying
+    """Tokens the agent sent, tokens going upstream, what the new cuts freed (``proxy.engine.tally``), counted when
+    called, once the answer has left (``_tallied``)."""
     cuts: dict[str, int]
     """This forward's new decisions, by kind."""
     deferred: ForwardRecord | None = None
@@ -104,31 +105,35 @@ async def plan_forward(app: AppState, writer: JournalWriter, ctx: SessionContext
         list_id = await writer.call(Journal.record_forward, record)
         await write_outfiles(shaped.rules.overflow_dir, _outfile_bodies(shaped.rules, p, incoming.bodies))
     ctx.decisions += p.new
-    tallied = _tallied(app, [d.kind for d in p.new], shaped.counting)
+    app.metrics.decided([d.kind for d in p.new], {})  # what they freed: once the tally is counted
+    tallied = functools.partial(_tallied, app, shaped.taken, cast(list[dict[str, Any]], ask.body["messages"]),
+                                incoming.hashes, shaped.estimate, shaped.budgeted)
     ctx.state, ctx.ingest = p.state, _ingest_key(shaped.rules)
     ctx.sent_list = (list_id, shaped.hashes)
     await ctx.journal_state(writer, recorded.session_id, recorded.request_id)
     return Plan(shaped.body, shaped.estimate, shaped.rules.k, p, shaped.rules, shaped.offered, tallied,
-                shaped.counting.cuts, deferred)
+                shaped.taken.cuts, deferred)
 
 
-def _tallied(app: AppState, kinds: list[str], count: Counting) -> Tally | asyncio.Future[Tally]:
-    """The forward's tally, at once when the counter knew every original it cut; else a future of the rest counted
-    on a thread (tiktoken lets go of the GIL) while the forward goes upstream: a 16 KB result spilled as it came
-    would add 4 ms to the request. The metrics count the new cuts once it is known; the request's log line waits
-    for it (``Exchange``), and a request that ends before it still has it counted."""
+def _tallied(app: AppState, t: Taken, messages: list[dict[str, Any]], hashes: Sequence[str], sent: int,
+             budgeted: int) -> Tally | asyncio.Future[Tally]:
+    """The forward's tally, called by the request's log line (``Exchange``), once the answer has left: at once when
+    the counter knew every original it cut; else a future of the rest counted on a thread (tiktoken lets go of the
+    GIL: a 16 KB result spilled as it came takes 4 ms). The metrics count what the new cuts freed once it is
+    known, and a request that ends before that still has it counted."""
+    count = counting(t, messages, hashes, app.counter, sent, budgeted)
     if count.complete:
         known = count.finish(app.counter)
-        app.metrics.decided(kinds, known.freed)
+        app.metrics.decided((), known.freed)
         return known
     counted = asyncio.get_running_loop().run_in_executor(None, count.finish, app.counter)
-    counted.add_done_callback(lambda done: _count_decided(app, kinds, done))
+    counted.add_done_callback(lambda done: _count_freed(app, done))
     return counted
 
 
-def _count_decided(app: AppState, kinds: list[str], done: asyncio.Future[Tally]) -> None:
+def _count_freed(app: AppState, done: asyncio.Future[Tally]) -> None:
     if not done.cancelled() and done.exception() is None:
-        app.metrics.decided(kinds, done.result().freed)
+        app.metrics.decided((), done.result().freed)
 
 
 def _outfile_bodies(rules: Rules, p: Projection, bodies: Sequence[bytes]) -> list[tuple[str, str]]:
@@ -169,7 +174,9 @@ class _Shaped:
     hashes: list[str]
     record: ForwardRecord
     body: bytes
-    counting: Counting
+    taken: Taken
+    """What the tally reads of the projection, copied: it is counted once the answer has left."""
+    budgeted: int
 
 
 def _shape(app: AppState, settings: Settings, ctx: SessionContext, ask: Ask, window: int,
@@ -202,8 +209,7 @@ def _shape(app: AppState, settings: Settings, ctx: SessionContext, ask: Ask, win
     record = _forward_record(ask.recorded, ask.incoming, ctx, p, ask.attempt, rules.k, sent, hashes, changed,
                              None if ask.splice else estimate)  # a splice's tokens are not in the estimate
     out = _upstream_bytes(app, ask, payload.body, record)
-    return _Shaped(p, rules, offered, estimate, hashes, record, out,
-                   counting(p, messages, ask.incoming.hashes, app.counter, estimate, budgeted))
+    return _Shaped(p, rules, offered, estimate, hashes, record, out, taken(p), budgeted)
 
 
 def _upstream_bytes(app: AppState, ask: Ask, body: dict[str, Any], record: ForwardRecord) -> bytes:

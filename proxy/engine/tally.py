@@ -5,8 +5,10 @@ Counted with the session's own ``MessageCounter`` (ctxproxy's count, before the 
 message's identity hash, so a message counted once is not counted again: only a cut message's original is counted
 here, and the projection counted most of those already when they came in. Not all: a large result spilled as it
 arrived was never counted whole (the spill is decided by its size), and tokenising 16 KB takes about 4 ms. Those
-only feed the metrics and the log line, so ``counting`` takes what the counter knows on the request's path and
-``Counting.finish`` counts the rest, off it (``proxy.engine.planning``), once the forward is on its way.
+only feed the metrics and the log line, which is written once the answer has left: so the request's path only
+copies what the tally reads of the projection (``Taken``, a few list copies), and ``counting`` runs then, with
+``Counting.finish`` counting the rest on a thread (``proxy.engine.planning``). Looking up a 128k projection's ~800
+cut messages in the counter's cache took 0.7 ms of every request of a long session, before the forward went.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from ctxproxy.proxy.core import Decision, Projection
 from ctxproxy.proxy.core.decisions import CUTS
 from ctxproxy.proxy.core.tokens import MessageCounter
 
-__all__ = ["Counting", "Tally", "counting", "tally"]
+__all__ = ["Counting", "Taken", "Tally", "counting", "taken", "tally"]
 
 
 @dataclass(frozen=True)
@@ -68,23 +70,49 @@ class Counting:
                      self.cuts)
 
 
-def counting(p: Projection, messages: Sequence[dict[str, Any]], hashes: Sequence[str], counter: MessageCounter,
-             sent: int, budgeted: int) -> Counting:
+@dataclass(frozen=True)
+class Taken:
+    """What a tally reads of a projection, as it was when planned: the session's next request extends the state's
+    lists in place, and the tally is counted once the answer has left, when the session's lock is let go."""
+
+    hashes: list[str]
+    out_hashes: list[str]
+    out: list[dict[str, Any] | None]
+    counts: list[int]
+    ids: list[str]
+    new: tuple[Decision, ...]
+    estimate: int
+
+    @property
+    def cuts(self) -> dict[str, int]:
+        """The projection's new decisions, by kind."""
+        cuts: dict[str, int] = {}
+        for d in self.new:
+            cuts[d.kind] = cuts.get(d.kind, 0) + 1
+        return cuts
+
+
+def taken(p: Projection) -> Taken:
+    """A copy of what ``counting`` reads of ``p`` (pointer copies of five lists: ~20 µs for 1,200 messages)."""
+    state = p.state
+    return Taken(state.hashes.copy(), state.out_hashes.copy(), state.out.copy(), state.counts.copy(),
+                 state.ids.copy(), tuple(p.new), p.report.estimate)
+
+
+def counting(p: Projection | Taken, messages: Sequence[dict[str, Any]], hashes: Sequence[str],
+             counter: MessageCounter, sent: int, budgeted: int) -> Counting:
     """``sent``: the estimate of what goes upstream (the proxy's own tools or note only if listed); ``budgeted``:
     what the projection's estimate holds for them, listed or not (none of it is the agent's)."""
-    state = p.state
-    cut = [i for i, (out_hash, in_hash, out) in enumerate(zip(state.out_hashes, state.hashes, state.out, strict=True))
+    t = p if isinstance(p, Taken) else taken(p)
+    cut = [i for i, (out_hash, in_hash, out) in enumerate(zip(t.out_hashes, t.hashes, t.out, strict=True))
            if out_hash != in_hash or out is None]
     keys = [hashes[i] for i in cut]
     originals = counter.cached_all(keys)
     pending = [(messages[i], key) for i, key, original in zip(cut, keys, originals, strict=True) if original is None]
-    cuts: dict[str, int] = {}
-    for d in p.new:
-        cuts[d.kind] = cuts.get(d.kind, 0) + 1
-    targets = {d.target for d in p.new}
-    where = {mid: i for i, mid in enumerate(state.ids) if mid in targets} if targets else {}
-    return Counting(p.report.estimate - budgeted, sent, cuts, cut, [state.counts[i] for i in cut], originals, pending,
-                    tuple(p.new), where)
+    targets = {d.target for d in t.new}
+    where = {mid: i for i, mid in enumerate(t.ids) if mid in targets} if targets else {}
+    return Counting(t.estimate - budgeted, sent, t.cuts, cut, [t.counts[i] for i in cut], originals, pending, t.new,
+                    where)
 
 
 def tally(p: Projection, messages: Sequence[dict[str, Any]], hashes: Sequence[str], counter: MessageCounter,
