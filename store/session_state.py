@@ -47,12 +47,14 @@ class SessionState:
 
 
 def record_session_state(journal: Journal, session_id: str, request_id: int, state: SessionState,
-                         created_at: str, previous: SessionState | None = None) -> None:
+                         created_at: str, previous: SessionState | None = None, extends: bool = False) -> None:
     """Journal the session's state as it is after ``request_id`` changed it. ``previous``: the state as last
-    journaled, if the caller knows it (a mirror that only grew since is journaled as what it gained)."""
+    journaled, if the caller knows it (a mirror that only grew since is journaled as what it gained). ``extends``:
+    the caller made ``state``'s mirror by adding entries to ``previous``'s, so its start is not compared again
+    (0.2-0.5 ms of each request of a long session at 128k, whose mirror holds some 300 000 characters)."""
     with journal.conn:
         mirror_list = None if state.mirror_text is None else _record_mirror(
-            journal, session_id, state.mirror_text, None if previous is None else previous.mirror_text)
+            journal, session_id, state.mirror_text, None if previous is None else previous.mirror_text, extends)
         journal.conn.execute(
             "INSERT INTO session_state (session_id, request_id, offered_turn, reminded_turn, confirmations, mirror,"
             " mirror_list, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
@@ -75,7 +77,8 @@ def session_state(journal: Journal, session_id: str) -> SessionState:
     return SessionState(offered, reminded, tuple(json.loads(confirmations)), mirror, text)
 
 
-def _record_mirror(journal: Journal, session_id: str, text: str, previous: str | None = None) -> int:
+def _record_mirror(journal: Journal, session_id: str, text: str, previous: str | None = None,
+                   extends: bool = False) -> int:
     """The mirror's text as its pieces (split at ``MIRROR_SEPARATOR``: one a message, mostly; the closing brackets
     the last piece), each a blob stored once, listed like a request's messages: delta-encoded against the session's
     previous mirror. Stored whole on every change, the mirror took 57 MB of a 600-round session's journal for 6.7 MB
@@ -85,7 +88,7 @@ def _record_mirror(journal: Journal, session_id: str, text: str, previous: str |
     entries since ``previous`` (the text last journaled) is split, hashed and listed only where it grew."""
     row = journal.conn.execute(_LAST_MIRROR, [session_id]).fetchone()
     if row is not None and previous is not None:
-        grown = _record_growth(journal, int(row[0]), int(row[1]), text, previous)
+        grown = _record_growth(journal, int(row[0]), int(row[1]), text, previous, extends)
         if grown is not None:
             return grown
     tail = _MIRROR_TAIL if text.endswith(_MIRROR_TAIL) else ""
@@ -112,13 +115,14 @@ SELECT MAX(depth) FROM chain
 """How many lists a delta chain has, up to ``_MAX_DEPTH``: counted in SQL, none of them read."""
 
 
-def _record_growth(journal: Journal, list_id: int, length: int, text: str, previous: str) -> int | None:
+def _record_growth(journal: Journal, list_id: int, length: int, text: str, previous: str,
+                   extends: bool = False) -> int | None:
     """``text`` as a delta on ``list_id``, the list of ``previous``, when ``text`` is ``previous`` with pieces added
-    before its tail and that list is ``previous``'s (their lengths agree); None otherwise. Only the new pieces are
-    hashed and offered to ``blobs``: O(what the mirror gained), not O(the mirror)."""
+    before its tail (compared unless the caller says it ``extends`` it) and that list is ``previous``'s (their
+    lengths agree); None otherwise. Only the new pieces are hashed and offered to ``blobs``."""
     kept = len(previous) - len(_MIRROR_TAIL)
     if (not previous.endswith(_MIRROR_TAIL) or not text.endswith(_MIRROR_TAIL) or len(text) <= len(previous)
-            or not text.startswith(previous[:kept]) or not text.startswith(MIRROR_SEPARATOR, kept)
+            or not (extends or text.startswith(previous[:kept])) or not text.startswith(MIRROR_SEPARATOR, kept)
             or previous.count(MIRROR_SEPARATOR, 0, kept) + 2 != length):
         return None
     if journal.conn.execute(_DEPTH, [list_id]).fetchone()[0] >= _MAX_DEPTH:

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from ctxproxy.config import load_settings
 from ctxproxy.proxy.core import message_hash
 from ctxproxy.proxy.core.identity import content_text
+from ctxproxy.proxy.engine import context as context_module
 from ctxproxy.proxy.engine import mirror_file
 from ctxproxy.proxy.engine.context import SessionContext
 from ctxproxy.proxy.engine.mirror_file import rewrite_in_place
@@ -232,6 +233,40 @@ def test_a_mirror_that_only_grew_is_journaled_as_its_new_entries(store_location:
         journal.close()
 
 
+class Compared(str):
+    """A mirror's text that notes the prefixes it is asked whether it starts with."""
+
+    asked: list[str]
+
+    def startswith(self, prefix: Any, *where: Any) -> bool:
+        self.asked.append(prefix)
+        return super().startswith(prefix, *where)
+
+
+def test_a_mirror_the_proxy_grew_is_journaled_without_comparing_its_start(store_location: Path | str) -> None:
+    """``extends``: the caller made the mirror by adding entries to the one last journaled (``SessionContext``
+    knows it wrote it so), and its start (~300 000 characters at 128k) is not compared again; the journal lists
+    the same new entries on the previous list as when it compares, and the text reads back as it was."""
+    journal = Journal(store_location)
+    try:
+        recorded = journal.record_request(incoming([{"role": "user", "content": "task"}]))
+        msgs = _body(8, 700)["messages"]
+        ids = [f"m{i}" for i in range(len(msgs))]
+        first, grown = (mirror_document(recorded.session_id, 0, ids[:n], msgs[:n]) for n in (4, 6))
+        record_session_state(journal, recorded.session_id, recorded.request_id, SessionState(mirror_text=first), "0")
+        text = Compared(grown)
+        text.asked = []
+        record_session_state(journal, recorded.session_id, recorded.request_id, SessionState(mirror_text=text), "1",
+                             previous=SessionState(mirror_text=first), extends=True)
+        assert text.asked == [MIRROR_SEPARATOR]  # where the new entries start, nothing before it
+        assert session_state(journal, recorded.session_id).mirror_text == grown
+        (added,) = journal.conn.execute("SELECT l.added FROM session_state s JOIN message_lists l"
+                                        " ON l.id = s.mirror_list ORDER BY s.id DESC LIMIT 1").fetchone()
+        assert len(json.loads(added)) == 3  # two new entries and the closing piece
+    finally:
+        journal.close()
+
+
 def test_a_mirror_that_only_grows_is_written_at_its_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue #13: rounds too short to cut, after the mirror turned on, only add entries: the file is written whole
     once and then only where it grew, and is at every step exactly the document (the JSON as ``json.dumps``
@@ -247,10 +282,15 @@ def test_a_mirror_that_only_grows_is_written_at_its_end(tmp_path: Path, monkeypa
             {"id": f"call_{k}", "type": "function", "function": {"name": "read_file", "arguments": "{}"}}]},
             {"role": "tool", "tool_call_id": f"call_{k}", "content": f"short {k}"}]
         bodies.append({**first, "messages": msgs})
+    extends: list[bool] = []
+    journal_state = context_module.record_session_state
+    monkeypatch.setattr(context_module, "record_session_state",
+                        lambda *args: (extends.append(args[-1]), journal_state(*args))[1])
     shown: list[list[str]] = []
     sent = _send(tmp_path, bodies, between=lambda i: shown.append(_ids(mirror)))
     shown.append(_ids(mirror))
     assert all(PARAGRAPH in s for s in sent) and len(whole) == 1
+    assert extends == [False, True, True, True]  # journaled as grown, said so: not compared again
     assert [len(ids) for ids in shown] == [len(b["messages"]) for b in bodies]
     text = mirror.read_text(encoding="utf-8")
     assert json.dumps(json.loads(text), indent=1, ensure_ascii=False) == text

@@ -74,6 +74,8 @@ class SessionContext:
     """What the mirror last written showed (session, revision, identities, hashes): unchanged, it is not rewritten."""
     mirror_entries: dict[tuple[str, str], str] = field(default_factory=dict, compare=False)
     """The mirror's entries as last written, by (identity, hash): a new version serialises only what is new."""
+    mirror_grew: tuple[str, str] | None = field(default=None, compare=False)
+    """(the text, the text it became) when the last write only added entries to it (``journal_state``)."""
     mirror_stat: tuple[int, int, int, int] | None = field(default=None, compare=False)
     """The file's inode, size and times just after the proxy wrote it: while they hold, no draft is pending."""
     confirmations: list[str] = field(default_factory=list)
@@ -100,8 +102,10 @@ class SessionContext:
         state = self.working_state()
         if state != self.journaled:
             created_at = datetime.now(UTC).isoformat(timespec="milliseconds")
+            grew = self.mirror_grew
+            extends = grew is not None and grew[0] is self.journaled.mirror_text and grew[1] is state.mirror_text
             await writer.call(record_session_state, session_id, request_id, state, created_at,
-                              self.journaled)
+                              self.journaled, extends)
             self.journaled = state
 
     def written_entries(self) -> dict[str, str]:

@@ -49,9 +49,11 @@ def write_mirror(ctx: SessionContext, settings: Settings, session_id: str, p: Pr
         document = appended_document(ctx.mirror_document, ids[kept:], messages[kept:], key[3][kept:],
                                      ctx.mirror_entries)
         _write_at(ctx.mirror, stat[1] - _CLOSE_BYTES, document[len(ctx.mirror_document) - len(CLOSE):])
+        ctx.mirror_grew = (ctx.mirror_document, document)
     else:
         document = mirror_document(session_id, ctx.mirror_revision, ids, messages, key[3], ctx.mirror_entries)
         rewrite_in_place(ctx.mirror, document)
+        ctx.mirror_grew = None
     ctx.mirror_written, ctx.mirror_document = True, document
     ctx.mirror_key, ctx.mirror_stat = key, _stat(ctx.mirror)
     return ctx.mirror
