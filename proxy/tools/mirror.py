@@ -92,7 +92,7 @@ def appended_document(document: str, ids: Sequence[str], messages: Sequence[dict
         text = cache.get((mid, digest)) or _entry_text(mid, message)
         cache[(mid, digest)] = text
         texts.append(text)
-    return document[: len(document) - len(CLOSE)] + "".join(",\n" + text for text in texts) + CLOSE
+    return "".join([document[: len(document) - len(CLOSE)], *(",\n" + text for text in texts), CLOSE])  # one copy less
 
 
 def _entry_text(mid: str, message: dict[str, Any]) -> str:
