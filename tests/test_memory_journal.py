@@ -168,6 +168,19 @@ def test_incognito_traffic_no_longer_grows_memory_for_good(tmp_path: Path) -> No
         assert client.get("/ctx/sessions").json()["sessions"] == []  # and nothing went to disk
 
 
+def test_the_in_memory_journal_is_opened_by_the_first_incognito_request(tmp_path: Path) -> None:
+    """Opening it (an in-memory database and its migrations) took 9 ms of every start: a server that journals
+    every request to disk never opens it, and the first incognito request does, that request's own row in it."""
+    settings = load_settings(env={"CTXPROXY_DATA_DIR": str(tmp_path), "CTXPROXY_UPSTREAM": "http://u.test/v1"})
+    with app_client(settings, httpx.ASGITransport(app=FakeUpstream())) as client:
+        state = client.app.state.ctx  # type: ignore[attr-defined]
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        assert client.post("/v1/chat/completions", json=body).status_code == 200
+        assert state._incognito is None
+        assert client.post("/v1/chat/completions", headers={"X-Ctx-Incognito": "1"}, json=body).status_code == 200
+        assert state._incognito is not None and len(state.incognito_journal.journal.sessions()) == 1
+
+
 def test_reading_a_forgotten_cut_says_it_is_gone(tmp_path: Path) -> None:
     """A stub of a forgotten incognito session names a body that is gone; read_overflow says so and why."""
     fake = FakeUpstream()

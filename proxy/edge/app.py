@@ -45,7 +45,7 @@ from ctxproxy.proxy.upstream.endpoint import Upstream, client_headers, response_
 from ctxproxy.proxy.upstream.loop import VIA_HEADER, refuse_loop
 from ctxproxy.proxy.upstream.transport import Http1Transport
 from ctxproxy.proxy.upstream.window import WindowDetector
-from ctxproxy.store import Journal, JournalWriter, MemoryJournal, open_journal, session_locks
+from ctxproxy.store import Journal, JournalWriter, open_journal, session_locks
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -140,8 +140,6 @@ def _lifespan(settings: Settings, transport: httpx.AsyncBaseTransport | None
             marked = await journal.call(Journal.mark_interrupted, datetime.now(UTC).isoformat(timespec="milliseconds"))
             if marked:
                 log.warning("%d requests were in flight when ctxproxy last stopped: journaled as interrupted", marked)
-        incognito = JournalWriter(MemoryJournal(settings.incognito_max_bytes, settings.incognito_max_age),
-                                  storage_error)
         upstream = Upstream(settings.upstream, transport or Http1Transport(), settings.upstream_connect_timeout,
                             settings.upstream_timeout)
         windows = WindowDetector(upstream, ctx_window=0)  # a configured window is applied per model, in planning
@@ -150,7 +148,7 @@ def _lifespan(settings: Settings, transport: httpx.AsyncBaseTransport | None
         warmup = Warmup.start(WARM)
         locks = session_locks(settings.store)
         locks.start()  # a shared store's liveness lock, held before this process journals a request
-        app.state.ctx = AppState(settings, upstream, journal, incognito, windows, warmup=warmup,
+        app.state.ctx = AppState(settings, upstream, journal, windows, warmup=warmup,
                                  locks=SessionLocks(locks),
                                  own_headers=frozenset({settings.session_header.lower()}))
         try:
@@ -163,8 +161,7 @@ def _lifespan(settings: Settings, transport: httpx.AsyncBaseTransport | None
         finally:
             await upstream.aclose()
             app.state.ctx.locks.close()
-            journal.close()
-            incognito.close()
+            app.state.ctx.close_journals()
 
     return lifespan
 

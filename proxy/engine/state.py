@@ -22,7 +22,7 @@ from ctxproxy.proxy.engine.budgets import budget_for
 from ctxproxy.proxy.engine.context import SessionContexts
 from ctxproxy.proxy.engine.hashing import MessageHasher
 from ctxproxy.proxy.engine.heavy import Offload
-from ctxproxy.proxy.errors import StorageError
+from ctxproxy.proxy.errors import StorageError, storage_error
 from ctxproxy.proxy.observe.events import EventBus
 from ctxproxy.proxy.observe.metrics import Metrics
 from ctxproxy.proxy.tools.blocks import NOTE
@@ -155,7 +155,6 @@ class AppState:
     settings: Settings
     upstream: Upstream
     journal: JournalWriter
-    incognito_journal: JournalWriter
     windows: WindowDetector
     locks: SessionLocks = field(default_factory=SessionLocks)
     hasher: MessageHasher = field(default_factory=MessageHasher)
@@ -167,6 +166,23 @@ class AppState:
     own_headers: frozenset[str] = frozenset()
     _fixed: dict[str, tuple[MessageCounter, int]] = field(default_factory=dict)
     _budgets: dict[tuple[str | None, int], Budget] = field(default_factory=dict)
+    _incognito: JournalWriter | None = None
+    _incognito_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def incognito_journal(self) -> JournalWriter:
+        """The in-memory journal of incognito requests, opened when first asked for: its SQLite database and
+        migrations took 9 ms of every start, and most servers never see such a request."""
+        with self._incognito_lock:  # the operator API's threads ask too
+            if self._incognito is None:
+                self._incognito = JournalWriter(MemoryJournal(self.settings.incognito_max_bytes,
+                                                              self.settings.incognito_max_age), storage_error)
+            return self._incognito
+
+    def close_journals(self) -> None:
+        self.journal.close()
+        if self._incognito is not None:
+            self._incognito.close()
 
     @property
     def counter(self) -> MessageCounter:
