@@ -161,7 +161,8 @@ def _lifespan(settings: Settings, transport: httpx.AsyncBaseTransport | None
         finally:
             await upstream.aclose()
             app.state.ctx.locks.close()
-            app.state.ctx.close_journals()
+            journal.close()
+            app.state.ctx.close_incognito()
 
     return lifespan
 

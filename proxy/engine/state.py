@@ -179,8 +179,8 @@ class AppState:
                                                               self.settings.incognito_max_age), storage_error)
             return self._incognito
 
-    def close_journals(self) -> None:
-        self.journal.close()
+    def close_incognito(self) -> None:
+        """Close the in-memory journal, if it was opened (the lifespan closes the one it opened)."""
         if self._incognito is not None:
             self._incognito.close()
 
