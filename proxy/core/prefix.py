@@ -21,8 +21,8 @@ A body's bytes are ``Pieces``: what it repeats of a kept body are that body's, n
 a kept body is weighed by the objects it keeps alive, whole.
 
 Element ends are found lazily and remembered: walking back from a known end (or the array's ``]``) to where a
-new body parts, token by token (strings skipped whole by a regex over reversed bytes), 4 KB first (64 KB took 0.1-0.2
-ms of a next request), twice that after a window that found none: a fork walks the messages after it once.
+new body parts, token by token (strings skipped whole by a regex over reversed bytes): 4 KB first, as a next request
+parts in its last bytes (64 KB cost it 0.1-0.2 ms), twice that after a window that found none.
 """
 
 from __future__ import annotations
