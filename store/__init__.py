@@ -13,6 +13,7 @@ from ctxproxy.store.session_state import (
     SessionState,
     calibration_in_force,
     latest_calibration,
+    record_forward_and_state,
     record_session_state,
     session_state,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "latest_calibration",
     "open_journal",
     "prefix_digest",
+    "record_forward_and_state",
     "record_session_state",
     "session_locks",
     "session_state",

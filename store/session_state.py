@@ -17,12 +17,13 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from ctxproxy.store.cuts import ForwardRecord
 from ctxproxy.store.deltas import runs
 from ctxproxy.store.journal import Journal
 from ctxproxy.store.reads import chain
 
 __all__ = ["MIRROR_SEPARATOR", "CalibrationInForce", "SessionState", "calibration_in_force", "latest_calibration",
-           "record_session_state", "session_state"]
+           "record_forward_and_state", "record_session_state", "session_state"]
 
 MIRROR_SEPARATOR = "\n  },\n  {\n"
 """Where the mirror's text is cut into pieces for the journal: between two of its entries, as
@@ -60,6 +61,17 @@ def record_session_state(journal: Journal, session_id: str, request_id: int, sta
             " mirror_list, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
             [session_id, request_id, state.offered_turn, state.reminded_turn, json.dumps(list(state.confirmations)),
              state.mirror, mirror_list, created_at])
+
+
+def record_forward_and_state(journal: Journal, rec: ForwardRecord, change: tuple[Any, ...] | None) -> int:
+    """``Journal.record_forward`` and, when the request changed it, the working state it left
+    (``record_session_state``'s arguments after the journal), in one transaction: one commit and one trip to the
+    writer thread where a forward with new cuts and a grown mirror took two (issue #13). Returns the forward's list."""
+    with journal.conn:  # the two calls' own transactions join this one
+        list_id = journal.record_forward(rec)
+        if change is not None:
+            record_session_state(journal, *change)
+    return list_id
 
 
 def session_state(journal: Journal, session_id: str) -> SessionState:

@@ -23,12 +23,19 @@ from hypothesis import strategies as st
 from ctxproxy.config import load_settings
 from ctxproxy.proxy.core import message_hash
 from ctxproxy.proxy.core.identity import content_text
-from ctxproxy.proxy.engine import context as context_module
 from ctxproxy.proxy.engine import mirror_file
 from ctxproxy.proxy.engine.context import SessionContext
 from ctxproxy.proxy.engine.mirror_file import rewrite_in_place
 from ctxproxy.proxy.tools.mirror import appended_document, indented, mirror_document
-from ctxproxy.store import Journal, SessionState, record_session_state, session_state
+from ctxproxy.store import (
+    ForwardRecord,
+    Journal,
+    JournalWriter,
+    SessionState,
+    record_forward_and_state,
+    record_session_state,
+    session_state,
+)
 from ctxproxy.store.session_state import MIRROR_SEPARATOR
 from tests.conftest import app_client
 from tests.fakes import CountingUpstream
@@ -123,6 +130,56 @@ def test_the_journal_keeps_each_mirror_entry_once_and_gives_the_text_back(store_
         off = SessionState(mirror=None, mirror_text=None)
         record_session_state(journal, recorded.session_id, recorded.request_id, off, "2026-01-01T00:00:01")
         assert session_state(journal, recorded.session_id) == off
+    finally:
+        journal.close()
+
+
+def test_a_forward_and_the_working_state_it_left_are_journaled_together(store_location: Path | str) -> None:
+    """Issue #13: a forward with new cuts and the state its request changed are one transaction (one commit, one
+    trip to the writer thread): both are there after it, and a state that cannot be written leaves no forward."""
+    journal = Journal(store_location)
+    try:
+        req = incoming([{"role": "user", "content": "task"}])
+        recorded = journal.record_request(req)
+
+        def forward(attempt: int) -> ForwardRecord:
+            return ForwardRecord(recorded.request_id, attempt, recorded.session_id, "2026-01-01T00:00:01",
+                                 req.params_hash, verbatim=True, estimate=10, k=1.0)
+
+        state = SessionState(offered_turn="user:1", mirror="m", mirror_text=mirror_document(
+            recorded.session_id, 0, ["m0"], [{"role": "user", "content": "task"}]))
+        unwritable = SessionState(confirmations=(object(),))  # type: ignore[arg-type]  # not JSON: the write fails
+        with pytest.raises(TypeError):
+            record_forward_and_state(journal, forward(0), (recorded.session_id, recorded.request_id, unwritable, "1"))
+        assert journal.conn.execute("SELECT COUNT(*) FROM forwards").fetchone()[0] == 0
+        list_id = record_forward_and_state(journal, forward(0), (recorded.session_id, recorded.request_id, state, "1"))
+        assert journal.conn.execute("SELECT list_id FROM forwards").fetchall() == [(list_id,)]
+        assert session_state(journal, recorded.session_id) == state
+        assert record_forward_and_state(journal, forward(1), None) == list_id  # no change: the forward alone
+        assert session_state(journal, recorded.session_id) == state
+    finally:
+        journal.close()
+
+
+def test_a_request_that_cuts_and_grows_the_mirror_journals_both_in_one_call(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue #13: each request after the mirror turned on cuts and grows it; its forward row and its working state go
+    to the journal's thread in one call, never two, and the state read back is what the mirror file shows."""
+    calls: list[list[str]] = [[]]  # the start's and the first request's, then one list a request
+    call = JournalWriter.call
+
+    async def noting(self: JournalWriter, method: Any, *args: Any) -> Any:
+        calls[-1].append(method.__name__ if method is not record_forward_and_state or args[1] is None else "both")
+        return await call(self, method, *args)
+
+    monkeypatch.setattr(JournalWriter, "call", noting)
+    _send(tmp_path, [_body(13), _body(14), _body(15)], between=lambda i: calls.append([]))
+    assert len(calls) == 3 and all("both" in c and "record_session_state" not in c for c in calls[1:]), calls
+    journal = Journal(tmp_path / "data" / "journal.db")
+    try:
+        (session_id,) = journal.conn.execute("SELECT id FROM sessions").fetchone()
+        text = (tmp_path / "ws" / "LIVE_CONTEXT.json").read_text(encoding="utf-8")
+        assert session_state(journal, session_id).mirror_text == text
     finally:
         journal.close()
 
@@ -283,9 +340,9 @@ def test_a_mirror_that_only_grows_is_written_at_its_end(tmp_path: Path, monkeypa
             {"role": "tool", "tool_call_id": f"call_{k}", "content": f"short {k}"}]
         bodies.append({**first, "messages": msgs})
     extends: list[bool] = []
-    journal_state = context_module.record_session_state
-    monkeypatch.setattr(context_module, "record_session_state",
-                        lambda *args: (extends.append(args[-1]), journal_state(*args))[1])
+    record_mirror = session_state_module._record_mirror  # every way a mirror is journaled goes through it
+    monkeypatch.setattr(session_state_module, "_record_mirror",
+                        lambda *args: (extends.append(args[-1]), record_mirror(*args))[1])
     shown: list[list[str]] = []
     sent = _send(tmp_path, bodies, between=lambda i: shown.append(_ids(mirror)))
     shown.append(_ids(mirror))

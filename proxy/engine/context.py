@@ -99,14 +99,27 @@ class SessionContext:
     async def journal_state(self, writer: JournalWriter, session_id: str, request_id: int) -> None:
         """Journal the working state if ``request_id`` changed it (the offer, the reminder, the confirmations, the
         mirror), so a restart or an eviction resumes the session as it is now."""
+        change = self.state_change(session_id, request_id)
+        if change is not None:
+            await writer.call(record_session_state, *change)
+            self.journaled_as(change)
+
+    def state_change(self, session_id: str, request_id: int) -> tuple[Any, ...] | None:
+        """``record_session_state``'s arguments (after the journal) for the working state ``request_id`` left, or
+        None when it changed nothing; once journaled, ``journaled_as``. A forward journals it with its own row
+        (``store.record_forward_and_state``)."""
         state = self.working_state()
-        if state != self.journaled:
-            created_at = datetime.now(UTC).isoformat(timespec="milliseconds")
-            grew = self.mirror_grew
-            extends = grew is not None and grew[0] is self.journaled.mirror_text and grew[1] is state.mirror_text
-            await writer.call(record_session_state, session_id, request_id, state, created_at,
-                              self.journaled, extends)
-            self.journaled = state
+        if state == self.journaled:
+            return None
+        grew = self.mirror_grew
+        extends = grew is not None and grew[0] is self.journaled.mirror_text and grew[1] is state.mirror_text
+        return (session_id, request_id, state, datetime.now(UTC).isoformat(timespec="milliseconds"),
+                self.journaled, extends)
+
+    def journaled_as(self, change: tuple[Any, ...] | None) -> None:
+        """The journal has the working state of ``change`` (``state_change``'s), if any."""
+        if change is not None:
+            self.journaled = change[2]
 
     def written_entries(self) -> dict[str, str]:
         """The mirror's entries as last written (identity → text), what a draft is judged against: read back from

@@ -54,7 +54,15 @@ from ctxproxy.proxy.engine.tally import Taken, Tally, counting, taken
 from ctxproxy.proxy.errors import ContextTooLarge
 from ctxproxy.proxy.tools.offer import person_asked, turn_in
 from ctxproxy.proxy.wire import ChatBody
-from ctxproxy.store import ForwardRecord, IncomingRequest, Journal, JournalWriter, OverflowBody, RecordedRequest
+from ctxproxy.store import (
+    ForwardRecord,
+    IncomingRequest,
+    JournalWriter,
+    OverflowBody,
+    RecordedRequest,
+    record_forward_and_state,
+    record_session_state,
+)
 
 __all__ = ["Ask", "Plan", "plan_forward"]
 
@@ -95,22 +103,24 @@ async def plan_forward(app: AppState, writer: JournalWriter, ctx: SessionContext
     large = is_large(incoming.body_bytes, len(incoming.hashes))
     shaped = await app.offload.run(large, _shape, app, settings, ctx, ask, window, start)
     p, record = shaped.projection, shaped.record
-    deferred = None
+    deferred, change = None, ctx.state_change(recorded.session_id, recorded.request_id)
     if (record.verbatim or record.own_list) and not record.decisions and not record.overflow:
         # Nothing of it is new: the request's own row and the stored decisions already say what goes upstream (its
         # messages as they came; a tool list differs only by what the rules list). The forward row is journaled
         # with its answer, off the request's path: a replay after a crash sends the same bytes without it.
         deferred, list_id = record, recorded.list_id
+        if change is not None:
+            await writer.call(record_session_state, *change)
     else:
-        list_id = await writer.call(Journal.record_forward, record)
+        list_id = await writer.call(record_forward_and_state, record, change)
         await write_outfiles(shaped.rules.overflow_dir, _outfile_bodies(shaped.rules, p, incoming.bodies))
+    ctx.journaled_as(change)
     ctx.decisions += p.new
     app.metrics.decided([d.kind for d in p.new], {})  # what they freed: once the tally is counted
     tallied = functools.partial(_tallied, app, shaped.taken, cast(list[dict[str, Any]], ask.body["messages"]),
                                 incoming.hashes, shaped.estimate, shaped.budgeted)
     ctx.state, ctx.ingest = p.state, _ingest_key(shaped.rules)
     ctx.sent_list = (list_id, shaped.hashes)
-    await ctx.journal_state(writer, recorded.session_id, recorded.request_id)
     return Plan(shaped.body, shaped.estimate, shaped.rules.k, p, shaped.rules, shaped.offered, tallied,
                 shaped.taken.cuts, deferred)
 
