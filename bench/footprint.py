@@ -14,7 +14,8 @@ request engine and the tokenizer, has loaded by then), and after one small chat 
 ``--starts`` more starts send a chat the moment ``/healthz`` answers: exec to that chat's answer is what a client
 that starts the proxy and uses it at once sees (the chat waits for the warm-up). ``import
 ctxproxy.proxy.commands.cli`` and ``import ctxproxy.proxy.edge.app`` are timed the same way, each in a fresh
-interpreter. Then ``bench/load.py``'s agents run
+interpreter, and as many starts of the server the proxy is built on with nothing else in it (``FLOOR``): what no
+proxy on Starlette and uvicorn starts faster than, on this machine. Then ``bench/load.py``'s agents run
 ``--waves`` times (``--sessions`` new agent runs of ``--rounds`` rounds each, no pause) through one more proxy, against
 ``bench/load.py``'s fake upstream minus its record of every body (``ForgetfulUpstream``); the proxy's RSS is read when
 it is idle before, and ``--rest`` seconds after each run. Flat means the later runs add next to nothing. ``bench/load.py
@@ -66,6 +67,31 @@ def start_once(upstream: str, data: Path, settle: float, env: list[str]) -> dict
                 "rss_after_chat_mb": harness.rss_mb(proc.pid, "VmRSS")}
     finally:
         latency._stop(proc)
+
+
+FLOOR = ("import sys; sys.modules.update(dict.fromkeys(('pandas', 'numpy', 'rich', 'pygments'), None))\n"
+         "import uvicorn\n"
+         "from starlette.applications import Starlette\n"
+         "from starlette.responses import Response\n"
+         "from starlette.routing import Route\n"
+         "async def healthz(request): return Response('ok')\n"
+         "uvicorn.run(Starlette(routes=[Route('/healthz', healthz)]), host='127.0.0.1', port=int(sys.argv[1]),"
+         " loop='uvloop', http='httptools', log_level='warning')")
+"""The floor of start to ready on this machine: the server the proxy is built on (Starlette under uvicorn, with
+uvloop and httptools, as ``proxy.edge.serving`` runs it) with one route and nothing else, in the same interpreter."""
+
+
+def floor_once(env: list[str]) -> float:
+    """Seconds from exec to /healthz 200 of ``FLOOR``."""
+    port = latency.free_port()
+    with tempfile.TemporaryDirectory(prefix="ctxproxy-floor-") as tmp:
+        started = time.perf_counter()
+        proc = latency._spawn([sys.executable, "-P", "-c", FLOOR, str(port)], Path(tmp) / "floor.log",
+                              latency._proxy_environ(env))
+        try:
+            return _wait_healthz(proc, f"http://127.0.0.1:{port}/healthz") - started
+        finally:
+            latency._stop(proc)
 
 
 def first_answer_once(upstream: str, data: Path, env: list[str]) -> float:
@@ -136,14 +162,16 @@ def starts(count: int, settle: float, env: list[str]) -> dict[str, Any]:
             latency._wait_ready(fake, f"http://127.0.0.1:{port}/v1/models", Path(tmp) / "fake.log")
             first, *runs = [start_once(f"http://127.0.0.1:{port}", data, settle, env) for _ in range(count + 1)]
             answers = [first_answer_once(f"http://127.0.0.1:{port}", data, env) for _ in range(count)]
+            floors = [floor_once(env) for _ in range(count)]
         finally:
             latency._stop(fake)
         imports = {m: [import_seconds(m, env) for _ in range(count)]
                    for m in ("ctxproxy.proxy.commands.cli", "ctxproxy.proxy.edge.app")}
     out: dict[str, Any] = {k: round(statistics.median(r[k] for r in runs), 3) for k in runs[0]}
     out |= {f"import_{m}_s": round(statistics.median(v), 3) for m, v in imports.items()}
-    out |= {"first_ready_s": round(first["ready_s"], 3), "first_answer_s": round(statistics.median(answers), 3)}
-    return out | {"starts": count, "settle_s": settle, "all": [first, *runs], "answers": answers}
+    out |= {"first_ready_s": round(first["ready_s"], 3), "first_answer_s": round(statistics.median(answers), 3),
+            "floor_ready_s": round(statistics.median(floors), 3)}
+    return out | {"starts": count, "settle_s": settle, "all": [first, *runs], "answers": answers, "floors": floors}
 
 
 class ForgetfulUpstream(load.RecordingUpstream):
@@ -198,6 +226,8 @@ def markdown(report: dict[str, Any]) -> str:
                   f"{s['first_ready_s']:.3f} s"),
                  ("exec → the answer to a chat sent at ready (waits for the warm-up), median",
                   f"{s['first_answer_s']:.3f} s"),
+                 ("… the floor: Starlette under uvicorn with one route and nothing else (`FLOOR`), median",
+                  f"{s['floor_ready_s']:.3f} s"),
                  ("CPU time the process spent until ready (user + system), median", f"{s['cpu_at_ready_s']:.2f} s"),
                  ("`import proxy.commands.cli` / `import proxy.edge.app`, median",
                   f"{s['import_ctxproxy.proxy.commands.cli_s']:.3f} / {s['import_ctxproxy.proxy.edge.app_s']:.3f} s"),
