@@ -189,10 +189,20 @@ def proxy_process(upstream_base: str, tmp: Path, env: list[str]) -> Iterator[tup
     proc = latency._spawn(command, tmp / "proxy.log", latency._proxy_environ(env))
     try:
         latency._wait_ready(proc, f"http://127.0.0.1:{port}/healthz", tmp / "proxy.log")
-        httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=30)  # loads what the first request would
+        httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=30)  # the upstream's connection
+        wait_warm(f"http://127.0.0.1:{port}")
         yield f"http://127.0.0.1:{port}", proc.pid
     finally:
         latency._stop(proc)
+
+
+def wait_warm(base: str) -> None:
+    """Returns once the proxy at ``base`` has loaded what its first chat needs (``proxy.engine.state.Warmup``: the
+    request engine, the tokenizer): an engine route waits for it, and ``count_tokens`` journals and forwards nothing.
+    ``/v1/models`` (a passthrough) does not wait: ``bench/long_run.py``'s second proxy, started just before the run,
+    answered its first chat 180-320 ms late, and its idle RSS was read before the tokenizer had loaded."""
+    httpx.post(base + "/v1/messages/count_tokens", json={"model": "bench", "messages": [
+        {"role": "user", "content": "warm"}]}, timeout=30).raise_for_status()
 
 
 def rss_mb(pid: int, field: str = "VmHWM") -> float:

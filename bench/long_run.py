@@ -148,7 +148,8 @@ def proxy_process(upstream_base: str, tmp: Path, window: int, source: Path) -> I
                                 cwd=source)
     try:
         latency._wait_ready(proc, f"http://127.0.0.1:{port}/healthz", log_path)
-        httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=30)  # loads what the first request would
+        httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=30)  # the upstream's connection
+        harness.wait_warm(f"http://127.0.0.1:{port}")
         yield f"http://127.0.0.1:{port}", proc.pid, data
     finally:
         latency._stop(proc)
