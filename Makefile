@@ -28,7 +28,8 @@ run: $(BIN)/ctxproxy
 # sees, measured or not: the whole suite under it took 303 s instead of 184 s; these alone reach the same coverage.
 CORE_TESTS := $(addprefix tests/test_,$(addsuffix .py,project rewriting fenced stubs tokens id_tokens checked_since primed arguments hashing \
 	templates trajectories unknown_results journal memory_journal recovery retention failures context_tools fenced_tools \
-	folds mirror_writes prefix_index shared_work store_postgres locks forked journal_size prefix arrival new_runs checkpoints))
+	folds mirror_writes prefix_index shared_work store_postgres locks forked journal_size prefix arrival new_runs checkpoints \
+	writer))
 
 test: $(VENV)/.extras
 	scripts/test-deps

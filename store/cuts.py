@@ -74,6 +74,11 @@ class ForwardRecord:
     samples: int | None = None
     """The calibration's sample count in force (``k``'s weight): with ``k``, what a restart rebuilds it from."""
 
+    def new_bytes(self) -> int:
+        """About what journaling it writes: the bodies it adds, and the cut bodies it stores whole (a span names
+        stored ones). A forward of a long session's next request adds a few KB, whatever its request's size."""
+        return sum(len(b) for b in self.added_bodies if b is not None) + sum(len(o.body) for o in self.overflow)
+
 
 class SpansMixin:
     """Cut bodies the journal holds already, as spans of the cutting request's own message list: written in O(1),

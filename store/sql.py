@@ -129,6 +129,15 @@ class Connection(ABC):
     def _lock(self, name: str) -> None:
         """Hold ``name``'s lock until the transaction ends."""
 
+    def begin_if_free(self) -> bool:
+        """Begin a transaction if it will not wait for another connection (SQLite's below); ``end`` ends it."""
+        return False
+
+    def end(self, commit: bool) -> None:
+        """End the transaction ``begin_if_free`` began, if a failed commit has not ended it already."""
+        if self._depth:
+            self._close(commit)
+
     def _open(self, exclusive: bool, lock: str | None = None) -> None:
         if self._depth == 0:
             self._begin(exclusive, lock)
@@ -174,6 +183,8 @@ class SqliteConnection(Connection):
             self.raw.execute("PRAGMA journal_mode=WAL")
         self.raw.execute(f"PRAGMA synchronous={'FULL' if sync == 'full' else 'NORMAL'}")
         self.raw.execute("PRAGMA foreign_keys=ON")
+        self._waits_ms = int(self.raw.execute("PRAGMA busy_timeout").fetchone()[0])
+        """How long a statement waits for another connection's write lock (``timeout`` above)."""
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> Cursor:
         return self.raw.execute(sql, params)
@@ -209,6 +220,19 @@ class SqliteConnection(Connection):
 
     def _lock(self, name: str) -> None:
         """The write lock, taken by ``BEGIN IMMEDIATE``, serialises every writer of the file already."""
+
+    def begin_if_free(self) -> bool:
+        """Begin a transaction holding the write lock if no other connection holds it now, without waiting for it
+        (the busy timeout is lifted for that one statement); ``end`` ends it. False: the lock is held elsewhere (a
+        ``ctxproxy prune``), or the file cannot be written; nothing was begun."""
+        self.raw.execute("PRAGMA busy_timeout = 0")
+        try:
+            self._open(exclusive=True)
+        except sqlite3.Error:
+            return False
+        finally:
+            self.raw.execute(f"PRAGMA busy_timeout = {self._waits_ms}")
+        return True
 
     def _begin(self, exclusive: bool, lock: str | None) -> None:
         self.raw.execute("BEGIN IMMEDIATE" if exclusive or lock is not None else "BEGIN")

@@ -1,8 +1,12 @@
-"""The journal's threads: every journal call of the process runs on a writer thread, never on the event loop.
+"""The journal's threads: a journal call runs on a writer thread, or on the loop when that cannot make it wait.
 
 SQLite allows one writer at a time; rather than contend for the lock, all calls (writes and the few operator
-reads) are queued for a single thread (``store.hops``) that owns the connection, as datasette's write thread does.
-The event loop only awaits a future, so a commit never blocks other requests. PostgreSQL takes many writers: there a
+reads) are queued for a single thread (``store.hops``) that owns the connection, as datasette's write thread does,
+so a commit that waits (for a ``ctxproxy prune`` holding the write lock, for a sync of the disk) never blocks other
+requests. The hop there and back cost ~0.2 ms of every call, two or three a chat request: so a request path's call
+that nothing can make wait runs on the loop itself (``JournalWriter._run_here``): none queued or running on the
+thread, the write lock free at once (then held), no sync at each commit, and not ``heavy`` (a request's many new
+bytes, parsed on the worker, are stored on the thread too). PostgreSQL takes many writers: there a
 few threads run calls, each on its own connection (``Journal.reopen``), so one session's commit does not queue
 behind another's; what must not interleave (two requests of one session) is serialised by the database
 (``Journal.record_request``'s lock), across threads and processes alike.
@@ -25,12 +29,14 @@ import asyncio
 import threading
 from collections import deque
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from ctxproxy.store.checkpoints import Checkpointer, checkpoint_backstop
+from ctxproxy.store.claims import claim
 from ctxproxy.store.failures import JournalUnavailable, explain
 from ctxproxy.store.hops import Threads
 from ctxproxy.store.journal import Journal
+from ctxproxy.store.session_state import record_forward_and_state, record_session_state
 
 __all__ = ["JournalWriter"]
 
@@ -46,6 +52,12 @@ _BLIND_WRITES = (Journal.record_response, Journal.record_forward)
 """Calls that only write, reading nothing the process keeps in memory: they do not look whether another process
 wrote the journal (``PRAGMA data_version``; a round trip on PostgreSQL). The next call that reads looks, and sees any
 such write all the same: the version it compares with is the one the last look saw."""
+
+_HERE = frozenset({*_PLACING, *_BLIND_WRITES, record_forward_and_state, record_session_state, claim})
+"""The request path's calls, which may run on the caller's thread when the writer thread is idle (``_run_here``):
+each is one transaction of a few ms at most, and none relies on a transaction of its own inside it (the prune's
+bulk deletes turn foreign keys off, which a transaction already begun ignores; the incognito journal's bound is
+kept after its request is committed)."""
 
 UNWRITTEN = 10_000
 """Answers kept in memory while the disk is full; beyond, the oldest are dropped (a restart marks their requests
@@ -72,28 +84,78 @@ class JournalWriter:
         has it) may otherwise run on another thread, later (one thread, on SQLite, keeps them in order anyway)."""
         self._checkpoints = _checkpointer(journal)
         """A SQLite file's checkpoints, off the requests' path (``store.checkpoints``)."""
+        self._here = threads == 1 and journal.path is not None and journal.sync != "full"
+        """A SQLite file written without a sync at each commit: a call may run on the caller's thread."""
+        self._running = threading.Lock()
+        """Held while a call uses the SQLite connection, on the writer thread or on the caller's."""
+        self._queued = 0
+        """Calls handed to the threads and not settled yet: while there are any, a call queues behind them."""
         self._data_version: int | None = None
         self.generation = 0
         """Counts the times another process wrote the journal (``ctxproxy prune``): what the proxy remembers of
         its sessions (``proxy.engine.context``) is keyed by it, so nothing read before such a write is used after."""
 
-    async def call(self, method: Callable[..., T], *args: object) -> T:
+    async def call(self, method: Callable[..., T], *args: object, heavy: bool = False) -> T:
+        """``method(journal, *args)``. ``heavy``: it may write many bytes (a large request's new messages, the
+        bodies its forward cuts, a large answer), so it runs on the writer thread whatever else (``_run_here``)."""
         if method in _PLACING and self._answers:
             await asyncio.wait(list(self._answers))
+        if self._here and not heavy and method in _HERE and not self._queued and not self._unwritten:
+            ran, result = self._run_here(method, args)
+            if ran:
+                return cast(T, result)
         future: asyncio.Future[T] = self._threads.run(self._guarded, method, *args)  # ``store.hops``: a third of
         # the hop through an executor
+        self._queued += 1
+        future.add_done_callback(self._settled)
         if method is Journal.record_response:
             self._answers.add(future)
             future.add_done_callback(self._answers.discard)
         return await future
 
+    def _settled(self, _: asyncio.Future[Any]) -> None:
+        self._queued -= 1
+
+    def _run_here(self, method: Callable[..., T], args: tuple[object, ...]) -> tuple[bool, T | None]:
+        """(True, ``method``'s result), run on the caller's thread, when nothing is queued for the writer thread,
+        nor running there, and the write lock is free at once; else (False, None), and nothing was done.
+
+        The hop to the writer thread and back cost ~0.2 ms of each call, two or three a chat request (issue #13),
+        where the call itself takes 0.1-1.5 ms. It holds the write lock from its start (``begin_if_free``), so it
+        never waits for another process; a commit does not sync the disk (``journal_sync`` normal), and the log's
+        checkpoints stay on their own thread. A call that fails leaves nothing of its transaction, and the journal
+        forgets what it read during it."""
+        if not self._running.acquire(blocking=False):
+            return False, None
+        try:
+            journal = self.journal
+            if not journal.conn.begin_if_free():
+                return False, None
+            try:
+                return True, self._checked(journal, method, args, held=True)
+            except BaseException:
+                journal.conn.end(commit=False)
+                _forget_reads(journal)
+                raise
+        finally:
+            self._running.release()
+
     def _guarded(self, method: Callable[..., T], *args: object) -> T:
-        journal = self._own()
+        if not self._here:
+            return self._checked(self._own(), method, args)
+        with self._running:
+            return self._checked(self._own(), method, args)
+
+    def _checked(self, journal: Journal, method: Callable[..., T], args: tuple[object, ...], held: bool = False) -> T:
+        """``method(journal, *args)``, its storage failures made the operator's; ``held``: in the transaction
+        ``_run_here`` began, committed here."""
         if method not in _BLIND_WRITES:
             self._notice_other_writers(journal)
         self._write_unwritten(journal)
         try:
             result = method(journal, *args)
+            if held:
+                journal.conn.end(commit=True)
         except journal.conn.Error as exc:
             problem = storage_failure(exc, journal)
             if problem is None:
@@ -124,10 +186,7 @@ class JournalWriter:
         with self._lock:
             if self._data_version is not None and version != self._data_version:
                 self.generation += 1
-                journal.forget_interrupted()
-                journal.forget_ancestries()
-                journal.forget_siblings()
-                journal.forget_digests()
+                _forget_reads(journal)
             self._data_version = version
 
     def _write_unwritten(self, journal: Journal) -> None:
@@ -150,6 +209,14 @@ class JournalWriter:
             self._checkpoints.close()
         for journal in self._journals:
             journal.close()
+
+
+def _forget_reads(journal: Journal) -> None:
+    """What the journal keeps of its reads, dropped: another process wrote, or a transaction that read it failed."""
+    journal.forget_interrupted()
+    journal.forget_ancestries()
+    journal.forget_siblings()
+    journal.forget_digests()
 
 
 def _checkpointer(journal: Journal) -> Checkpointer | None:

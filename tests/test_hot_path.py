@@ -203,10 +203,10 @@ class CountingWriter(JournalWriter):
         self.hops = 0
         self.names: list[str] = []
 
-    async def call(self, method: Callable[..., T], *args: object) -> T:
+    async def call(self, method: Callable[..., T], *args: object, heavy: bool = False) -> T:
         self.hops += 1
         self.names.append(method.__name__)
-        return await super().call(method, *args)
+        return await super().call(method, *args, heavy=heavy)
 
 
 def test_a_session_s_context_is_read_back_in_one_hop(tmp_path: Path) -> None:

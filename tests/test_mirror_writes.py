@@ -168,9 +168,9 @@ def test_a_request_that_cuts_and_grows_the_mirror_journals_both_in_one_call(tmp_
     calls: list[list[str]] = [[]]  # the start's and the first request's, then one list a request
     call = JournalWriter.call
 
-    async def noting(self: JournalWriter, method: Any, *args: Any) -> Any:
+    async def noting(self: JournalWriter, method: Any, *args: Any, **where: bool) -> Any:
         calls[-1].append(method.__name__ if method is not record_forward_and_state or args[1] is None else "both")
-        return await call(self, method, *args)
+        return await call(self, method, *args, **where)
 
     monkeypatch.setattr(JournalWriter, "call", noting)
     _send(tmp_path, [_body(13), _body(14), _body(15)], between=lambda i: calls.append([]))

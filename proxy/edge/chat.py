@@ -45,12 +45,12 @@ async def chat_completions(request: Request) -> Response:
     # the parse costs what the bytes after the shared ones cost, and those are the only ones copied
     raw, match = await read_chat_body(request, state.settings.max_body_bytes, state.settings.client_body_timeout,
                                       state.hasher.prefixes)
-    body, incoming = await state.offload.run(is_heavy(raw, match.shared if match else 0), _admit, request, raw,
-                                             state, match)
+    heavy = is_heavy(raw, match.shared if match else 0)
+    body, incoming = await state.offload.run(heavy, _admit, request, raw, state, match)
     writer = state.journal_for(incognito)
     read = read_new_session(body.get("model"), incoming.session_name is not None)
     with anyio.CancelScope(shield=True):  # once begun, the request's row is written, so its answer row can follow
-        recorded, saved = await writer.call(Journal.record_request_and_read, incoming, read, True)
+        recorded, saved = await writer.call(Journal.record_request_and_read, incoming, read, True, heavy=heavy)
     exchange = Exchange(state, writer, recorded, request, body, incoming, incognito, saved)
     try:
         await exchange.lock()

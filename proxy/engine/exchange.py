@@ -16,6 +16,7 @@ from datetime import UTC, datetime
 from starlette.requests import Request
 
 from ctxproxy.proxy.engine.context import Saved, SessionContext
+from ctxproxy.proxy.engine.heavy import OFFLOAD_BYTES
 from ctxproxy.proxy.engine.state import AppState
 from ctxproxy.proxy.engine.tally import Tally
 from ctxproxy.proxy.errors import StorageError, StorageFull
@@ -107,7 +108,7 @@ class Exchange:
         """Journal an answer row that does not end the request (an internal round, an overflow refusal)."""
         await self.writer.call(Journal.record_response, ResponseRecord(
             self.recorded.request_id, self.attempt, outcome, status, body, usage, self.ttfb_ms, self.elapsed(),
-            now()), self._take_deferred())
+            now()), self._take_deferred(), heavy=body is not None and len(body) >= OFFLOAD_BYTES)
         self.attempt += 1
 
     async def finish(self, outcome: str, status: int, body: bytes | None,
@@ -123,7 +124,7 @@ class Exchange:
             await self.writer.call(Journal.record_response, ResponseRecord(
                 self.recorded.request_id, self.attempt, outcome, status,
                 body.decode("utf-8", "replace") if body else None, usage, self.ttfb_ms, self.elapsed(), now()),
-                self._take_deferred())
+                self._take_deferred(), heavy=body is not None and len(body) >= OFFLOAD_BYTES)
             self._calibrate(usage)
             self.state.metrics.answered(outcome, usage)
             self.state.metrics.timed(self.sent_ms, self.upstream_ms)

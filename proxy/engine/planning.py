@@ -36,7 +36,7 @@ from ctxproxy.proxy.core.tokens import MessageCounter
 from ctxproxy.proxy.engine.context import ParentState, SessionContext
 from ctxproxy.proxy.engine.decided import decision_rows
 from ctxproxy.proxy.engine.exchange import Tallying, now
-from ctxproxy.proxy.engine.heavy import is_large
+from ctxproxy.proxy.engine.heavy import OFFLOAD_BYTES, is_large
 from ctxproxy.proxy.engine.mirror_file import write_mirror
 from ctxproxy.proxy.engine.outfiles import outfiles_dir, write_outfiles
 from ctxproxy.proxy.engine.policy import (
@@ -61,7 +61,6 @@ from ctxproxy.store import (
     OverflowBody,
     RecordedRequest,
     record_forward_and_state,
-    record_session_state,
 )
 
 __all__ = ["Ask", "Plan", "plan_forward"]
@@ -103,18 +102,18 @@ async def plan_forward(app: AppState, writer: JournalWriter, ctx: SessionContext
     large = is_large(incoming.body_bytes, len(incoming.hashes))
     shaped = await app.offload.run(large, _shape, app, settings, ctx, ask, window, start)
     p, record = shaped.projection, shaped.record
-    deferred, change = None, ctx.state_change(recorded.session_id, recorded.request_id)
+    deferred = None
     if (record.verbatim or record.own_list) and not record.decisions and not record.overflow:
         # Nothing of it is new: the request's own row and the stored decisions already say what goes upstream (its
         # messages as they came; a tool list differs only by what the rules list). The forward row is journaled
         # with its answer, off the request's path: a replay after a crash sends the same bytes without it.
         deferred, list_id = record, recorded.list_id
-        if change is not None:
-            await writer.call(record_session_state, *change)
-    else:
-        list_id = await writer.call(record_forward_and_state, record, change)
+        await ctx.journal_state(writer, recorded.session_id, recorded.request_id)
+    else:  # with the working state the request left, in one call
+        change = ctx.state_change(recorded.session_id, recorded.request_id)
+        list_id = await writer.call(record_forward_and_state, record, change, heavy=record.new_bytes() >= OFFLOAD_BYTES)
+        ctx.journaled_as(change)
         await write_outfiles(shaped.rules.overflow_dir, _outfile_bodies(shaped.rules, p, incoming.bodies))
-    ctx.journaled_as(change)
     ctx.decisions += p.new
     app.metrics.decided([d.kind for d in p.new], {})  # what they freed: once the tally is counted
     tallied = functools.partial(_tallied, app, shaped.taken, cast(list[dict[str, Any]], ask.body["messages"]),

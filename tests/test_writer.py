@@ -1,0 +1,185 @@
+"""The journal's writer (``store.writer``): a request path's call runs where it costs least and never waits on the loop.
+
+An idle writer runs the request path's calls on the caller's thread (the hop to the writer thread and back was
+~0.2 ms of each, issue #13); anything that could make such a call wait (a call already queued or running, another
+process holding the write lock, a sync at each commit) sends it to the writer thread, as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from ctxproxy.config import load_settings
+from ctxproxy.proxy.errors import StorageFull, storage_error
+from ctxproxy.store import Journal, JournalWriter
+from tests.conftest import app_client
+from tests.fakes import FakeUpstream
+from tests.test_journal import incoming, run
+
+
+@pytest.fixture
+def placed_on(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """The names of the threads each request was placed on (``Journal.record_request``'s first step)."""
+    names: list[str] = []
+    place = Journal._place
+
+    def noting(self: Journal, *args: Any) -> Any:
+        names.append(threading.current_thread().name)
+        return place(self, *args)
+
+    monkeypatch.setattr(Journal, "_place", noting)
+    yield names
+
+
+def _requests(path: Path) -> int:
+    with sqlite3.connect(path) as other:
+        return int(other.execute("SELECT COUNT(*) FROM requests").fetchone()[0])
+
+
+def test_an_idle_writer_runs_a_request_on_the_callers_thread_committed(tmp_path: Path, placed_on: list[str]) -> None:
+    writer = JournalWriter(Journal(tmp_path / "journal.db"))
+    try:
+        asyncio.run(writer.call(Journal.record_request, incoming(run(2)[-1])))
+        assert placed_on == [threading.current_thread().name]
+        assert _requests(tmp_path / "journal.db") == 1  # committed: another connection sees it
+        assert not writer.journal.conn.raw.in_transaction
+        assert writer.journal.conn.raw.execute("PRAGMA busy_timeout").fetchone()[0] == 10_000  # as it was
+    finally:
+        writer.close()
+
+
+def test_a_call_queues_behind_one_the_thread_is_running(tmp_path: Path, placed_on: list[str]) -> None:
+    """The thread's calls keep their order: one that comes while another runs there runs there, after it."""
+    writer, release, order = JournalWriter(Journal(tmp_path / "journal.db")), threading.Event(), []
+
+    def slow(journal: Journal) -> None:  # not a request path's call: always on the thread
+        release.wait(10)
+        order.append("slow")
+
+    async def both() -> None:
+        async with asyncio.TaskGroup() as group:
+            group.create_task(writer.call(slow))
+            await asyncio.sleep(0.05)
+            second = group.create_task(writer.call(Journal.record_request, incoming(run(2)[-1])))
+            await asyncio.sleep(0.05)
+            assert not second.done()
+            release.set()
+        order.append("request")
+
+    try:
+        asyncio.run(both())
+    finally:
+        writer.close()
+    assert order == ["slow", "request"] and placed_on == ["ctxproxy-journal_0"]
+
+
+def test_a_write_lock_held_elsewhere_sends_the_call_to_the_thread_and_the_loop_runs_on(tmp_path: Path,
+                                                                                      placed_on: list[str]) -> None:
+    """Another process (a ``ctxproxy prune``) holds the write lock: the call waits for it on the writer thread,
+    and the loop keeps serving meanwhile."""
+    writer = JournalWriter(Journal(tmp_path / "journal.db"))
+    other = sqlite3.connect(tmp_path / "journal.db", isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")
+
+    async def meanwhile() -> float:
+        async with asyncio.TaskGroup() as group:
+            call = group.create_task(writer.call(Journal.record_request, incoming(run(2)[-1])))
+            started, ticks = time.monotonic(), 0
+            while time.monotonic() - started < 0.3:
+                await asyncio.sleep(0.01)
+                ticks += 1
+            assert not call.done() and ticks >= 10  # the loop ran on while the call waited
+            other.execute("ROLLBACK")
+        return time.monotonic() - started
+
+    try:
+        assert asyncio.run(meanwhile()) < 10
+    finally:
+        other.close()
+        writer.close()
+    assert placed_on == ["ctxproxy-journal_0"] and _requests(tmp_path / "journal.db") == 1
+
+
+def test_a_journal_synced_at_each_commit_is_written_on_its_thread(tmp_path: Path, placed_on: list[str]) -> None:
+    writer = JournalWriter(Journal(tmp_path / "journal.db", "full"))
+    try:
+        asyncio.run(writer.call(Journal.record_request, incoming(run(2)[-1])))
+    finally:
+        writer.close()
+    assert placed_on == ["ctxproxy-journal_0"]
+
+
+def test_a_call_that_fails_on_the_callers_thread_leaves_nothing_and_forgets_what_it_read(
+        tmp_path: Path, placed_on: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The disk fills in the middle of a request: the operator's 507, nothing of the request journaled, no
+    transaction left open, what the journal read during it dropped; once there is room, the next call is journaled."""
+    journal = Journal(tmp_path / "journal.db")
+    pages = journal.conn.execute("PRAGMA page_count").fetchone()[0]
+    journal.conn.execute(f"PRAGMA max_page_count = {pages + 2}")  # SQLite's own SQLITE_FULL
+    writer = JournalWriter(journal, storage_error)
+    forgotten: list[str] = []
+    forget = Journal.forget_digests
+    monkeypatch.setattr(Journal, "forget_digests", lambda self: (forgotten.append("digests"), forget(self))[1])
+    try:
+        with pytest.raises(StorageFull):
+            asyncio.run(writer.call(Journal.record_request, incoming(run(40, result="y" * 2000)[-1])))
+        assert placed_on == [threading.current_thread().name] and forgotten == ["digests"]
+        assert _requests(tmp_path / "journal.db") == 0 and not journal.conn.raw.in_transaction
+        journal.conn.execute("PRAGMA max_page_count = 1073741823")
+        asyncio.run(writer.call(Journal.record_request, incoming(run(40, result="y" * 2000)[-1])))
+        assert _requests(tmp_path / "journal.db") == 1
+    finally:
+        writer.close()
+
+
+def test_a_call_said_heavy_is_written_on_the_thread(tmp_path: Path, placed_on: list[str]) -> None:
+    writer = JournalWriter(Journal(tmp_path / "journal.db"))
+    try:
+        asyncio.run(writer.call(Journal.record_request, incoming(run(2)[-1]), heavy=True))
+    finally:
+        writer.close()
+    assert placed_on == ["ctxproxy-journal_0"]
+
+
+def test_the_proxy_journals_a_request_of_many_new_bytes_on_the_thread(tmp_path: Path, placed_on: list[str]) -> None:
+    """A request whose new bytes are parsed on the worker (``proxy.engine.heavy``: here, 5000 new messages) is
+    journaled on the writer thread: storing them would otherwise hold the loop, and every other client, as long."""
+    settings = load_settings(env={"CTXPROXY_DATA_DIR": str(tmp_path), "CTXPROXY_UPSTREAM": "http://u.test/v1",
+                                  "CTXPROXY_CTX_WINDOW": "1000000"})
+    small = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    large = {"model": "m", "messages": [{"role": ("user", "assistant")[i % 2], "content": f"m{i}"}
+                                        for i in range(5001)]}
+    with app_client(settings, httpx.ASGITransport(app=FakeUpstream())) as client:
+        for body in (small, large):
+            assert client.post("/v1/chat/completions", json=body).status_code == 200
+    assert placed_on[0] != "ctxproxy-journal_0" and placed_on[1] == "ctxproxy-journal_0"
+
+
+def test_a_forward_that_stores_a_large_cut_body_is_journaled_on_the_thread(tmp_path: Path, placed_on: list[str],
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 1.5 MB tool result, spilled: the forward stores it whole, on the writer thread (``ForwardRecord.new_bytes``);
+    the next request, which adds a few bytes to it, is journaled on the loop, forward and all."""
+    forwarded: list[str] = []
+    write_forward = Journal.write_forward
+    monkeypatch.setattr(Journal, "write_forward", lambda self, rec: (
+        forwarded.append(threading.current_thread().name), write_forward(self, rec))[1])
+    settings = load_settings(env={"CTXPROXY_DATA_DIR": str(tmp_path), "CTXPROXY_UPSTREAM": "http://u.test/v1",
+                                  "CTXPROXY_CTX_WINDOW": "32768"})
+    call = {"id": "c1", "type": "function", "function": {"name": "read_file", "arguments": "{}"}}
+    messages = [{"role": "user", "content": "read it"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "line of a log\n" * (3 << 17)}]
+    with app_client(settings, httpx.ASGITransport(app=FakeUpstream())) as client:
+        after = [{"role": "assistant", "content": "done"}, {"role": "user", "content": "ok"}]
+        for body in (messages, [*messages, *after]):
+            assert client.post("/v1/chat/completions", json={"model": "m", "messages": body}).status_code == 200
+    assert forwarded[0] == placed_on[0] == "ctxproxy-journal_0"
+    assert forwarded[1] == placed_on[1] != "ctxproxy-journal_0"
