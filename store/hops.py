@@ -33,8 +33,11 @@ class Threads:
 
     def __init__(self, count: int, name: str) -> None:
         self._queue: SimpleQueue[_Call | None] = SimpleQueue()
-        self._threads = [threading.Thread(target=_serve, args=(self._queue,), name=f"{name}_{i}", daemon=True)
-                         for i in range(count)]
+        self._pending = 0
+        """Calls queued and not yet run to their end nor skipped (``idle``)."""
+        self._pending_lock = threading.Lock()
+        self._threads = [threading.Thread(target=_serve, args=(self._queue, self._finished), name=f"{name}_{i}",
+                                          daemon=True) for i in range(count)]
         for thread in self._threads:
             thread.start()
         self._at_exit = functools.partial(_stop, self._queue, self._threads)
@@ -44,12 +47,27 @@ class Threads:
         """``fn(*args)`` on a thread; its result (or exception) in the future, on the running loop."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
+        self._began()
         self._queue.put((loop, future, fn, args))
         return future
+
+    @property
+    def idle(self) -> bool:
+        """No call is queued, nor running: one run elsewhere now cannot overtake one handed in before it."""
+        return not self._pending
+
+    def _began(self) -> None:
+        with self._pending_lock:
+            self._pending += 1
+
+    def _finished(self) -> None:
+        with self._pending_lock:
+            self._pending -= 1
 
     def run_blocking(self, fn: Callable[[], T]) -> T:
         """``fn()`` on a thread, its caller waiting (outside any loop: closing)."""
         done: Future[T] = Future()
+        self._began()
         self._queue.put((None, done, fn, ()))
         return done.result()
 
@@ -67,21 +85,27 @@ def _stop(queue: SimpleQueue[_Call | None], threads: list[threading.Thread]) -> 
             thread.join()
 
 
-def _serve(queue: SimpleQueue[_Call | None]) -> None:
+def _serve(queue: SimpleQueue[_Call | None], finished: Callable[[], None]) -> None:
     while (call := queue.get()) is not None:
-        loop, future, fn, args = call
-        del call
-        if loop is None:
-            _run_blocking(future, fn)  # type: ignore[arg-type]
-            continue
-        if future.cancelled():  # its caller went away before its turn (read across threads: a flag's state)
-            continue
         try:
-            result, error = fn(*args), None
-        except BaseException as exc:
-            result, error = None, exc
-        _settle(loop, future, result, error)  # type: ignore[arg-type]
-        del loop, future, fn, args, result, error
+            _one(*call)
+        finally:
+            del call
+            finished()
+
+
+def _one(loop: asyncio.AbstractEventLoop | None, future: asyncio.Future[Any] | Future[Any], fn: Callable[..., Any],
+         args: tuple[Any, ...]) -> None:
+    if loop is None:
+        _run_blocking(future, fn)  # type: ignore[arg-type]
+        return
+    if future.cancelled():  # its caller went away before its turn (read across threads: a flag's state)
+        return
+    try:
+        result, error = fn(*args), None
+    except BaseException as exc:
+        result, error = None, exc
+    _settle(loop, future, result, error)  # type: ignore[arg-type]
 
 
 def _run_blocking(done: Future[Any], fn: Callable[[], Any]) -> None:

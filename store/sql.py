@@ -133,8 +133,15 @@ class Connection(ABC):
         """Begin a transaction if it will not wait for another connection (SQLite's below); ``end`` ends it."""
         return False
 
+    def check_held(self) -> None:
+        """Raise if the transaction ``begin_if_free`` began has ended under it (SQLite's below)."""
+        return None
+
     def end(self, commit: bool) -> None:
-        """End the transaction ``begin_if_free`` began, if a failed commit has not ended it already."""
+        """End the transaction ``begin_if_free`` began, if a failed commit has not ended it already; committing one
+        that ended under it raises (``check_held``): what it did after was not one transaction."""
+        if commit and self._depth:
+            self.check_held()
         if self._depth:
             self._close(commit)
 
@@ -220,6 +227,14 @@ class SqliteConnection(Connection):
 
     def _lock(self, name: str) -> None:
         """The write lock, taken by ``BEGIN IMMEDIATE``, serialises every writer of the file already."""
+
+    def check_held(self) -> None:
+        """Some failures (an I/O error, a full disk or no memory, in some statements) make SQLite roll back the whole
+        transaction, and the statements after it run on their own: caught and not raised, such a failure would let
+        ``end`` commit nothing and report success."""
+        if self._depth and not self.raw.in_transaction:
+            self._depth = 0
+            raise sqlite3.OperationalError("SQLite rolled the transaction back after a failure")
 
     def begin_if_free(self) -> bool:
         """Begin a transaction holding the write lock if no other connection holds it now, without waiting for it

@@ -88,8 +88,6 @@ class JournalWriter:
         """A SQLite file written without a sync at each commit: a call may run on the caller's thread."""
         self._running = threading.Lock()
         """Held while a call uses the SQLite connection, on the writer thread or on the caller's."""
-        self._queued = 0
-        """Calls handed to the threads and not settled yet: while there are any, a call queues behind them."""
         self._data_version: int | None = None
         self.generation = 0
         """Counts the times another process wrote the journal (``ctxproxy prune``): what the proxy remembers of
@@ -100,21 +98,16 @@ class JournalWriter:
         bodies its forward cuts, a large answer), so it runs on the writer thread whatever else (``_run_here``)."""
         if method in _PLACING and self._answers:
             await asyncio.wait(list(self._answers))
-        if self._here and not heavy and method in _HERE and not self._queued and not self._unwritten:
+        if self._here and not heavy and method in _HERE and self._threads.idle and not self._unwritten:
             ran, result = self._run_here(method, args)
             if ran:
                 return cast(T, result)
         future: asyncio.Future[T] = self._threads.run(self._guarded, method, *args)  # ``store.hops``: a third of
         # the hop through an executor
-        self._queued += 1
-        future.add_done_callback(self._settled)
         if method is Journal.record_response:
             self._answers.add(future)
             future.add_done_callback(self._answers.discard)
         return await future
-
-    def _settled(self, _: asyncio.Future[Any]) -> None:
-        self._queued -= 1
 
     def _run_here(self, method: Callable[..., T], args: tuple[object, ...]) -> tuple[bool, T | None]:
         """(True, ``method``'s result), run on the caller's thread, when nothing is queued for the writer thread,
@@ -123,9 +116,12 @@ class JournalWriter:
         The hop to the writer thread and back cost ~0.2 ms of each call, two or three a chat request (issue #13),
         where the call itself takes 0.1-1.5 ms. It holds the write lock from its start (``begin_if_free``), so it
         never waits for another process; a commit does not sync the disk (``journal_sync`` normal), and the log's
-        checkpoints stay on their own thread. A call that fails leaves nothing of its transaction, and the journal
-        forgets what it read during it."""
-        if not self._running.acquire(blocking=False):
+        checkpoints stay on their own thread (a log near the size at which a commit would checkpoint it itself
+        sends the call to the thread). A call that fails leaves nothing of its transaction, nor does one whose
+        transaction SQLite rolled back under it (an I/O error a read caught), and the journal forgets what it read
+        during it."""
+        if (self._checkpoints is not None and self._checkpoints.log_near_backstop()) \
+                or not self._running.acquire(blocking=False):
             return False, None
         try:
             journal = self.journal
@@ -153,6 +149,8 @@ class JournalWriter:
             self._notice_other_writers(journal)
         self._write_unwritten(journal)
         try:
+            if held:  # a failure SQLite rolled the transaction back for, which the looks above let pass
+                journal.conn.check_held()
             result = method(journal, *args)
             if held:
                 journal.conn.end(commit=True)

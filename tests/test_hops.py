@@ -66,3 +66,29 @@ def test_stopping_runs_what_is_queued_first_and_ends_the_threads() -> None:
     threads.stop()
     assert ran == ["queued"]
     assert not any(t.name.startswith("hops-test") for t in threading.enumerate())
+
+
+def test_idle_means_nothing_queued_nor_running_nor_waiting_to_be_skipped() -> None:
+    """``store.writer`` runs a call elsewhere only when the threads are idle: a call running, or one queued whose
+    caller went away (skipped only when its turn comes), keeps them busy until it is done with."""
+    threads, release = Threads(1, "hops-test"), threading.Event()
+
+    async def busy_then_idle() -> list[bool]:
+        seen = [threads.idle]
+        running = threads.run(release.wait, 10)
+        queued = threads.run(lambda: None)
+        queued.cancel()
+        await asyncio.sleep(0.02)
+        seen.append(threads.idle)
+        release.set()
+        await running
+        for _ in range(100):
+            if threads.idle:
+                break
+            await asyncio.sleep(0.01)
+        return [*seen, threads.idle]
+
+    try:
+        assert asyncio.run(busy_then_idle()) == [True, False, True]
+    finally:
+        threads.stop()

@@ -19,8 +19,9 @@ import httpx
 import pytest
 
 from ctxproxy.config import load_settings
-from ctxproxy.proxy.errors import StorageFull, storage_error
-from ctxproxy.store import Journal, JournalWriter
+from ctxproxy.proxy.engine.heavy import OFFLOAD_BYTES, WHOLE_MIRROR_CHARS, heavy_journaling
+from ctxproxy.proxy.errors import StorageError, StorageFull, storage_error
+from ctxproxy.store import Journal, JournalWriter, SessionState, checkpoints
 from tests.conftest import app_client
 from tests.fakes import FakeUpstream
 from tests.test_journal import incoming, run
@@ -183,3 +184,74 @@ def test_a_forward_that_stores_a_large_cut_body_is_journaled_on_the_thread(tmp_p
             assert client.post("/v1/chat/completions", json={"model": "m", "messages": body}).status_code == 200
     assert forwarded[0] == placed_on[0] == "ctxproxy-journal_0"
     assert forwarded[1] == placed_on[1] != "ctxproxy-journal_0"
+
+
+def test_a_read_that_made_sqlite_roll_back_fails_the_call_not_only_the_read(tmp_path: Path, placed_on: list[str],
+                                                                           ) -> None:
+    """Some failures (an I/O error in a read that spills to a temporary file) make SQLite roll back the whole
+    transaction; ``record_request_and_read`` catches a failed read, so on the loop its request would have been
+    reported journaled and was not. The call fails instead (503), nothing is kept of it, and the next request gets
+    its own ids."""
+    writer = JournalWriter(Journal(tmp_path / "journal.db"), storage_error)
+
+    def rolled_back(journal: Journal, recorded: Any) -> None:
+        journal.conn.raw.execute("ROLLBACK")  # what SQLite does itself on SQLITE_IOERR
+        raise sqlite3.OperationalError("disk I/O error")
+
+    try:
+        with pytest.raises(StorageError):
+            asyncio.run(writer.call(Journal.record_request_and_read, incoming(run(2)[-1]), rolled_back))
+        assert _requests(tmp_path / "journal.db") == 0 and not writer.journal.conn.raw.in_transaction
+        recorded = asyncio.run(writer.call(Journal.record_request, incoming(run(2)[-1])))
+        assert recorded.request_id == 1 and _requests(tmp_path / "journal.db") == 1
+        assert recorded.session_id.count("-") == 1  # the opening's first session, not a second of a vanished one
+    finally:
+        writer.close()
+    assert placed_on == [threading.current_thread().name] * 2
+
+
+def test_a_log_near_the_size_a_commit_checkpoints_at_sends_calls_to_the_thread(tmp_path: Path, placed_on: list[str],
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write-ahead log that grew near ``BACKSTOP_PAGES`` (another process's reader held it) is checkpointed, and
+    synced, by a commit: such commits are made on the writer thread."""
+    writer = JournalWriter(Journal(tmp_path / "journal.db"))
+    try:
+        asyncio.run(writer.call(Journal.record_request, incoming(run(2)[-1])))
+        monkeypatch.setattr(checkpoints, "BACKSTOP_PAGES", 1)  # the log of one request is past three quarters of it
+        asyncio.run(writer.call(Journal.record_request, incoming(run(3)[-1])))
+    finally:
+        writer.close()
+    assert placed_on == [threading.current_thread().name, "ctxproxy-journal_0"]
+
+
+def test_the_connection_is_never_used_from_two_threads_at_once(tmp_path: Path, placed_on: list[str]) -> None:
+    """While a call holds the connection (here, as if the writer thread were in one), a call does not run beside
+    it on the loop: it goes to the thread, which takes the connection once it is free."""
+    writer = JournalWriter(Journal(tmp_path / "journal.db"))
+
+    async def while_held() -> None:
+        writer._running.acquire()
+        async with asyncio.TaskGroup() as group:
+            call = group.create_task(writer.call(Journal.record_request, incoming(run(2)[-1])))
+            await asyncio.sleep(0.05)
+            assert not call.done()
+            writer._running.release()
+
+    try:
+        asyncio.run(while_held())
+    finally:
+        writer.close()
+    assert placed_on == ["ctxproxy-journal_0"]
+
+
+@pytest.mark.parametrize(("change", "forward_bytes", "heavy"), [
+    (None, 0, False),
+    (None, OFFLOAD_BYTES, True),
+    (("s", 1, SessionState(offered_turn="t"), "now", SessionState(), False), 0, False),
+    (("s", 1, SessionState(mirror_text="m" * WHOLE_MIRROR_CHARS), "now", SessionState(), False), 0, True),
+    (("s", 1, SessionState(mirror_text="m" * WHOLE_MIRROR_CHARS), "now", SessionState(), True), 0, False),
+    (("s", 1, SessionState(mirror_text="m" * (WHOLE_MIRROR_CHARS - 1)), "now", SessionState(), False), 0, False),
+])
+def test_what_journaling_is_heavy(change: Any, forward_bytes: int, heavy: bool) -> None:
+    """A MiB of cut bodies, or a long mirror stored whole (not one that only grew): the journal's thread."""
+    assert heavy_journaling(change, forward_bytes) is heavy

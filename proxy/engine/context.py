@@ -29,8 +29,10 @@ from ctxproxy.proxy.core.forked import prefix_state
 from ctxproxy.proxy.core.identity import content_text
 from ctxproxy.proxy.core.project import absorbed_state
 from ctxproxy.proxy.core.tokens import Calibration
+from ctxproxy.proxy.engine.heavy import heavy_journaling
 from ctxproxy.store import (
     CalibrationInForce,
+    ForwardRecord,
     Journal,
     JournalWriter,
     RecordedRequest,
@@ -38,6 +40,7 @@ from ctxproxy.store import (
     calibration_in_force,
     claim,
     latest_calibration,
+    record_forward_and_state,
     record_session_state,
     session_state,
     unclaim,
@@ -101,8 +104,18 @@ class SessionContext:
         mirror), so a restart or an eviction resumes the session as it is now."""
         change = self.state_change(session_id, request_id)
         if change is not None:
-            await writer.call(record_session_state, *change)
+            await writer.call(record_session_state, *change, heavy=heavy_journaling(change))
             self.journaled_as(change)
+
+    async def journal_forward(self, writer: JournalWriter, record: ForwardRecord, session_id: str,
+                              request_id: int) -> int:
+        """Journal a forward with the working state its request left, in one call and one transaction
+        (``store.record_forward_and_state``); the id of the list that went upstream."""
+        change = self.state_change(session_id, request_id)
+        list_id = await writer.call(record_forward_and_state, record, change,
+                                    heavy=heavy_journaling(change, record.new_bytes()))
+        self.journaled_as(change)
+        return list_id
 
     def state_change(self, session_id: str, request_id: int) -> tuple[Any, ...] | None:
         """``record_session_state``'s arguments (after the journal) for the working state ``request_id`` left, or

@@ -9,6 +9,10 @@ the loop: a thread hop costs about 0.1 ms, more than its whole work.
 What a thread cannot fix is a single C call that holds the GIL: ``orjson.loads`` of a 50 MB body holds it for
 about 0.1 s. Token counting is bounded in the core instead (``proxy.core.tokens``), and ``max_body_bytes``
 and ``max_messages`` bound the rest, with clear 413s.
+
+The journal draws the same line: its calls run on the loop when they are quick (``store.writer``), and those that
+store a large request's new messages, a MiB of cut bodies or a long mirror whole (``heavy_journaling``) run on its
+own thread.
 """
 
 from __future__ import annotations
@@ -22,8 +26,8 @@ import anyio.to_thread
 from ctxproxy.proxy.core.pieces import Pieces
 from ctxproxy.proxy.errors import PayloadTooLarge
 
-__all__ = ["OFFLOAD_BYTES", "OFFLOAD_MESSAGES", "OFFLOAD_OBJECTS", "Offload", "check_message_count", "is_heavy",
-           "is_large"]
+__all__ = ["OFFLOAD_BYTES", "OFFLOAD_MESSAGES", "OFFLOAD_OBJECTS", "WHOLE_MIRROR_CHARS", "Offload",
+           "check_message_count", "heavy_journaling", "is_heavy", "is_large"]
 
 T = TypeVar("T")
 
@@ -41,6 +45,10 @@ OFFLOAD_MESSAGES = 1000
 """A parsed request with this many messages is projected on the worker whatever its size: a projection that
 starts afresh (after a restart, or once the session's decisions changed) walks every message, some 20-50 µs each."""
 
+WHOLE_MIRROR_CHARS = 100_000
+"""A mirror this long, journaled whole (its first version, or one rewritten rather than grown), is split, hashed and
+stored on the journal's thread, not on the loop (``heavy_journaling``): 10-30 ms for a long session's."""
+
 WORKERS = 2
 """Heavy steps running at once: the machine's cores; more would only share them, and hold more memory."""
 
@@ -56,6 +64,18 @@ def is_heavy(raw: bytes | Pieces, shared: int = 0) -> bool:
 def is_large(body_bytes: int, messages: int) -> bool:
     """Once parsed: does projecting this request belong on the worker?"""
     return body_bytes >= OFFLOAD_BYTES or messages >= OFFLOAD_MESSAGES
+
+
+def heavy_journaling(change: tuple[Any, ...] | None, forward_bytes: int = 0) -> bool:
+    """Whether journaling the working state ``change`` (``proxy.engine.context.SessionContext.state_change``'s),
+    with a forward that stores ``forward_bytes``, belongs on the journal's thread (``JournalWriter.call``'s
+    ``heavy``): a MiB of cut bodies, or a long mirror stored whole."""
+    if forward_bytes >= OFFLOAD_BYTES:
+        return True
+    if change is None:
+        return False
+    text, grown = change[2].mirror_text, change[5]
+    return text is not None and not grown and len(text) >= WHOLE_MIRROR_CHARS
 
 
 class Offload:

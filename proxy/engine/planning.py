@@ -36,7 +36,7 @@ from ctxproxy.proxy.core.tokens import MessageCounter
 from ctxproxy.proxy.engine.context import ParentState, SessionContext
 from ctxproxy.proxy.engine.decided import decision_rows
 from ctxproxy.proxy.engine.exchange import Tallying, now
-from ctxproxy.proxy.engine.heavy import OFFLOAD_BYTES, is_large
+from ctxproxy.proxy.engine.heavy import is_large
 from ctxproxy.proxy.engine.mirror_file import write_mirror
 from ctxproxy.proxy.engine.outfiles import outfiles_dir, write_outfiles
 from ctxproxy.proxy.engine.policy import (
@@ -54,14 +54,7 @@ from ctxproxy.proxy.engine.tally import Taken, Tally, counting, taken
 from ctxproxy.proxy.errors import ContextTooLarge
 from ctxproxy.proxy.tools.offer import person_asked, turn_in
 from ctxproxy.proxy.wire import ChatBody
-from ctxproxy.store import (
-    ForwardRecord,
-    IncomingRequest,
-    JournalWriter,
-    OverflowBody,
-    RecordedRequest,
-    record_forward_and_state,
-)
+from ctxproxy.store import ForwardRecord, IncomingRequest, JournalWriter, OverflowBody, RecordedRequest
 
 __all__ = ["Ask", "Plan", "plan_forward"]
 
@@ -109,10 +102,8 @@ async def plan_forward(app: AppState, writer: JournalWriter, ctx: SessionContext
         # with its answer, off the request's path: a replay after a crash sends the same bytes without it.
         deferred, list_id = record, recorded.list_id
         await ctx.journal_state(writer, recorded.session_id, recorded.request_id)
-    else:  # with the working state the request left, in one call
-        change = ctx.state_change(recorded.session_id, recorded.request_id)
-        list_id = await writer.call(record_forward_and_state, record, change, heavy=record.new_bytes() >= OFFLOAD_BYTES)
-        ctx.journaled_as(change)
+    else:
+        list_id = await ctx.journal_forward(writer, record, recorded.session_id, recorded.request_id)
         await write_outfiles(shaped.rules.overflow_dir, _outfile_bodies(shaped.rules, p, incoming.bodies))
     ctx.decisions += p.new
     app.metrics.decided([d.kind for d in p.new], {})  # what they freed: once the tally is counted
