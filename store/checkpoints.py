@@ -47,16 +47,17 @@ class Checkpointer:
         self._poked, self._stopping = threading.Event(), threading.Event()
         self.checkpoints = 0
         """Checkpoints run (whole or partial): for tests and the curious."""
+        self._pinned = False
+        """What the last checkpoint saw (``log_near_backstop``)."""
         self._thread = threading.Thread(target=self._run, name="ctxproxy-checkpoints", daemon=True)
         self._thread.start()
 
     def log_near_backstop(self) -> bool:
-        """Whether the log has grown near ``BACKSTOP_PAGES`` (a reader in another process held it, or this thread
-        fell behind): the next commits may checkpoint it themselves, and sync. (A ``stat``: about 2 µs.)"""
-        try:
-            return (self._path.parent / (self._path.name + "-wal")).stat().st_size >= BACKSTOP_PAGES * 4096 * 3 // 4
-        except OSError:
-            return False
+        """Whether the last checkpoint left the log near ``BACKSTOP_PAGES`` and could not copy all of it back (a
+        reader in another process holds part of it): then the log cannot start afresh, and the next commits may
+        checkpoint it themselves, and sync. A log copied back whole starts afresh at the next commit, however
+        large its file stays."""
+        return self._pinned
 
     def poke(self) -> None:
         """A commit was made: checkpoint within ``every`` seconds. (Setting a set ``Event``: a lock, ~0.1 µs.)"""
@@ -88,7 +89,8 @@ class Checkpointer:
             if conn is None:
                 conn = sqlite3.connect(str(self._path), check_same_thread=False, isolation_level=None)
                 conn.execute(f"PRAGMA synchronous={'FULL' if self._sync == 'full' else 'NORMAL'}")  # how it syncs
-            conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+            _, log_pages, copied = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+            self._pinned = log_pages >= BACKSTOP_PAGES * 3 // 4 and copied < log_pages
             self.checkpoints += 1
             return conn
         except sqlite3.Error as exc:

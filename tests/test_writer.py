@@ -210,18 +210,36 @@ def test_a_read_that_made_sqlite_roll_back_fails_the_call_not_only_the_read(tmp_
     assert placed_on == [threading.current_thread().name] * 2
 
 
-def test_a_log_near_the_size_a_commit_checkpoints_at_sends_calls_to_the_thread(tmp_path: Path, placed_on: list[str],
-                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """A write-ahead log that grew near ``BACKSTOP_PAGES`` (another process's reader held it) is checkpointed, and
-    synced, by a commit: such commits are made on the writer thread."""
+def test_a_log_a_reader_holds_near_its_backstop_sends_calls_to_the_thread(tmp_path: Path, placed_on: list[str],
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write-ahead log that another process's reader keeps from being copied back, near ``BACKSTOP_PAGES``, is
+    checkpointed, and synced, by the commits themselves: those are made on the writer thread. Once the reader is
+    gone and a checkpoint copied it all back, calls run on the loop again."""
+    monkeypatch.setattr(checkpoints, "BACKSTOP_PAGES", 1)  # any log is near it
     writer = JournalWriter(Journal(tmp_path / "journal.db"))
+    reader = sqlite3.connect(tmp_path / "journal.db", isolation_level=None)
+
+    def after_a_checkpoint(messages: int) -> None:
+        seen = writer._checkpoints.checkpoints  # type: ignore[union-attr]
+        asyncio.run(writer.call(Journal.record_request, incoming(run(messages)[-1])))
+        deadline = time.monotonic() + 10
+        while writer._checkpoints.checkpoints == seen and time.monotonic() < deadline:  # type: ignore[union-attr]
+            time.sleep(0.02)
+
     try:
-        asyncio.run(writer.call(Journal.record_request, incoming(run(2)[-1])))
-        monkeypatch.setattr(checkpoints, "BACKSTOP_PAGES", 1)  # the log of one request is past three quarters of it
-        asyncio.run(writer.call(Journal.record_request, incoming(run(3)[-1])))
+        after_a_checkpoint(2)  # on the loop; the checkpoint copies it all back
+        reader.execute("BEGIN")
+        reader.execute("SELECT COUNT(*) FROM requests").fetchall()  # holds the log from here on
+        after_a_checkpoint(3)  # on the loop still; the checkpoint cannot copy it back
+        asyncio.run(writer.call(Journal.record_request, incoming(run(4)[-1])))  # on the thread
+        reader.execute("COMMIT")
+        after_a_checkpoint(5)  # on the thread (the last checkpoint was held); this one copies it all back
+        asyncio.run(writer.call(Journal.record_request, incoming(run(6)[-1])))  # on the loop again
     finally:
+        reader.close()
         writer.close()
-    assert placed_on == [threading.current_thread().name, "ctxproxy-journal_0"]
+    here = threading.current_thread().name
+    assert placed_on == [here, here, "ctxproxy-journal_0", "ctxproxy-journal_0", here]
 
 
 def test_the_connection_is_never_used_from_two_threads_at_once(tmp_path: Path, placed_on: list[str]) -> None:
