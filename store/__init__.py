@@ -11,6 +11,7 @@ from ctxproxy.store.retention import PruneReport
 from ctxproxy.store.session_state import (
     CalibrationInForce,
     SessionState,
+    StateChange,
     calibration_in_force,
     latest_calibration,
     record_forward_and_state,
@@ -31,6 +32,7 @@ __all__ = [
     "ResponseRecord",
     "SessionLocking",
     "SessionState",
+    "StateChange",
     "calibration_in_force",
     "claim",
     "keep_response",

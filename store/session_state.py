@@ -15,15 +15,15 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ctxproxy.store.cuts import ForwardRecord
 from ctxproxy.store.deltas import runs
 from ctxproxy.store.journal import Journal
 from ctxproxy.store.reads import chain
 
-__all__ = ["MIRROR_SEPARATOR", "CalibrationInForce", "SessionState", "calibration_in_force", "latest_calibration",
-           "record_forward_and_state", "record_session_state", "session_state"]
+__all__ = ["MIRROR_SEPARATOR", "CalibrationInForce", "SessionState", "StateChange", "calibration_in_force",
+           "latest_calibration", "record_forward_and_state", "record_session_state", "session_state"]
 
 MIRROR_SEPARATOR = "\n  },\n  {\n"
 """Where the mirror's text is cut into pieces for the journal: between two of its entries, as
@@ -63,10 +63,21 @@ def record_session_state(journal: Journal, session_id: str, request_id: int, sta
              state.mirror, mirror_list, created_at])
 
 
-def record_forward_and_state(journal: Journal, rec: ForwardRecord, change: tuple[Any, ...] | None) -> int:
-    """``Journal.record_forward`` and, when the request changed it, the working state it left
-    (``record_session_state``'s arguments after the journal), in one transaction: one commit and one trip to the
-    writer thread where a forward with new cuts and a grown mirror took two (issue #13). Returns the forward's list."""
+class StateChange(NamedTuple):
+    """A working state to journal: ``record_session_state``'s arguments after the journal."""
+
+    session_id: str
+    request_id: int
+    state: SessionState
+    created_at: str
+    previous: SessionState | None = None
+    extends: bool = False
+
+
+def record_forward_and_state(journal: Journal, rec: ForwardRecord, change: StateChange | None) -> int:
+    """``Journal.record_forward`` and, when the request changed it, the working state it left, in one transaction:
+    one commit and one trip to the writer thread where a forward with new cuts and a grown mirror took two (issue
+    #13). Returns the forward's list."""
     with journal.conn:  # the two calls' own transactions join this one
         list_id = journal.record_forward(rec)
         if change is not None:

@@ -32,6 +32,7 @@ from ctxproxy.store import (
     Journal,
     JournalWriter,
     SessionState,
+    StateChange,
     record_forward_and_state,
     record_session_state,
     session_state,
@@ -150,9 +151,11 @@ def test_a_forward_and_the_working_state_it_left_are_journaled_together(store_lo
             recorded.session_id, 0, ["m0"], [{"role": "user", "content": "task"}]))
         unwritable = SessionState(confirmations=(object(),))  # type: ignore[arg-type]  # not JSON: the write fails
         with pytest.raises(TypeError):
-            record_forward_and_state(journal, forward(0), (recorded.session_id, recorded.request_id, unwritable, "1"))
+            record_forward_and_state(journal, forward(0), StateChange(recorded.session_id, recorded.request_id,
+                                                                   unwritable, "1"))
         assert journal.conn.execute("SELECT COUNT(*) FROM forwards").fetchone()[0] == 0
-        list_id = record_forward_and_state(journal, forward(0), (recorded.session_id, recorded.request_id, state, "1"))
+        list_id = record_forward_and_state(journal, forward(0), StateChange(recorded.session_id, recorded.request_id,
+                                                                       state, "1"))
         assert journal.conn.execute("SELECT list_id FROM forwards").fetchall() == [(list_id,)]
         assert session_state(journal, recorded.session_id) == state
         assert record_forward_and_state(journal, forward(1), None) == list_id  # no change: the forward alone

@@ -21,7 +21,7 @@ import pytest
 from ctxproxy.config import load_settings
 from ctxproxy.proxy.engine.heavy import OFFLOAD_BYTES, WHOLE_MIRROR_CHARS, heavy_journaling
 from ctxproxy.proxy.errors import StorageError, StorageFull, storage_error
-from ctxproxy.store import Journal, JournalWriter, SessionState, checkpoints
+from ctxproxy.store import Journal, JournalWriter, SessionState, StateChange, checkpoints
 from tests.conftest import app_client
 from tests.fakes import FakeUpstream
 from tests.test_journal import incoming, run
@@ -265,10 +265,11 @@ def test_the_connection_is_never_used_from_two_threads_at_once(tmp_path: Path, p
 @pytest.mark.parametrize(("change", "forward_bytes", "heavy"), [
     (None, 0, False),
     (None, OFFLOAD_BYTES, True),
-    (("s", 1, SessionState(offered_turn="t"), "now", SessionState(), False), 0, False),
-    (("s", 1, SessionState(mirror_text="m" * WHOLE_MIRROR_CHARS), "now", SessionState(), False), 0, True),
-    (("s", 1, SessionState(mirror_text="m" * WHOLE_MIRROR_CHARS), "now", SessionState(), True), 0, False),
-    (("s", 1, SessionState(mirror_text="m" * (WHOLE_MIRROR_CHARS - 1)), "now", SessionState(), False), 0, False),
+    (StateChange("s", 1, SessionState(offered_turn="t"), "now", SessionState(), False), 0, False),
+    (StateChange("s", 1, SessionState(mirror_text="m" * WHOLE_MIRROR_CHARS), "now", SessionState(), False), 0, True),
+    (StateChange("s", 1, SessionState(mirror_text="m" * WHOLE_MIRROR_CHARS), "now", SessionState(), True), 0, False),
+    (StateChange("s", 1, SessionState(mirror_text="m" * (WHOLE_MIRROR_CHARS - 1)), "now", SessionState(), False), 0,
+     False),
 ])
 def test_what_journaling_is_heavy(change: Any, forward_bytes: int, heavy: bool) -> None:
     """A MiB of cut bodies, or a long mirror stored whole (not one that only grew): the journal's thread."""

@@ -37,6 +37,7 @@ from ctxproxy.store import (
     JournalWriter,
     RecordedRequest,
     SessionState,
+    StateChange,
     calibration_in_force,
     claim,
     latest_calibration,
@@ -117,22 +118,21 @@ class SessionContext:
         self.journaled_as(change)
         return list_id
 
-    def state_change(self, session_id: str, request_id: int) -> tuple[Any, ...] | None:
-        """``record_session_state``'s arguments (after the journal) for the working state ``request_id`` left, or
-        None when it changed nothing; once journaled, ``journaled_as``. A forward journals it with its own row
-        (``store.record_forward_and_state``)."""
+    def state_change(self, session_id: str, request_id: int) -> StateChange | None:
+        """The working state ``request_id`` left, to journal, or None when it changed nothing; once journaled,
+        ``journaled_as``. A forward journals it with its own row (``store.record_forward_and_state``)."""
         state = self.working_state()
         if state == self.journaled:
             return None
         grew = self.mirror_grew
         extends = grew is not None and grew[0] is self.journaled.mirror_text and grew[1] is state.mirror_text
-        return (session_id, request_id, state, datetime.now(UTC).isoformat(timespec="milliseconds"),
-                self.journaled, extends)
+        return StateChange(session_id, request_id, state, datetime.now(UTC).isoformat(timespec="milliseconds"),
+                           self.journaled, extends)
 
-    def journaled_as(self, change: tuple[Any, ...] | None) -> None:
+    def journaled_as(self, change: StateChange | None) -> None:
         """The journal has the working state of ``change`` (``state_change``'s), if any."""
         if change is not None:
-            self.journaled = change[2]
+            self.journaled = change.state
 
     def written_entries(self) -> dict[str, str]:
         """The mirror's entries as last written (identity → text), what a draft is judged against: read back from

@@ -18,13 +18,16 @@ own thread.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import anyio.to_thread
 
 from ctxproxy.proxy.core.pieces import Pieces
 from ctxproxy.proxy.errors import PayloadTooLarge
+
+if TYPE_CHECKING:
+    from ctxproxy.store import StateChange
 
 __all__ = ["OFFLOAD_BYTES", "OFFLOAD_MESSAGES", "OFFLOAD_OBJECTS", "WHOLE_MIRROR_CHARS", "Offload",
            "check_message_count", "heavy_journaling", "is_heavy", "is_large"]
@@ -66,7 +69,7 @@ def is_large(body_bytes: int, messages: int) -> bool:
     return body_bytes >= OFFLOAD_BYTES or messages >= OFFLOAD_MESSAGES
 
 
-def heavy_journaling(change: tuple[Any, ...] | None, forward_bytes: int = 0) -> bool:
+def heavy_journaling(change: StateChange | None, forward_bytes: int = 0) -> bool:
     """Whether journaling the working state ``change`` (``proxy.engine.context.SessionContext.state_change``'s),
     with a forward that stores ``forward_bytes``, belongs on the journal's thread (``JournalWriter.call``'s
     ``heavy``): a MiB of cut bodies, or a long mirror stored whole."""
@@ -74,8 +77,8 @@ def heavy_journaling(change: tuple[Any, ...] | None, forward_bytes: int = 0) -> 
         return True
     if change is None:
         return False
-    text, grown = change[2].mirror_text, change[5]
-    return text is not None and not grown and len(text) >= WHOLE_MIRROR_CHARS
+    text = change.state.mirror_text
+    return text is not None and not change.extends and len(text) >= WHOLE_MIRROR_CHARS
 
 
 class Offload:
