@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from ctxproxy.store import Journal, JournalWriter, MemoryJournal
-from ctxproxy.store.checkpoints import BACKSTOP_PAGES, Checkpointer, checkpoint_backstop
+from ctxproxy.store.checkpoints import (BACKSTOP_PAGES, PACE_PAGES, SHORTEST_WAIT, Checkpointer, checkpoint_backstop,
+                                       next_wait)
 from tests.test_journal import incoming, record
 
 PAGE = 4096
@@ -56,6 +57,38 @@ def test_commits_leave_the_log_to_the_checkpointer_which_copies_it_back_when_pok
     finally:
         checkpoints.close()
         journal.close()
+
+
+def test_commits_that_never_pause_for_long_still_let_the_log_start_afresh(tmp_path: Path) -> None:
+    """Requests 2 ms apart for a second, each poking (as the 600-round run's, sent back to back): each checkpoint
+    found commits made while it ran, so the log never started afresh and grew to the backstop (54 MB of log for a
+    6 MB file here); checkpoints run again while commits came during the last, until one ends between two."""
+    journal = Journal(tmp_path / "journal.db")
+    checkpoint_backstop(journal.conn)
+    checkpoints = Checkpointer(tmp_path / "journal.db", every=0.05)
+    try:
+        start, n = time.monotonic(), 0
+        while time.monotonic() - start < 1.0:
+            record(journal, incoming([{"role": "user", "content": f"{n} " + "x" * 8000}], n=n % 60))
+            checkpoints.poke()
+            n += 1
+            time.sleep(0.002)
+        assert checkpoints.checkpoints >= 5
+        assert (tmp_path / "journal.db-wal").stat().st_size < (tmp_path / "journal.db").stat().st_size
+    finally:
+        checkpoints.close()
+        journal.close()
+
+
+def test_the_wait_for_the_next_checkpoint_follows_the_log() -> None:
+    """Scaled so that commits at the same rate leave ``PACE_PAGES`` in the log at the next one: shorter while they
+    come fast (never below ``SHORTEST_WAIT``), back to the longest as they slow."""
+    assert next_wait(0.25, PACE_PAGES, 0.25) == 0.25
+    assert next_wait(0.25, 4 * PACE_PAGES, 0.25) == pytest.approx(0.0625)
+    assert next_wait(0.0625, 100 * PACE_PAGES, 0.25) == SHORTEST_WAIT
+    assert next_wait(SHORTEST_WAIT, PACE_PAGES // 2, 0.25) == pytest.approx(2 * SHORTEST_WAIT)
+    assert next_wait(0.2, 10, 0.25) == next_wait(0.2, 0, 0.25) == 0.25
+    assert next_wait(0.0, 10, 0.0) == 0.0  # a checkpointer told to run at once stays at once
 
 
 def test_a_checkpoint_is_not_another_process_s_write(tmp_path: Path) -> None:
