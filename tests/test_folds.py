@@ -13,10 +13,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from hypothesis import given
+from hypothesis import strategies as st
 
 from ctxproxy.config import load_settings
 from ctxproxy.proxy.core import Rules, canonical_json, fold_body, message_hash, project
-from ctxproxy.proxy.core.state import sha256_text
+from ctxproxy.proxy.core.invariants import broken_pairs
+from ctxproxy.proxy.core.state import FoldSum, sha256_text
+from ctxproxy.proxy.core.stubs import fold_stub, fold_stub_of
 from ctxproxy.store import Journal, OverflowBody
 from ctxproxy.store.journal import IncomingRequest
 from tests.conftest import app_client
@@ -172,3 +176,31 @@ def test_the_model_reads_a_fold_back_as_it_was(tmp_path: Path) -> None:
     assert len(body.encode()) == nbytes and len(body) > 20_000
     assert page.startswith(body[:20_000]) and page.endswith(f"[… {len(body) - 20_000} more characters: "
                                                             "read_overflow with offset=20000]")
+
+
+_message = st.one_of(
+    st.builds(lambda cid, name: {"role": "assistant", "content": None, "tool_calls": [
+        {"id": cid, "type": "function", "function": {"name": name, "arguments": "{}"}}]},
+        st.sampled_from(["c1", "c2", "c3"]), st.sampled_from(["sh", "read_file"])),
+    st.builds(lambda cid, text: {"role": "tool", "tool_call_id": cid, "content": text},
+              st.sampled_from(["c1", "c2", "c3", "stray"]), st.text(max_size=20)),
+    st.builds(lambda text: {"role": "user", "content": text}, st.text(max_size=20)),
+    st.builds(lambda: {"role": "assistant", "content": "thinking"}))
+
+
+@given(st.lists(_message, max_size=30), st.lists(st.integers(0, 30), max_size=4))
+def test_a_fold_sum_grown_in_steps_knows_what_one_walk_over_its_span_finds(messages: list[dict[str, Any]],
+                                                                           cuts: list[int]) -> None:
+    """A fold that extends the last one hashes, tallies and walks only the messages it adds (issue #13): whatever
+    the steps, its body's digest, its ``message_hash``, its stub and its pairing are those of the whole span."""
+    hashes = [message_hash(m) for m in messages]
+    run = FoldSum.empty(0)
+    for end in [*sorted(min(c, len(messages)) for c in cuts), len(messages)]:
+        run = run.extend((messages[i], canonical_json(messages[i]), hashes[i]) for i in range(run.end, end))
+    assert run.end == len(messages)
+    assert run.closed() == (sha256_text(fold_body(messages, (0, len(messages)))), len(fold_body(messages, (0, len(
+        messages))).encode()))
+    assert run.message_hash() == sha256_text("".join(hashes))
+    assert run.pairs.broken() == broken_pairs(messages)
+    assert fold_stub_of("f" * 64, len(messages), run.roles, run.tools, 9, "disk") == fold_stub("f" * 64, messages, 9,
+                                                                                               "disk")

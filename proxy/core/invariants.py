@@ -18,13 +18,14 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from ctxproxy.proxy.core.fenced import Segment, text_of
 from ctxproxy.proxy.core.segments import wrapper_intact
 
-__all__ = ["broken_pairs", "violations", "violations_since"]
+__all__ = ["Pairs", "broken_pairs", "violations", "violations_since"]
 
 _FOLD = re.compile(r"^\[folded id=[0-9a-f]{64} messages=(\d+) ")
 _KEPT_ROLES = ("system", "developer", "user", "assistant")
@@ -34,22 +35,36 @@ def broken_pairs(messages: Sequence[dict[str, Any]]) -> Counter[str]:
     """Calls with no result after them and results with no call before them, by id (agents reuse ids: a result
     answers the oldest open call of its id). An id whose calls are all answered is let go as it closes, so a long
     history costs one pass over its messages, not a sum over every id it ever used."""
-    open_calls: dict[str, int] = {}
-    orphans: Counter[str] = Counter()
-    for m in messages:
-        for call in m.get("tool_calls") or ():
-            cid = str(call.get("id"))
-            open_calls[cid] = open_calls.get(cid, 0) + 1
-        if m.get("role") == "tool":
-            cid = str(m.get("tool_call_id"))
-            waiting = open_calls.get(cid, 0)
-            if waiting > 1:
-                open_calls[cid] = waiting - 1
-            elif waiting:
-                del open_calls[cid]
-            else:
-                orphans[cid] += 1
-    return Counter(open_calls) + orphans
+    return Pairs().extended(messages).broken()
+
+
+@dataclass(frozen=True)
+class Pairs:
+    """``broken_pairs``'s walk, stopped after some messages and continued later (``extended``): a fold that grows
+    walks only the messages it adds (``proxy.core.state.FoldSum``). Never mutated."""
+
+    open_calls: Mapping[str, int] = field(default_factory=dict)
+    orphans: Mapping[str, int] = field(default_factory=dict)
+
+    def extended(self, messages: Iterable[dict[str, Any]]) -> Pairs:
+        open_calls, orphans = dict(self.open_calls), dict(self.orphans)
+        for m in messages:
+            for call in m.get("tool_calls") or ():
+                cid = str(call.get("id"))
+                open_calls[cid] = open_calls.get(cid, 0) + 1
+            if m.get("role") == "tool":
+                cid = str(m.get("tool_call_id"))
+                waiting = open_calls.get(cid, 0)
+                if waiting > 1:
+                    open_calls[cid] = waiting - 1
+                elif waiting:
+                    del open_calls[cid]
+                else:
+                    orphans[cid] = orphans.get(cid, 0) + 1
+        return Pairs(open_calls, orphans)
+
+    def broken(self) -> Counter[str]:
+        return Counter(self.open_calls) + Counter(self.orphans)
 
 
 def violations(incoming: Sequence[dict[str, Any]], outgoing: Sequence[dict[str, Any]],
@@ -90,7 +105,8 @@ def violations(incoming: Sequence[dict[str, Any]], outgoing: Sequence[dict[str, 
 
 def violations_since(incoming: Sequence[dict[str, Any]], outgoing: Sequence[dict[str, Any]], start: int,
                      changed: Collection[int], folded: tuple[int, int] | None, fold_changed: bool,
-                     pinned: Collection[int] = (), fenced: Mapping[int, Sequence[Segment]] | None = None) -> list[str]:
+                     pinned: Collection[int] = (), fenced: Mapping[int, Sequence[Segment]] | None = None,
+                     span_pairs: Pairs | None = None) -> list[str]:
     """``violations`` of a projection that extends one already checked, in O(what changed): the messages before
     ``start`` are those of the checked projection (same incoming hashes, same outgoing messages) but for the
     ``changed`` ones (cut or folded away since); ``folded``: the span the one fold stub stands for, if any;
@@ -100,7 +116,8 @@ def violations_since(incoming: Sequence[dict[str, Any]], outgoing: Sequence[dict
     there; the fold stub where ``folded`` says (its count read from it), and the lengths that follow from it. A
     pair can be broken only by the fold (a compared message keeps its ids): the span is walked alone and, when
     its calls and results do not close within it, every pair of both lists is compared as there. A span that
-    closes on its own leaves the walk of the messages around it as it was (``tests/test_project.py``)."""
+    closes on its own leaves the walk of the messages around it as it was (``tests/test_project.py``).
+    ``span_pairs``: that walk of the span, if already made (``FoldSum.pairs``)."""
     begin, end = folded or (len(incoming), len(incoming))
     offset = end - begin - 1 if folded else 0
     if len(outgoing) != len(incoming) - offset or (folded and _folded_count(outgoing[begin]) != end - begin):
@@ -116,9 +133,11 @@ def violations_since(incoming: Sequence[dict[str, Any]], outgoing: Sequence[dict
         segments = (fenced or {}).get(i)
         problems += _compare(i, incoming[i], after, i in pinned) if segments is None else \
             _compare_fenced(i, incoming[i], after, segments)
-    if folded and fold_changed and broken_pairs(incoming[begin:end]):
-        extra = broken_pairs(outgoing) - broken_pairs(incoming)
-        problems += [f"tool call {cid} lost its pair" for cid in sorted(extra)]
+    if folded and fold_changed:
+        walked = span_pairs if span_pairs is not None else Pairs().extended(incoming[begin:end])
+        if walked.broken():
+            extra = broken_pairs(outgoing) - broken_pairs(incoming)
+            problems += [f"tool call {cid} lost its pair" for cid in sorted(extra)]
     return problems
 
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 import copy
 import hashlib
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
 from ctxproxy.proxy.core.budget import Budget
 from ctxproxy.proxy.core.decisions import Decision
 from ctxproxy.proxy.core.fenced import Preset
+from ctxproxy.proxy.core.invariants import Pairs
 from ctxproxy.proxy.core.segments import FencedResult
 
 __all__ = ["READ_OVERFLOW", "Counter", "FoldSum", "Rules", "State", "sha256_text"]
@@ -41,37 +42,57 @@ class Rules:
 
 @dataclass(frozen=True)
 class FoldSum:
-    """A fold body's sha256 and byte length so far: ``[`` then the canonical JSON of messages ``[start, end)``
-    joined by ``,`` (the closing ``]`` is added when a digest is taken). A fold that extends the last one hashes only
-    the messages it adds; re-serialising the whole span on every fold made the fold requests the slowest of a long
-    session. Never mutated (``extend`` hashes on a copy), so a copied ``State`` may share it."""
+    """What a fold of messages ``[start, end)`` needs to know of them, so far: its body's sha256 and byte length
+    (``[`` then their canonical JSON joined by ``,``; the closing ``]`` is added when a digest is taken), the sha256
+    of their identity hashes (the decision's ``message_hash``), what its stub says (how many messages of each role,
+    calls of each tool), and whether their calls and results pair up among themselves (``proxy.core.invariants``'s
+    walk). A fold that extends the last one hashes, tallies and walks only the messages it adds: doing it over the
+    whole span on every fold made the fold requests the slowest of a long session (issue #13). Never mutated
+    (``extend`` works on copies), so a copied ``State`` may share it."""
 
     start: int
     end: int
     digest: Any
-    """A ``hashlib.sha256`` object."""
+    """A ``hashlib.sha256`` object (the body's; ``identities`` the hashes')."""
     size: int
+    identities: Any = None
+    roles: Mapping[str, int] = field(default_factory=dict)
+    tools: Mapping[str, int] = field(default_factory=dict)
+    pairs: Pairs = field(default_factory=Pairs)
 
     @staticmethod
     def empty(start: int) -> FoldSum:
-        return FoldSum(start, start, hashlib.sha256(b"["), 1)
+        return FoldSum(start, start, hashlib.sha256(b"["), 1, hashlib.sha256())
 
-    def extend(self, bodies: Iterable[bytes]) -> FoldSum:
-        """This sum with ``bodies`` (the canonical JSON of the next messages, in order) appended."""
-        digest, size, end = self.digest.copy(), self.size, self.end
-        for body in bodies:
+    def extend(self, messages: Iterable[tuple[dict[str, Any], bytes, str]]) -> FoldSum:
+        """This sum with ``messages`` (the next ones, in order, each with its canonical JSON and identity hash)
+        appended."""
+        digest, identities, size, end = self.digest.copy(), self.identities.copy(), self.size, self.end
+        roles, tools, added = dict(self.roles), dict(self.tools), []
+        for message, body, identity in messages:
             if end > self.start:
                 digest.update(b",")
                 size += 1
             digest.update(body)
+            identities.update(identity.encode())
             size, end = size + len(body), end + 1
-        return FoldSum(self.start, end, digest, size)
+            role = str(message.get("role"))
+            roles[role] = roles.get(role, 0) + 1
+            for call in message.get("tool_calls") or ():
+                name = call.get("function", {}).get("name", "?")
+                tools[name] = tools.get(name, 0) + 1
+            added.append(message)
+        return FoldSum(self.start, end, digest, size, identities, roles, tools, self.pairs.extended(added))
 
     def closed(self) -> tuple[str, int]:
         """(sha256 hex, byte length) of the whole body, ``]`` included."""
         digest = self.digest.copy()
         digest.update(b"]")
         return digest.hexdigest(), self.size + 1
+
+    def message_hash(self) -> str:
+        """The sha256 of the span's identity hashes, joined: ``sha256_text("".join(hashes[start:end]))``."""
+        return str(self.identities.hexdigest())
 
 
 @dataclass

@@ -18,11 +18,11 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["STUB_LINE", "argument_stub", "elision_marker", "fold_stub", "full_output", "looks_binary", "parse_stub",
-           "program", "spill_stub", "stub_line"]
+__all__ = ["STUB_LINE", "argument_stub", "elision_marker", "fold_stub", "fold_stub_of", "full_output", "looks_binary",
+           "parse_stub", "program", "spill_stub", "stub_line"]
 
 _LINE = 100
 _ODD = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffd]")
@@ -117,9 +117,15 @@ def fold_stub(overflow_id: str, messages: Sequence[dict[str, Any]], nbytes: int,
               overflow_dir: str = "") -> str:
     roles = Counter(str(m.get("role")) for m in messages)
     tools = Counter(call.get("function", {}).get("name", "?") for m in messages for call in m.get("tool_calls") or [])
+    return fold_stub_of(overflow_id, len(messages), roles, tools, nbytes, storage, overflow_dir)
+
+
+def fold_stub_of(overflow_id: str, count: int, roles: Mapping[str, int], tools: Mapping[str, int], nbytes: int,
+                 storage: str, overflow_dir: str = "") -> str:
+    """``fold_stub`` of ``count`` messages, from their tallies: how many of each role, and calls of each tool."""
     used = ", ".join(f"{name} x{n}" for name, n in sorted(tools.items())) or "no tools"
     return "\n".join([
-        f"[folded id={overflow_id} messages={len(messages)} bytes={nbytes} storage={storage}]",
+        f"[folded id={overflow_id} messages={count} bytes={nbytes} storage={storage}]",
         f"Earlier history folded to fit the context window: {roles.get('assistant', 0)} assistant, "
         f"{roles.get('tool', 0)} tool and {roles.get('user', 0)} user messages ({used}). "
         + _intact(overflow_id, storage).replace("The original is", "The originals are"),

@@ -315,8 +315,10 @@ def _broken(messages: list[Any], p: Projection) -> bool:
     pinned = {i for i, mid in enumerate(state.ids) if mid in state.pins} if state.pins else set()
     fenced = {i: r.segments for i, r in state.fenced.items()}
     if p.report.reused and not state.hidden:  # it extends the session's last projection, checked then
+        run = state.fold_sum
+        pairs = run.pairs if run is not None and (run.start, run.end) == state.folded else None
         problems = violations_since(messages, p.messages, p.report.reused, state.touched, state.folded,
-                                    bool(p.report.folded), pinned, fenced)
+                                    bool(p.report.folded), pinned, fenced, pairs)
     else:
         problems = violations(messages, p.messages, pinned, fenced=fenced, hidden=frozenset(state.hidden))
     if problems:
