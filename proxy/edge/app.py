@@ -193,10 +193,13 @@ async def _trim_when_quiet(state: AppState) -> None:
 
 EDGE = "ctxproxy.proxy.edge"
 WARM = ("ctxproxy.proxy.edge.chat", "ctxproxy.proxy.edge.fronts.anthropic.front",
-        "ctxproxy.proxy.edge.fronts.anthropic.count", "ctxproxy.proxy.edge.fronts.responses.front")
+        "ctxproxy.proxy.edge.fronts.anthropic.count", "ctxproxy.proxy.edge.fronts.responses.front",
+        "anyio._backends._asyncio")
 """What the warm-up thread imports before it loads the tokenizer: the request engine (``proxy.edge.chat``,
-``proxy.engine``: 70 ms) and the fronts around it, which the server does not need to take connections. The upstream
-client (``proxy.upstream.transport``) is not among them: it is httptools, which uvicorn has loaded already."""
+``proxy.engine``: 70 ms) and the fronts around it, which the server does not need to take connections, and anyio's
+asyncio backend, which its first cancel scope imports (a chat's first: 5-8 ms on the first request of the
+600-round run). The upstream client (``proxy.upstream.transport``) is not among them: it is httptools, which
+uvicorn has loaded already."""
 
 
 def _engine_route(module: str, name: str) -> Callable[[Request], Awaitable[Response]]:
