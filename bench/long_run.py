@@ -61,6 +61,17 @@ from tests.workloads import conversation  # noqa: E402
 
 GPU_ENV = "CTXPROXY_GPU_MODEL"
 WINDOWS = (32768, 131072)
+WARM_UP = {"model": "bench",
+           "messages": [{"role": "user", "content": "A chat before the run, in a session of its own"}]}
+"""Sent to each proxy before the run, as a proxy that has been running would have served one: a process's first
+chat costs 2-3 ms more than the next (SQLite's statements prepared, the interpreter's first pass over the paths),
+which is the start's cost (``bench/footprint.py``: exec to the answer of a chat sent at ready), not the session's.
+Its session's rows are left out of everything read from the journal (``RUN_REQUESTS``)."""
+
+RUN_REQUESTS = ("SELECT id FROM requests WHERE session_id != (SELECT session_id FROM requests ORDER BY id LIMIT 1)"
+                " ORDER BY id")
+"""The run's requests in the journal: all but the warm-up's session (the first request's)."""
+
 NO_USAGE = json.dumps({k: v for k, v in json.loads(fake_upstream.COMPLETION).items() if k != "usage"},
                       separators=(",", ":")).encode()
 
@@ -150,6 +161,7 @@ def proxy_process(upstream_base: str, tmp: Path, window: int, source: Path) -> I
         latency._wait_ready(proc, f"http://127.0.0.1:{port}/healthz", log_path)
         httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=30)  # the upstream's connection
         harness.wait_warm(f"http://127.0.0.1:{port}")
+        httpx.post(f"http://127.0.0.1:{port}{latency.CHAT_PATH}", json=WARM_UP, timeout=30).raise_for_status()
         yield f"http://127.0.0.1:{port}", proc.pid, data
     finally:
         latency._stop(proc)
@@ -219,7 +231,7 @@ def request_kinds(journal: Path) -> list[str]:
     last message (the proxy's note to the model at the end: the context no longer fits by the automatic rules, so
     the mirror is on), ``rebuilt`` when it changed an earlier message; ``plain`` for none of these."""
     with contextlib.closing(sqlite3.connect(journal)) as db:
-        ids = [r[0] for r in db.execute("SELECT id FROM requests ORDER BY id")]
+        ids = [r[0] for r in db.execute(RUN_REQUESTS)]
         made: dict[int, set[str]] = {}
         for request_id, kind in db.execute("SELECT request_id, kind FROM decisions WHERE request_id IS NOT NULL"):
             made.setdefault(request_id, set()).add(kind)
@@ -245,7 +257,7 @@ def _neighbours(added: list[float], i: int, skip: set[int]) -> float:
 def fold_requests(journal: Path) -> list[int]:
     """The positions (in the run) of the requests whose projection folded."""
     with contextlib.closing(sqlite3.connect(journal)) as db:
-        ids = [r[0] for r in db.execute("SELECT id FROM requests ORDER BY id")]
+        ids = [r[0] for r in db.execute(RUN_REQUESTS)]
         folded = {r[0] for r in db.execute("SELECT request_id FROM decisions WHERE kind = 'fold'")}
     return [i for i, request_id in enumerate(ids) if request_id in folded]
 
@@ -287,7 +299,7 @@ def trace(journal: Path) -> list[dict[str, int]]:
     with contextlib.closing(sqlite3.connect(journal)) as db:
         chars = dict(db.execute("SELECT hash, chars FROM blobs WHERE kind = 'message'"))
         rows = db.execute("SELECT f.list_id, b.body FROM forwards f JOIN blobs b ON b.hash = f.params_hash"
-                          " ORDER BY f.request_id, f.attempt").fetchall()
+                          f" WHERE f.request_id IN ({RUN_REQUESTS}) ORDER BY f.request_id, f.attempt").fetchall()
         lists = {lid: _hashes(db, lid) for lid in {r[0] for r in rows}}
     out, previous, previous_tools = [], [], None
     for list_id, params in rows:
