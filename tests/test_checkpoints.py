@@ -11,8 +11,14 @@ from pathlib import Path
 import pytest
 
 from ctxproxy.store import Journal, JournalWriter, MemoryJournal
-from ctxproxy.store.checkpoints import (BACKSTOP_PAGES, PACE_PAGES, SHORTEST_WAIT, Checkpointer, checkpoint_backstop,
-                                       next_wait)
+from ctxproxy.store.checkpoints import (
+    BACKSTOP_PAGES,
+    PACE_PAGES,
+    SHORTEST_WAIT,
+    Checkpointer,
+    checkpoint_backstop,
+    next_wait,
+)
 from tests.test_journal import incoming, record
 
 PAGE = 4096

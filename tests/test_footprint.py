@@ -70,7 +70,8 @@ def test_the_warmup_loads_the_first_chat_s_cancel_scope_and_leaves_the_start_out
     code = ("import gc, sys\nfrom ctxproxy.proxy.edge.app import WARM, create_app\n"
             "from ctxproxy.proxy.engine.state import Warmup\n"
             "print(gc.get_freeze_count(), 'anyio._backends._asyncio' in sys.modules)\n"
-            "Warmup.start(WARM).counter\nprint(gc.get_freeze_count() > 10_000, 'anyio._backends._asyncio' in sys.modules)")
+            "Warmup.start(WARM).counter\n"
+            "print(gc.get_freeze_count() > 10_000, 'anyio._backends._asyncio' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
                           check=True)
     assert done.stdout.split() == ["0", "False", "True", "True"]
