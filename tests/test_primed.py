@@ -11,7 +11,7 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from ctxproxy.proxy.core import cuts
+from ctxproxy.proxy.core import cuts, folds
 from ctxproxy.proxy.core.decisions import Decision
 from ctxproxy.proxy.core.identity import message_hash
 from ctxproxy.proxy.core.project import Projection, project
@@ -156,12 +156,12 @@ def test_a_marker_is_kept_for_its_own_call_and_storage_only() -> None:
 
 
 def _checked_spans(seen: list[int]) -> Any:
-    """``cuts._fold_spans``, asserting each time that its spans are the whole walk's."""
-    real = cuts._fold_spans
+    """``folds._fold_spans``, asserting each time that its spans are the whole walk's."""
+    real = folds._fold_spans
 
     def spans(state: State, messages: Any, start: int, paired: bool) -> list[tuple[int, int]]:
         got = real(state, messages, start, paired)
-        assert got == cuts.rounds(messages, start, state.fenced if paired else ())
+        assert got == folds.rounds(messages, start, state.fenced if paired else ())
         seen.append(len(got))
         return got
     return spans
@@ -177,7 +177,7 @@ def test_a_fold_pass_walks_on_from_the_rounds_the_last_one_found(case: tuple[lis
     ids = project(msgs, [message_hash(m) for m in msgs], [], rules, CharCounter()).state.ids
     pins = [Decision("pin", ids[i], source="operator") for i in sorted(pinned)]
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(cuts, "_fold_spans", _checked_spans([]))
+        patch.setattr(folds, "_fold_spans", _checked_spans([]))
         _session(msgs, rules, pins, True)
 
 
@@ -185,7 +185,7 @@ def test_text_protocol_rounds_are_walked_on_as_they_pair() -> None:
     seen: list[int] = []
     msgs = fenced_history([f"out {k}\n" + "f" * 2500 for k in range(40)])
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(cuts, "_fold_spans", _checked_spans(seen))
+        patch.setattr(folds, "_fold_spans", _checked_spans(seen))
         _session(msgs, fenced_rules(4096), [], True)
         unanswered = history(["u" * 2500] * 30)
         unanswered.insert(5, {"role": "assistant", "content": "never answered", "tool_calls": [
@@ -216,8 +216,8 @@ def test_rounds_walked_on_from_an_earlier_history_are_the_whole_walks(
     for end in [*sorted(c for c in cuts_at if c <= len(messages)), len(messages)]:
         # the results messages the state knows of: those ingested so far, as in a projection
         state.fenced = {i: None for i in fenced if i < end and messages[i]["role"] == "user"}  # type: ignore[misc]
-        got = cuts._fold_spans(state, messages[:end], 0, paired)
-        assert got == cuts.rounds(messages[:end], 0, state.fenced if paired else ())
+        got = folds._fold_spans(state, messages[:end], 0, paired)
+        assert got == folds.rounds(messages[:end], 0, state.fenced if paired else ())
 
 
 def test_a_full_marker_cache_starts_again_and_gives_the_same_markers() -> None:

@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from ctxproxy.config import load_settings
 from ctxproxy.proxy.core import cuts
 from ctxproxy.proxy.core.budget import Budget
-from ctxproxy.proxy.core.cuts import fold_body
 from ctxproxy.proxy.core.decisions import Decision
+from ctxproxy.proxy.core.folds import fold_body
 from ctxproxy.proxy.core.identity import message_hash
 from ctxproxy.proxy.core.invariants import broken_pairs, violations
 from ctxproxy.proxy.core.project import Projection, project

@@ -5,8 +5,8 @@ in place of what was cut, ``invariants`` the checks of DESIGN.md §6, ``tokens``
 """
 
 from ctxproxy.proxy.core.budget import Budget, Limits
-from ctxproxy.proxy.core.cuts import fold_body
 from ctxproxy.proxy.core.decisions import Decision, OverflowWrite
+from ctxproxy.proxy.core.folds import fold_body
 from ctxproxy.proxy.core.identity import canonical_json, content_hash, fingerprint, message_hash, message_ids
 from ctxproxy.proxy.core.invariants import broken_pairs, violations, violations_since
 from ctxproxy.proxy.core.project import Projection, Report, project

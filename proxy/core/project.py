@@ -3,8 +3,8 @@
 ``project(messages, hashes, decisions, rules, counter, previous)`` re-applies every earlier decision (keyed by
 message identity, never by position), spills an oversized or binary tool result when it first arrives, and when
 the estimate (× the calibrated ratio k) is over the budget, elides the oldest tool results down to the target, or
-as a last resort folds the oldest rounds (``proxy.core.cuts``). It returns the outgoing messages, the new
-decisions and the bodies that must reach the overflow store before anything is forwarded.
+as a last resort folds the oldest rounds (``proxy.core.cuts``, ``proxy.core.folds``). It returns the outgoing
+messages, the new decisions and the bodies that must reach the overflow store before anything is forwarded.
 
 Cost follows the new messages, not the history: ``previous`` is the state the last projection of the session
 left. When the history extends it (same hashes in front) and no decision arrived from elsewhere, only the new
@@ -22,9 +22,10 @@ from typing import Any, cast
 
 from ctxproxy.proxy.core.arguments import args_target, with_arguments
 from ctxproxy.proxy.core.budget import MIN_CUT_CHARS, Budget
-from ctxproxy.proxy.core.cuts import apply_fold, apply_hides, elide, fold, prime
+from ctxproxy.proxy.core.cuts import elide, prime
 from ctxproxy.proxy.core.decisions import CUTS, Decision, OverflowWrite
 from ctxproxy.proxy.core.fenced import text_of
+from ctxproxy.proxy.core.folds import apply_fold, apply_hides, fold
 from ctxproxy.proxy.core.identity import identity_base, next_identity
 from ctxproxy.proxy.core.identity import message_hash as _hash
 from ctxproxy.proxy.core.resize import recut

@@ -144,7 +144,7 @@ class State:
     """How many of the session's decisions this state reflects (the log only grows)."""
     spans: tuple[int, bool, list[tuple[int, int]], int] | None = None
     """The fold's rounds as the last pass found them: (start, paired, spans, how many of them no later message can
-    change), for the next pass to walk on from there (``proxy.core.cuts._fold_spans``)."""
+    change), for the next pass to walk on from there (``proxy.core.folds._fold_spans``)."""
     primed: int = 0
     """How far (a position in ``tool_indices``) the markers of the next elisions were counted ahead
     (``proxy.core.cuts.prime``): only the counter's cache holds them."""

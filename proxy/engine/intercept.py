@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from ctxproxy.proxy.core import project
-from ctxproxy.proxy.core.cuts import hide_decision, rounds
+from ctxproxy.proxy.core.folds import hide_decision, rounds
 from ctxproxy.proxy.core.state import Rules
 from ctxproxy.proxy.engine.context import SessionContext
 from ctxproxy.proxy.engine.heavy import is_large
