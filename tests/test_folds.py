@@ -13,11 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from ctxproxy.config import load_settings
-from ctxproxy.proxy.core import Rules, canonical_json, fold_body, message_hash, project
+from ctxproxy.proxy.core import Rules, canonical_json, fold_body, folds, message_hash, project
 from ctxproxy.proxy.core.invariants import broken_pairs
 from ctxproxy.proxy.core.state import FoldSum, sha256_text
 from ctxproxy.proxy.core.stubs import fold_stub, fold_stub_of
@@ -25,7 +26,7 @@ from ctxproxy.store import Journal, OverflowBody
 from ctxproxy.store.journal import IncomingRequest
 from tests.conftest import app_client
 from tests.fakes import FakeUpstream, Reply, completion, tool_answer
-from tests.test_project import CharCounter, budget, history
+from tests.test_project import CharCounter, budget, history, prefixes
 
 _FOLD = re.compile(r"^\[folded id=([0-9a-f]{64}) messages=(\d+) bytes=(\d+) ")
 
@@ -204,3 +205,33 @@ def test_a_fold_sum_grown_in_steps_knows_what_one_walk_over_its_span_finds(messa
     assert run.pairs.broken() == broken_pairs(messages)
     assert fold_stub_of("f" * 64, len(messages), run.roles, run.tools, 9, "disk") == fold_stub("f" * 64, messages, 9,
                                                                                                "disk")
+
+
+def _folded_session(sizes: list[int], window: int) -> tuple[list[Any], list[list[Any]]]:
+    """A session's decisions, and each request's projected messages."""
+    rules = Rules(budget(window))
+    decisions: list[Any] = []
+    sent, state = [], None
+    for messages in prefixes(history([f"{k} " + "r" * n for k, n in enumerate(sizes)])):
+        p = project(messages, [message_hash(m) for m in messages], decisions, rules, CharCounter(), state)
+        decisions += p.new
+        state, _ = p.state, sent.append(p.messages)
+    return decisions, sent
+
+
+@given(st.lists(st.integers(200, 3000), min_size=12, max_size=40), st.sampled_from([4096, 8192]))
+def test_a_fold_pass_that_walks_on_from_the_standing_fold_decides_what_a_walk_from_the_start_does(
+        sizes: list[int], window: int) -> None:
+    """Each fold after the first extends the standing one: its walk starts after it, its messages' counts taken
+    off at once (``folds._past_last_fold``), and decides the same folds, with the same stubs, as the walk over
+    every span from the first."""
+    walked_on = _folded_session(sizes, window)
+    with pytest.MonkeyPatch.context() as from_the_start:
+        from_the_start.setattr(folds, "_past_last_fold", lambda state, spans, start: (0, start, state.total))
+        assert _folded_session(sizes, window) == walked_on
+
+
+def test_the_sessions_above_fold_more_than_once() -> None:
+    """The property above reaches the walk on from a standing fold: this one folds four times or more."""
+    decisions, _ = _folded_session([1500] * 40, 4096)
+    assert sum(d.kind == "fold" for d in decisions) >= 4
