@@ -64,7 +64,7 @@ def test_the_text_protocols_patterns_are_compiled_by_the_warmup_not_by_importing
 
 
 def test_the_warmup_loads_the_first_chat_s_cancel_scope_and_leaves_the_start_out_of_full_collections() -> None:
-    """anyio's asyncio backend, which a chat's first cancel scope imported (5-8 ms on the first request's path), is
+    """anyio's asyncio backend, which the first cancel scope imported (8 ms of the first chat in process), is
     the warm-up's; and what the start made is frozen (``gc.freeze``): full collections walked its ~69 000 objects,
     10-12 ms on some request's path once or twice in a 600-round run."""
     code = ("import gc, sys\nfrom ctxproxy.proxy.edge.app import WARM, create_app\n"

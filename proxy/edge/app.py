@@ -197,9 +197,9 @@ WARM = ("ctxproxy.proxy.edge.chat", "ctxproxy.proxy.edge.fronts.anthropic.front"
         "anyio._backends._asyncio")
 """What the warm-up thread imports before it loads the tokenizer: the request engine (``proxy.edge.chat``,
 ``proxy.engine``: 70 ms) and the fronts around it, which the server does not need to take connections, and anyio's
-asyncio backend, which its first cancel scope imports (a chat's first: 5-8 ms on the first request of the
-600-round run). The upstream client (``proxy.upstream.transport``) is not among them: it is httptools, which
-uvicorn has loaded already."""
+asyncio backend, which the first cancel scope or Starlette route imports on the loop (8 ms of the first chat
+in process; on a server, whichever request comes first). The upstream client (``proxy.upstream.transport``) is not
+among them: it is httptools, which uvicorn has loaded already."""
 
 
 def _engine_route(module: str, name: str) -> Callable[[Request], Awaitable[Response]]:
