@@ -9,6 +9,7 @@ How much is protected is the caller's choice (``keep_results``, ``newest``): ``p
 configured protection, then, only if the request still cannot fit, squeezes with everything but the newest
 result and round — losing the newer results (restorably) is better than a request the model cannot read.
 """
+
 from __future__ import annotations
 
 import json

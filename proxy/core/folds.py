@@ -95,7 +95,7 @@ def fold(state: State, messages: Sequence[dict[str, Any]], rules: Rules, counter
     for i, j in spans[first: max(first, len(spans) - newest)]:
         if rules.scaled(total + rules.tools_tokens + _FOLD_STUB_TOKENS) <= rules.budget.target and end > start:
             break
-        if state.pins and any(state.ids[x] in state.pins for x in range(i, j)):
+        if _pinned_in(state, i, j):
             break
         total -= sum(state.counts[i:j])
         end = j
@@ -119,10 +119,14 @@ def _past_last_fold(state: State, spans: Sequence[tuple[int, int]], start: int) 
         return 0, start, state.total
     folded_end = state.folded[1]
     k = bisect_left(spans, (folded_end,))
-    if k == len(spans) or spans[k][0] != folded_end or (state.pins and any(
-            state.ids[x] in state.pins for x in range(start, folded_end))):
+    if k == len(spans) or spans[k][0] != folded_end or _pinned_in(state, start, folded_end):
         return 0, start, state.total
     return k, folded_end, state.total - sum(state.counts[start:folded_end])
+
+
+def _pinned_in(state: State, start: int, end: int) -> bool:
+    """Whether a message of ``[start, end)`` is pinned (never folded or hidden)."""
+    return bool(state.pins) and any(state.ids[i] in state.pins for i in range(start, end))
 
 
 def _fold_decision(state: State, messages: Sequence[dict[str, Any]], start: int, end: int,
@@ -157,7 +161,7 @@ def apply_fold(state: State, decision: Decision, messages: Sequence[dict[str, An
     start = state.ids.index(decision.target) if decision.target in state.ids else -1
     end = start + decision.count
     if start < 0 or end > len(state.ids) or _digest(state.hashes[start:end]) != decision.message_hash \
-            or any(state.ids[i] in state.pins for i in range(start, end)):
+            or _pinned_in(state, start, end):
         state.fold = None
         return
     _put_fold(state, start, end, decision, counter)
@@ -184,7 +188,7 @@ def apply_hides(state: State, counter: Counter) -> None:
         start = state.ids.index(decision.target) if decision.target in state.ids else -1
         end = start + decision.count
         if start < 0 or end > len(state.ids) or _digest(state.hashes[start:end]) != decision.message_hash \
-                or any(state.ids[i] in state.pins for i in range(start, end)):
+                or _pinned_in(state, start, end):
             continue
         for i in range(start, end):
             if state.out[i] is not None:

@@ -55,7 +55,7 @@ class FoldSum:
     digest: Any
     """A ``hashlib.sha256`` object (the body's; ``identities`` the hashes')."""
     size: int
-    identities: Any = None
+    identities: Any
     roles: Mapping[str, int] = field(default_factory=dict)
     tools: Mapping[str, int] = field(default_factory=dict)
     pairs: Pairs = field(default_factory=Pairs)
