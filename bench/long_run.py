@@ -112,15 +112,18 @@ def bodies(rounds: int) -> list[bytes]:
     return [orjson.dumps(body) for body in harness.requests_of(conversation(rounds=rounds))]
 
 
-def replay(direct: str, proxies: list[tuple[str, int]],
+def replay(directs: list[str], proxies: list[tuple[str, int]],
            requests: list[bytes]) -> tuple[list[list[int]], list[list[int]]]:
-    """Per request, [direct ns, then each proxy's ns]: the same body to each, in an order that rotates; and per
-    request, each proxy's CPU ns (all its threads) from just before the request to just before the next one, so
-    what a request leaves to do after its answer (a journal write, a collection, a trim) counts too."""
-    clients = [httpx.Client(base_url=url, timeout=600) for url in (direct, *(url for url, _ in proxies))]
+    """Per request, [each direct ns, then each proxy's ns]: the same body to each, in an order that rotates; and
+    per request, each proxy's CPU ns (all its threads) from just before the request to just before the next one,
+    so what a request leaves to do after its answer (a journal write, a collection, a trim) counts too."""
+    clients = [httpx.Client(base_url=url, timeout=600) for url in (*directs, *(url for url, _ in proxies))]
     pids = [pid for _, pid in proxies]
-    rows, cpu, before = [], [], [cpu_ns(pid) for pid in pids]
+    rows, cpu, before = [], [], []
     try:
+        for client in clients:
+            open_wide(client, max(map(len, requests)))
+        before = [cpu_ns(pid) for pid in pids]
         for i, body in enumerate(requests):
             times = [0] * len(clients)
             for k in range(len(clients)):
@@ -134,6 +137,22 @@ def replay(direct: str, proxies: list[tuple[str, int]],
         for client in clients:
             client.close()
     return rows, cpu
+
+
+def open_wide(client: httpx.Client, size: int) -> int:
+    """One untimed request of ``size`` bytes on the client's connection before the run, which every target reads
+    whole: the upstream answers it, a proxy refuses it (its messages are not a list), nothing is journaled.
+
+    Why: the first body on a kept-alive connection larger than any before it waited for the connection's buffers
+    to grow. The upstream's took ~4 ms more for each new largest body from ~5.2 MB on (3.7 → 7.0 ms at 5.2 MB, 4.2
+    → 8.0 at 6.1 MB, a run of 200 growing bodies; sent in reverse after, or after one 6.5 MB body, no step), and
+    the run's bodies grow every request, so the direct times of its last fifth doubled and their added latency
+    fell to ~1 ms: a fifth of the run far below the median, the median pulled down with it."""
+    filler = b'{"model":"bench","messages":"' + b"x" * max(0, size - 32) + b'"}'
+    status = client.post(latency.CHAT_PATH, content=filler, headers=latency.HEADERS).status_code
+    if status not in (200, 400):
+        raise RuntimeError(f"the request that opens the connection wide was answered {status}")
+    return status
 
 
 def cpu_ns(pid: int) -> int:
@@ -167,31 +186,60 @@ def proxy_process(upstream_base: str, tmp: Path, window: int, source: Path) -> I
         latency._stop(proc)
 
 
-def run_window(window: int, requests: list[bytes], tmp: Path, sources: list[Path],
-               keep: Path | None = None) -> list[dict[str, Any]]:
-    """One run per source, side by side: each request goes direct and to every source's proxy in turn."""
+def run_window(window: int, requests: list[bytes], tmp: Path, sources: list[Path], keep: Path | None = None,
+               twins: bool = False) -> list[dict[str, Any]]:
+    """One run per source, side by side: each request goes direct and to every source's proxy in turn. ``twins``:
+    two proxies of each source and two direct sends of each request (``twin_runs``)."""
     history = len(orjson.dumps(orjson.loads(requests[-1])["messages"]))
+    copies = 2 if twins else 1
     with upstream(tmp) as base, contextlib.ExitStack() as stack:
-        proxies = [stack.enter_context(proxy_process(base, tmp, window, source)) for source in sources]
+        proxies = [stack.enter_context(proxy_process(base, tmp, window, source))
+                   for source in sources for _ in range(copies)]
         idle = [harness.rss_mb(pid, "VmRSS") for _, pid, _ in proxies]
         started = time.monotonic()
-        rows, cpu = replay(base, [(url, pid) for url, pid, _ in proxies], requests)
+        rows, cpu = replay([base] * copies, [(url, pid) for url, pid, _ in proxies], requests)
         seconds = time.monotonic() - started
         after = [harness.rss_mb(pid, "VmRSS") for _, pid, _ in proxies]
+    direct = [min(row[:copies]) for row in rows]
     runs = []
-    for k, (source, (_, _, data)) in enumerate(zip(sources, proxies, strict=True)):
-        added = [(row[k + 1] - row[0]) / 1e6 for row in rows]
+    for k, (source, (_, _, data)) in enumerate(zip([s for s in sources for _ in range(copies)], proxies,
+                                                  strict=True)):
+        added = [(row[copies + k] - d) / 1e6 for row, d in zip(rows, direct, strict=True)]
         if keep is not None:
             keep.mkdir(parents=True, exist_ok=True)
             for suffix in ("", "-wal"):
                 if (data / f"journal.db{suffix}").exists():
-                    shutil.copy(data / f"journal.db{suffix}", keep / f"{source.name}-{window}.db{suffix}")
+                    shutil.copy(data / f"journal.db{suffix}", keep / f"{source.name}-{window}-{k}.db{suffix}")
         runs.append({"source": str(source), "window": window, "requests": len(requests), "seconds": round(seconds, 1),
                      **added_latency(added, fold_requests(data / "journal.db")), **journal_size(data, history),
                      **spread(added, [c[k] / 1e6 for c in cpu], request_kinds(data / "journal.db")),
                      "idle_rss_mb": round(idle[k], 1), "after_rss_mb": round(after[k], 1),
                      "rss_growth_mb": round(after[k] - idle[k], 1), "trace": trace(data / "journal.db")})
     return runs
+
+
+def twin_runs(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each source's two runs of ``--twins`` (same tree, same requests, side by side) as one: a request's own
+    cost is the less of its two added latencies, each against the less of its two direct times.
+
+    Why: on a machine of two cores shared by the bench's client, the upstream and the proxies, a request waits
+    now and then for a core, and a wait only adds time. Two proxies of the same tree do the same work for each
+    request, so what both took long for is the proxy's own; what one of them alone did is the machine's (in one
+    such run at 32k only 2 of the ~20 requests over twice the median were over in both)."""
+    out = []
+    for first, second in zip(runs[::2], runs[1::2], strict=True):
+        own = [min(a, b) for a, b in zip(first["added_ms"], second["added_ms"], strict=True)]
+        median = statistics.median(own)
+        slow = [i for i, x in enumerate(own) if x > 2 * median]
+        by_kind: dict[str, int] = {}
+        for i in slow:
+            by_kind[first["kinds"][i]] = by_kind.get(first["kinds"][i], 0) + 1
+        both = [i for i in range(len(own)) if all(r["added_ms"][i] > 2 * r["added_median_ms"] for r in (first, second))]
+        out.append({"source": first["source"], "window": first["window"], "own_median_ms": round(median, 2),
+                    "own_max_ms": round(max(own), 2), "own_over_2x_median": len(slow), "own_slow": slow[:20],
+                    "own_slow_ms": [round(own[i], 2) for i in slow[:20]], "own_slow_by_kind": by_kind,
+                    "over_2x_each": [first["over_2x_median"], second["over_2x_median"]], "over_2x_both": len(both)})
+    return out
 
 
 def added_latency(added: list[float], folds: list[int]) -> dict[str, Any]:
@@ -364,6 +412,8 @@ def markdown(report: dict[str, Any]) -> str:
               + ", ".join(f"{k} {n}" for k, n in sorted(r["slow_by_kind"].items(), key=lambda kv: -kv[1])) + " |"
               for r in report["runs"]]
     lines += ["", *by_kind(report["runs"])]
+    if report.get("twins"):
+        lines += ["", *twins_table(report["twins"])]
     if report.get("breakdown"):
         runs = report["runs"]
         keys = list(dict.fromkeys(k for r in runs for k in r["breakdown"]))
@@ -371,6 +421,18 @@ def markdown(report: dict[str, Any]) -> str:
             f"{Path(r['source']).name} {r['window'] // 1024}k" for r in runs) + " |", "|---|" + "---:|" * len(runs)]
         lines += [f"| {k} | " + " | ".join(f"{r['breakdown'].get(k, 0) / 1e6:.2f}" for r in runs) + " |" for k in keys]
     return "\n".join(lines)
+
+
+def twins_table(twins: list[dict[str, Any]]) -> list[str]:
+    lines = ["| source | window | own added (the less of twins), median / max (ms) | > 2× median: each twin / both |"
+             " own > 2× own median | of them, by kind (ms) |", "|---|---|---|---|---|---|"]
+    for t in twins:
+        slow = ", ".join(f"{i} {ms}" for i, ms in zip(t["own_slow"], t["own_slow_ms"], strict=True))
+        kinds = ", ".join(f"{k} {n}" for k, n in sorted(t["own_slow_by_kind"].items(), key=lambda kv: -kv[1]))
+        lines.append(f"| {Path(t['source']).name} | {t['window'] // 1024}k | {t['own_median_ms']} / {t['own_max_ms']} |"
+                     f" {' / '.join(map(str, t['over_2x_each']))} / {t['over_2x_both']} | {t['own_over_2x_median']} |"
+                     f" {kinds}{'; ' + slow if slow else ''} |")
+    return lines
 
 
 def by_kind(runs: list[dict[str, Any]]) -> list[str]:
@@ -403,6 +465,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--breakdown", action="store_true", help="with --markdown: the journal's bytes by table")
     parser.add_argument("--keep", type=Path, help="copy each run's journal here (SOURCE-WINDOW.db), for "
                         "bench/journal_reads.py")
+    parser.add_argument("--twins", action="store_true", help="run each source twice side by side, and each request "
+                        "direct twice: a request's own cost is the less of the two (twin_runs)")
     parser.add_argument("--serve-upstream", type=int, help=argparse.SUPPRESS)
     return parser
 
@@ -421,12 +485,14 @@ def main(argv: list[str] | None = None) -> int:
         for window in (int(w) for w in args.windows.split(",")):
             folder = Path(tmp) / str(window)
             folder.mkdir()
-            for run in run_window(window, requests, folder, [p.resolve() for p in args.source or [ROOT]], args.keep):
+            for run in run_window(window, requests, folder, [p.resolve() for p in args.source or [ROOT]], args.keep,
+                                  args.twins):
                 run["gpu"] = gpu_seconds(args.gpu_model, run.pop("trace"), folder)
                 runs.append(run)
             print(f"  {window}: {len(requests)} requests in {runs[-1]['seconds']} s", file=sys.stderr)
     report = {"command": " ".join(["bench/long_run.py", *(argv if argv is not None else sys.argv[1:])]),
-              "rounds": args.rounds, "gpu_note": note, "runs": runs, "breakdown": args.breakdown}
+              "rounds": args.rounds, "gpu_note": note, "runs": runs, "breakdown": args.breakdown,
+              "twins": twin_runs(runs) if args.twins else []}
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
     print(markdown(report) if args.markdown else json.dumps({**report, "runs": [

@@ -4,12 +4,20 @@ proxy's own CPU for it, so a request over twice the median is told apart as the 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
+import sqlite3
 import sys
 import time
 from pathlib import Path
 from types import ModuleType
+
+import httpx
+
+from ctxproxy.config import load_settings
+from tests.conftest import app_client
+from tests.fakes import FakeUpstream
 
 from tests.test_mirror_writes import _body, _send
 
@@ -61,3 +69,26 @@ def test_the_requests_of_each_kind_are_told_with_their_cpu_and_their_own_outlier
            "added_ms": [1.0, 6.0, 3.0, 8.0], "cpu_ms": [1.0, 5.0, 2.0, 3.0]}
     lines = _long_run().by_kind([run])
     assert lines[2:] == ["| tree | 32k | plain | 2 | 2.00 | 1.50 | 0 |", "| tree | 32k | fold | 2 | 7.00 | 4.00 | 1 |"]
+
+
+def test_twins_keep_what_both_took_long_for_as_the_proxy_s_own() -> None:
+    """Request 3 was slow in both runs of the tree (the proxy's work), request 4 in one only (a wait): the less of
+    the two is each request's own cost, and only request 3 is over twice its median."""
+    first = {"source": "/tmp/tree", "window": 32768, "added_ms": [1.0, 1.0, 1.0, 6.0, 7.0, 1.0],
+             "added_median_ms": 1.0, "over_2x_median": 2, "kinds": ["plain", "plain", "spill", "fold", "plain", "plain"]}
+    second = {**first, "added_ms": [1.2, 0.9, 1.1, 5.0, 1.0, 1.0], "over_2x_median": 1}
+    [twin] = _long_run().twin_runs([first, second])
+    assert twin["own_slow"] == [3] and twin["own_slow_ms"] == [5.0] and twin["own_slow_by_kind"] == {"fold": 1}
+    assert twin["over_2x_each"] == [2, 1] and twin["over_2x_both"] == 1 and twin["own_median_ms"] == 1.0
+
+
+def test_the_wide_opening_request_is_refused_by_the_proxy_and_journals_nothing(tmp_path: Path) -> None:
+    """``open_wide``'s body is read whole by the proxy and refused (its messages are not a list): no request row, so
+    the run's session is the journal's first but the warm-up's."""
+    fake = FakeUpstream()
+    settings = load_settings(env={"CTXPROXY_UPSTREAM": "http://u.test/v1", "CTXPROXY_DATA_DIR": str(tmp_path)})
+    with app_client(settings, httpx.ASGITransport(app=fake)) as client:
+        assert _long_run().open_wide(client, 200_000) == 400
+    with contextlib.closing(sqlite3.connect(tmp_path / "journal.db")) as db:
+        assert db.execute("SELECT COUNT(*) FROM requests").fetchone()[0] == 0
+    assert fake.chats == []
