@@ -118,3 +118,33 @@ def test_an_elision_and_a_fold_count_what_they_took_out() -> None:
         assert counted.tokens_in == counted.tokens_out + sum(counted.freed.values())
         assert counted.tokens_in == MessageCounter().count_tools(None) + sum(
             MessageCounter().count(m) for m in messages)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.integers(1, 300), min_size=2, max_size=40), st.lists(st.booleans(), min_size=40, max_size=40),
+       st.integers(0, 2))
+def test_a_tally_taken_on_from_the_last_one_is_the_one_counted_from_the_start(
+        sizes: list[int], finished: list[bool], pick: int) -> None:
+    """A session's tally walks only what changed since its last one (``counting``'s ``last``): request after
+    request of a session that spills, elides and folds, whether the last tally's originals were counted by then or
+    not, it comes out as the tally walked from the first message. It fails if the cuts standing from the last
+    tally are dropped, or counted twice, or a settled original is taken for one not known."""
+    rules, counter = Rules(budget((2048, 4096, 8192)[pick], spill_chars=600)), MessageCounter()
+    decisions: list[Any] = []
+    state, last, seen, kinds = None, None, 0, set()
+    for n in range(1, len(sizes) + 1):
+        messages = history([f"output line {k} " * size for k, size in enumerate(sizes[:n])])
+        hashes = [message_hash(m) for m in messages]
+        p = project(messages, hashes, list(decisions), rules, counter, state, seen)
+        decisions += p.new
+        kinds |= {d.kind for d in p.new}
+        state, seen, t = p.state, len(messages), taken(p)
+        walked_on = counting(t, messages, hashes, counter, p.report.estimate, 0, last)
+        from_start = counting(t, messages, hashes, counter, p.report.estimate, 0)
+        assert walked_on.cut == from_start.cut and walked_on.stubs == from_start.stubs
+        if finished[n - 1]:  # the last tally counted its originals (a thread, after its answer) before this request
+            assert walked_on.finish(counter) == from_start.finish(counter)
+        else:
+            assert from_start.finish(MessageCounter()) == walked_on.finish(MessageCounter())
+        last = walked_on
+    assert "spill" in kinds or max(sizes) * len("output line 0 ") <= 600  # the rules did cut

@@ -30,6 +30,7 @@ from ctxproxy.proxy.core.identity import content_text
 from ctxproxy.proxy.core.project import absorbed_state
 from ctxproxy.proxy.core.tokens import Calibration
 from ctxproxy.proxy.engine.heavy import heavy_journaling
+from ctxproxy.proxy.engine.tally import Counting
 from ctxproxy.store import (
     CalibrationInForce,
     ForwardRecord,
@@ -88,6 +89,8 @@ class SessionContext:
     """The working state as last journaled (or read back): a request that leaves it as it was writes nothing."""
     claimed: int | None = field(default=None, compare=False)
     """The request of this process that last held the session's lock with this context (``store.claims``)."""
+    tallied: Counting | None = field(default=None, compare=False, repr=False)
+    """The session's last tally (``proxy.engine.tally.counting``): the next one walks only what changed since."""
     absorbs: tuple[str, int] | None = field(default=None, compare=False)
     """(ancestor, n): its decisions are that ancestor's first n, none its own (``SessionContexts.absorbed``)."""
 

@@ -107,7 +107,7 @@ async def plan_forward(app: AppState, writer: JournalWriter, ctx: SessionContext
         await write_outfiles(shaped.rules.overflow_dir, _outfile_bodies(shaped.rules, p, incoming.bodies))
     ctx.decisions += p.new
     app.metrics.decided([d.kind for d in p.new], {})  # what they freed: once the tally is counted
-    tallied = functools.partial(_tallied, app, shaped.taken, cast(list[dict[str, Any]], ask.body["messages"]),
+    tallied = functools.partial(_tallied, app, ctx, shaped.taken, cast(list[dict[str, Any]], ask.body["messages"]),
                                 incoming.hashes, shaped.estimate, shaped.budgeted)
     ctx.state, ctx.ingest = p.state, _ingest_key(shaped.rules)
     ctx.sent_list = (list_id, shaped.hashes)
@@ -115,13 +115,13 @@ async def plan_forward(app: AppState, writer: JournalWriter, ctx: SessionContext
                 shaped.taken.cuts, deferred)
 
 
-def _tallied(app: AppState, t: Taken, messages: list[dict[str, Any]], hashes: Sequence[str], sent: int,
-             budgeted: int) -> Tally | asyncio.Future[Tally]:
+def _tallied(app: AppState, ctx: SessionContext, t: Taken, messages: list[dict[str, Any]], hashes: Sequence[str],
+             sent: int, budgeted: int) -> Tally | asyncio.Future[Tally]:
     """The forward's tally, called by the request's log line (``Exchange``), once the answer has left: at once when
     the counter knew every original it cut; else a future of the rest counted on a thread (tiktoken lets go of the
     GIL: a 16 KB result spilled as it came takes 4 ms). The metrics count what the new cuts freed once it is
     known, and a request that ends before that still has it counted."""
-    count = counting(t, messages, hashes, app.counter, sent, budgeted)
+    count = ctx.tallied = counting(t, messages, hashes, app.counter, sent, budgeted, ctx.tallied)
     if count.complete:
         known = count.finish(app.counter)
         app.metrics.decided((), known.freed)

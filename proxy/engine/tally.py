@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from ctxproxy.proxy.core import Decision, Projection
 from ctxproxy.proxy.core.decisions import CUTS
@@ -52,10 +52,15 @@ class Counting:
     originals: list[int | None]
     """Each one's original, as the counter had it; None: not counted yet."""
     pending: Sequence[tuple[Mapping[str, Any], str]]
-    """The originals not counted yet, and their keys, in the order of the Nones."""
+    """The originals not counted yet, and their keys, in the order of the Nones after ``settled_cuts``."""
     new: tuple[Decision, ...]
     where: dict[str, int]
     """The index of each message id a new decision targets."""
+    of: Taken | None = field(default=None, compare=False, repr=False)
+    """The projection walked: the session's next tally takes this one's cuts where its own stand as these did."""
+    settled: int = 0
+    """What the first ``settled_cuts`` cuts took out, every original of them known: summed once, not each time."""
+    settled_cuts: int = 0
 
     @property
     def complete(self) -> bool:
@@ -64,10 +69,11 @@ class Counting:
     def finish(self, counter: MessageCounter) -> Tally:
         """The tally, every original counted (those not counted yet, now: thread-safe, cached for next time)."""
         counted = iter(counter.count_all([m for m, _ in self.pending], [k for _, k in self.pending]))
+        k = self.settled_cuts
         removed = {i: (next(counted) if original is None else original) - stub  # a fold's stub: less than 0
-                   for i, stub, original in zip(self.cut, self.stubs, self.originals, strict=True)}
-        return Tally(self.agent + sum(removed.values()), self.sent, _freed(self.new, self.where, removed),
-                     self.cuts)
+                   for i, stub, original in zip(self.cut[k:], self.stubs[k:], self.originals[k:], strict=True)}
+        return Tally(self.agent + self.settled + sum(removed.values()), self.sent,
+                     _freed(self.new, self.where, removed), self.cuts)
 
 
 @dataclass(frozen=True)
@@ -100,19 +106,59 @@ def taken(p: Projection) -> Taken:
 
 
 def counting(p: Projection | Taken, messages: Sequence[dict[str, Any]], hashes: Sequence[str],
-             counter: MessageCounter, sent: int, budgeted: int) -> Counting:
+             counter: MessageCounter, sent: int, budgeted: int, last: Counting | None = None) -> Counting:
     """``sent``: the estimate of what goes upstream (the proxy's own tools or note only if listed); ``budgeted``:
-    what the projection's estimate holds for them, listed or not (none of it is the agent's)."""
+    what the projection's estimate holds for them, listed or not (none of it is the agent's). ``last``: the
+    session's previous tally, whose cuts are taken as they are where the projection stands as it did then
+    (``_standing``), so a request that extends its session walks its new messages only: at 600 rounds a 128k
+    projection cuts ~860 messages, and walking and looking up all of them took 0.6-1.1 ms of the loop's time
+    after every answer (issue #13)."""
     t = p if isinstance(p, Taken) else taken(p)
-    cut = [i for i, (out_hash, in_hash, out) in enumerate(zip(t.out_hashes, t.hashes, t.out, strict=True))
-           if out_hash != in_hash or out is None]
-    keys = [hashes[i] for i in cut]
-    originals = counter.cached_all(keys)
-    pending = [(messages[i], key) for i, key, original in zip(cut, keys, originals, strict=True) if original is None]
     targets = {d.target for d in t.new}
     where = {mid: i for i, mid in enumerate(t.ids) if mid in targets} if targets else {}
-    return Counting(t.estimate - budgeted, sent, t.cuts, cut, [t.counts[i] for i in cut], originals, pending, t.new,
-                    where)
+    start = _standing(last, t)
+    if any(i < start for i in where.values()):  # a new cut among them: all walked again, as ``_freed`` needs
+        start = 0
+    new_cut = [i for i, (out_hash, in_hash, out) in enumerate(zip(t.out_hashes[start:], t.hashes[start:],
+                                                                   t.out[start:], strict=True), start)
+               if out_hash != in_hash or out is None]
+    new_stubs = [t.counts[i] for i in new_cut]
+    if last is not None and start:  # one lookup: the originals the last tally did not know, and the new ones
+        unknown = [j for j in range(last.settled_cuts, len(last.originals)) if last.originals[j] is None]
+        found = counter.cached_all([hashes[last.cut[j]] for j in unknown] + [hashes[i] for i in new_cut])
+        settled, settled_cuts, before = _settle(last, unknown, found[:len(unknown)])
+        cut, stubs, originals = last.cut + new_cut, last.stubs + new_stubs, before + found[len(unknown):]
+    else:
+        settled, settled_cuts, cut, stubs = 0, 0, new_cut, new_stubs
+        originals = counter.cached_all([hashes[i] for i in new_cut])
+    pending = [(messages[cut[j]], hashes[cut[j]]) for j in range(settled_cuts, len(cut)) if originals[j] is None]
+    return Counting(t.estimate - budgeted, sent, t.cuts, cut, stubs, originals, pending, t.new, where, t, settled,
+                    settled_cuts)
+
+
+def _standing(last: Counting | None, t: Taken) -> int:
+    """How many of ``t``'s first messages stand as they did when ``last`` was counted (same identity, same message
+    upstream, same count, cut or not alike), or 0: their cuts are ``last``'s. A list compared with a copy of
+    itself compares its items by identity first: a few µs for 1,800 messages."""
+    if last is None or last.of is None or not last.of.hashes or len(last.of.hashes) > len(t.hashes):
+        return 0
+    was, n = last.of, len(last.of.hashes)
+    same = (t.hashes[:n] == was.hashes and t.out_hashes[:n] == was.out_hashes and t.counts[:n] == was.counts
+            and t.out[:n] == was.out)
+    return n if same else 0
+
+
+def _settle(last: Counting, unknown: list[int], found: list[int | None]) -> tuple[int, int, list[int | None]]:
+    """``last``'s settled sum carried on over all its cuts once every original of them is known (``found``: those
+    of its cuts at ``unknown`` it did not know, looked up again; the thread that counted them cached them), and its
+    originals as known now."""
+    originals = list(last.originals)
+    for j, original in zip(unknown, found, strict=True):
+        originals[j] = original
+    if None in found:
+        return last.settled, last.settled_cuts, originals
+    tail = zip(originals[last.settled_cuts:], last.stubs[last.settled_cuts:], strict=True)
+    return last.settled + sum(cast(int, o) - stub for o, stub in tail), len(originals), originals
 
 
 def tally(p: Projection, messages: Sequence[dict[str, Any]], hashes: Sequence[str], counter: MessageCounter,
