@@ -18,7 +18,6 @@ import httpx
 from ctxproxy.config import load_settings
 from tests.conftest import app_client
 from tests.fakes import FakeUpstream
-
 from tests.test_mirror_writes import _body, _send
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,8 +73,9 @@ def test_the_requests_of_each_kind_are_told_with_their_cpu_and_their_own_outlier
 def test_twins_keep_what_both_took_long_for_as_the_proxy_s_own() -> None:
     """Request 3 was slow in both runs of the tree (the proxy's work), request 4 in one only (a wait): the less of
     the two is each request's own cost, and only request 3 is over twice its median."""
+    kinds = ["plain", "plain", "spill", "fold", "plain", "plain"]
     first = {"source": "/tmp/tree", "window": 32768, "added_ms": [1.0, 1.0, 1.0, 6.0, 7.0, 1.0],
-             "added_median_ms": 1.0, "over_2x_median": 2, "kinds": ["plain", "plain", "spill", "fold", "plain", "plain"]}
+             "added_median_ms": 1.0, "over_2x_median": 2, "kinds": kinds}
     second = {**first, "added_ms": [1.2, 0.9, 1.1, 5.0, 1.0, 1.0], "over_2x_median": 1}
     [twin] = _long_run().twin_runs([first, second])
     assert twin["own_slow"] == [3] and twin["own_slow_ms"] == [5.0] and twin["own_slow_by_kind"] == {"fold": 1}
