@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from ctxproxy.proxy.engine.hashing import canonical_json, content_hash
 from ctxproxy.store import ForwardRecord, Journal, SessionState, record_session_state, session_state
-from ctxproxy.store.deltas import rebuild, runs
+from ctxproxy.store.deltas import RUNS_FROM, rebuild, runs
 from ctxproxy.store.memory import MemoryJournal
 from ctxproxy.store.session_state import MIRROR_SEPARATOR
 from tests.conftest import app_client
@@ -232,3 +232,38 @@ def test_a_mirror_piece_is_hashed_as_it_always_was_however_often_it_was_seen(pie
             got = [session_state_module._piece_hash(p) for p in pieces]
             assert got == [hashlib.sha256(p.encode()).hexdigest() for p in pieces]
         assert len(session_state_module._PIECE_HASHES) <= kept
+
+
+def _runs_hash_by_hash(base: list[str], added: list[str]) -> list[str | list[int]]:
+    """``runs`` as it was written first, a hash at a time: the oracle the faster one must agree with."""
+    if len(added) < RUNS_FROM or not base:
+        return list(added)
+    where: dict[str, int] = {}
+    for k, h in enumerate(base):
+        where.setdefault(h, k)
+    out: list[str | list[int]] = []
+    k = 0
+    while k < len(added):
+        start = where.get(added[k])
+        if start is None:
+            out.append(added[k])
+            k += 1
+            continue
+        count = 1
+        while k + count < len(added) and start + count < len(base) and base[start + count] == added[k + count]:
+            count += 1
+        out.append([start, count] if count > 1 else added[k])
+        k += count
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from([f"h{i}" for i in range(6)]), max_size=120), st.data())
+def test_runs_are_the_ones_a_walk_hash_by_hash_finds(base: list[str], data: st.DataObject) -> None:
+    """The stored text does not change: the same runs, at the same places, as the walk a hash at a time (long
+    stretches of the base, shifted, cut, repeated, among hashes of its own)."""
+    pieces = data.draw(st.lists(st.one_of(
+        st.tuples(st.integers(0, max(len(base) - 1, 0)), st.integers(0, 60)).map(lambda r: base[r[0]:r[0] + r[1]]),
+        st.lists(st.sampled_from(["h0", "h5", "x1", "x2"]), max_size=5)), max_size=8))
+    added = [h for piece in pieces for h in piece]
+    assert runs(base, added) == _runs_hash_by_hash(base, added)
