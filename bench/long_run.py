@@ -209,7 +209,8 @@ def run_window(window: int, requests: list[bytes], tmp: Path, sources: list[Path
             keep.mkdir(parents=True, exist_ok=True)
             for suffix in ("", "-wal"):
                 if (data / f"journal.db{suffix}").exists():
-                    shutil.copy(data / f"journal.db{suffix}", keep / f"{source.name}-{window}-{k}.db{suffix}")
+                    twin = f"-{k % copies}" if twins else ""
+                    shutil.copy(data / f"journal.db{suffix}", keep / f"{source.name}-{window}{twin}.db{suffix}")
         runs.append({"source": str(source), "window": window, "requests": len(requests), "seconds": round(seconds, 1),
                      **added_latency(added, fold_requests(data / "journal.db")), **journal_size(data, history),
                      **spread(added, [c[k] / 1e6 for c in cpu], request_kinds(data / "journal.db")),
@@ -224,8 +225,8 @@ def twin_runs(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
     Why: on a machine of two cores shared by the bench's client, the upstream and the proxies, a request waits
     now and then for a core, and a wait only adds time. Two proxies of the same tree do the same work for each
-    request, so what both took long for is the proxy's own; what one of them alone did is the machine's (in one
-    such run at 32k only 2 of the ~20 requests over twice the median were over in both)."""
+    request, so what both took long for is the proxy's own; what one of them alone did is the machine's (in ten
+    such runs, 0-7 of each twin's 4-17 requests over twice the median were over in both)."""
     out = []
     for first, second in zip(runs[::2], runs[1::2], strict=True):
         own = [min(a, b) for a, b in zip(first["added_ms"], second["added_ms"], strict=True)]
@@ -463,7 +464,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", type=Path, help="write the raw numbers here")
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--breakdown", action="store_true", help="with --markdown: the journal's bytes by table")
-    parser.add_argument("--keep", type=Path, help="copy each run's journal here (SOURCE-WINDOW.db), for "
+    parser.add_argument("--keep", type=Path, help="copy each run's journal here (SOURCE-WINDOW.db; with --twins "
+                        "SOURCE-WINDOW-0.db and -1.db), for "
                         "bench/journal_reads.py")
     parser.add_argument("--twins", action="store_true", help="run each source twice side by side, and each request "
                         "direct twice: a request's own cost is the less of the two (twin_runs)")
