@@ -111,17 +111,33 @@ def _record_mirror(journal: Journal, session_id: str, text: str, previous: str |
     entries since ``previous`` (the text last journaled) is split, hashed and listed only where it grew."""
     row = journal.conn.execute(_LAST_MIRROR, [session_id]).fetchone()
     if row is not None and previous is not None:
-        grown = _record_growth(journal, int(row[0]), int(row[1]), text, previous, extends)
+        known = journal.grown_mirrors.get(session_id)
+        grown = _record_growth(journal, int(row[0]), int(row[1]), text, previous, extends, known)
         if grown is not None:
-            return grown
+            return _grown(journal, session_id, *grown, text)
     tail = _MIRROR_TAIL if text.endswith(_MIRROR_TAIL) else ""
     before, depth = ([], 0) if row is None else _mirror_hashes(journal, int(row[0]))
     hashes = _offer_pieces(journal, [*text[: len(text) - len(tail)].split(MIRROR_SEPARATOR), tail], set(before))
     if row is None or depth >= _MAX_DEPTH:
-        return _insert_mirror_list(journal, None, [], 0, hashes)
+        return _grown(journal, session_id, *_insert_mirror_list(journal, None, [], 0, hashes), text)
     same = next((i for i, (a, b) in enumerate(zip(before, hashes, strict=False)) if a != b),
                 min(len(before), len(hashes)))
-    return _insert_mirror_list(journal, int(row[0]), before, same, hashes)
+    return _grown(journal, session_id, *_insert_mirror_list(journal, int(row[0]), before, same, hashes, depth), text)
+
+
+_GROWN_KEPT = 8
+"""How many sessions' last mirror list a journal connection keeps (``Journal.grown_mirrors``): the next version
+that grows a mirror from that very text (the same object) is known to be that list's, and its chain's depth,
+without counting the ~650 separators of ~300 000 characters and walking the chain in SQL (0.3-0.5 ms of each
+request that grows the mirror at 128k, issue #13). The texts are held: a few sessions, cleared whole when full."""
+
+
+def _grown(journal: Journal, session_id: str, list_id: int, depth: int, text: str) -> int:
+    kept = journal.grown_mirrors
+    if len(kept) >= _GROWN_KEPT and session_id not in kept:
+        kept.clear()
+    kept[session_id] = (list_id, text, depth)
+    return list_id
 
 
 _LAST_MIRROR = ("SELECT s.mirror_list, l.length FROM session_state s JOIN message_lists l ON l.id = s.mirror_list"
@@ -138,23 +154,26 @@ SELECT MAX(depth) FROM chain
 """How many lists a delta chain has, up to ``_MAX_DEPTH``: counted in SQL, none of them read."""
 
 
-def _record_growth(journal: Journal, list_id: int, length: int, text: str, previous: str,
-                   extends: bool = False) -> int | None:
+def _record_growth(journal: Journal, list_id: int, length: int, text: str, previous: str, extends: bool = False,
+                   known: tuple[int, str, int] | None = None) -> tuple[int, int] | None:
     """``text`` as a delta on ``list_id``, the list of ``previous``, when ``text`` is ``previous`` with pieces added
     before its tail (compared unless the caller says it ``extends`` it) and that list is ``previous``'s (their
-    lengths agree); None otherwise. Only the new pieces are hashed and offered to ``blobs``."""
+    lengths agree, or ``known``, ``Journal.grown_mirrors``' entry, says so); None otherwise. Only the new pieces are
+    hashed and offered to ``blobs``. Returns the new list and how many lists its chain has."""
     kept = len(previous) - len(_MIRROR_TAIL)
+    known = known if known is not None and known[0] == list_id and known[1] is previous else None
     if (not previous.endswith(_MIRROR_TAIL) or not text.endswith(_MIRROR_TAIL) or len(text) <= len(previous)
             or not (extends or text.startswith(previous[:kept])) or not text.startswith(MIRROR_SEPARATOR, kept)
-            or previous.count(MIRROR_SEPARATOR, 0, kept) + 2 != length):
+            or (known is None and previous.count(MIRROR_SEPARATOR, 0, kept) + 2 != length)):
         return None
-    if journal.conn.execute(_DEPTH, [list_id]).fetchone()[0] >= _MAX_DEPTH:
+    depth = known[2] if known is not None else journal.conn.execute(_DEPTH, [list_id]).fetchone()[0]
+    if depth >= _MAX_DEPTH:
         return None
     hashes = _offer_pieces(journal, text[kept + len(MIRROR_SEPARATOR): len(text) - len(_MIRROR_TAIL)]
                            .split(MIRROR_SEPARATOR))
     tail = hashlib.sha256(_MIRROR_TAIL.encode()).hexdigest()  # stored with the list this one extends
     return journal.conn.insert("INSERT INTO message_lists (base_id, base_len, added, length) VALUES (?, ?, ?, ?)",
-                               [list_id, length - 1, json.dumps([*hashes, tail]), length + len(hashes)])
+                               [list_id, length - 1, json.dumps([*hashes, tail]), length + len(hashes)]), depth + 1
 
 
 _PIECE_HASHES: dict[str, str] = {}
@@ -183,14 +202,17 @@ def _offer_pieces(journal: Journal, pieces: list[str], stored: set[str] | frozen
     return hashes
 
 
-def _insert_mirror_list(journal: Journal, base_id: int | None, base: list[str], same: int, hashes: list[str]) -> int:
-    """A mirror's list after the first ``same`` pieces of the previous one (``base_id``, whose pieces are ``base``):
-    the rest as runs of ``base`` where they repeat it (an early change keeps the later entries) and new hashes."""
+def _insert_mirror_list(journal: Journal, base_id: int | None, base: list[str], same: int, hashes: list[str],
+                        depth: int = 0) -> tuple[int, int]:
+    """A mirror's list after the first ``same`` pieces of the previous one (``base_id``, whose pieces are ``base``
+    and whose chain has ``depth`` lists): the rest as runs of ``base`` where they repeat it (an early change keeps
+    the later entries) and new hashes. Returns the list and how many lists its chain has."""
     added = runs(base, hashes[same:])
     if not same and all(isinstance(item, str) for item in added):
         base_id = None
-    return journal.conn.insert("INSERT INTO message_lists (base_id, base_len, added, length) VALUES (?, ?, ?, ?)",
-                               [base_id, same, json.dumps(added), len(hashes)])
+    list_id = journal.conn.insert("INSERT INTO message_lists (base_id, base_len, added, length) VALUES (?, ?, ?, ?)",
+                                  [base_id, same, json.dumps(added), len(hashes)])
+    return list_id, 1 if base_id is None else depth + 1
 
 
 def _mirror_hashes(journal: Journal, list_id: int) -> tuple[list[str], int]:
