@@ -114,8 +114,7 @@ def counting(p: Projection | Taken, messages: Sequence[dict[str, Any]], hashes: 
     projection cuts ~860 messages, and walking and looking up all of them took 0.6-1.1 ms of the loop's time
     after every answer (issue #13)."""
     t = p if isinstance(p, Taken) else taken(p)
-    targets = {d.target for d in t.new}
-    where = {mid: i for i, mid in enumerate(t.ids) if mid in targets} if targets else {}
+    where = _places(t.ids, {d.target for d in t.new})
     start = _standing(last, t)
     if any(i < start for i in where.values()):  # a new cut among them: all walked again, as ``_freed`` needs
         start = 0
@@ -134,6 +133,18 @@ def counting(p: Projection | Taken, messages: Sequence[dict[str, Any]], hashes: 
     pending = [(messages[cut[j]], hashes[cut[j]]) for j in range(settled_cuts, len(cut)) if originals[j] is None]
     return Counting(t.estimate - budgeted, sent, t.cuts, cut, stubs, originals, pending, t.new, where, t, settled,
                     settled_cuts)
+
+
+def _places(ids: list[str], targets: set[str]) -> dict[str, int]:
+    """Each target's index among ``ids`` (its last), looked for from the end: a request's new cut is mostly of its
+    newest message, and a scan of all 1,800 ids after each answer was 0.09 ms at 600 rounds."""
+    where: dict[str, int] = {}
+    for i in range(len(ids) - 1, -1, -1) if targets else ():
+        if ids[i] in targets and ids[i] not in where:
+            where[ids[i]] = i
+            if len(where) == len(targets):
+                break
+    return where
 
 
 def _standing(last: Counting | None, t: Taken) -> int:
