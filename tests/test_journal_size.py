@@ -234,27 +234,21 @@ def test_a_mirror_piece_is_hashed_as_it_always_was_however_often_it_was_seen(pie
         assert len(session_state_module._PIECE_HASHES) <= kept
 
 
-def _runs_hash_by_hash(base: list[str], added: list[str]) -> list[str | list[int]]:
-    """``runs`` as it was written first, a hash at a time: the oracle the faster one must agree with."""
-    if len(added) < RUNS_FROM or not base:
-        return list(added)
-    where: dict[str, int] = {}
-    for k, h in enumerate(base):
-        where.setdefault(h, k)
-    out: list[str | list[int]] = []
+def _greedy_runs_of(base: list[str], added: list[str], out: list[str | list[int]]) -> bool:
+    """Whether ``out`` is ``added`` written as the greedy walk writes it: each hash that stands in ``base`` starts a
+    run at its first place there, as long as base and added agree; a run of two or more is ``[start, count]``, one
+    of one the hash itself."""
     k = 0
-    while k < len(added):
-        start = where.get(added[k])
-        if start is None:
-            out.append(added[k])
-            k += 1
-            continue
+    for item in out:
+        first = base.index(added[k]) if added[k] in base else None
         count = 1
-        while k + count < len(added) and start + count < len(base) and base[start + count] == added[k + count]:
+        while first is not None and k + count < len(added) and first + count < len(base) \
+                and base[first + count] == added[k + count]:
             count += 1
-        out.append([start, count] if count > 1 else added[k])
+        if item != ([first, count] if first is not None and count > 1 else added[k]):
+            return False
         k += count
-    return out
+    return k == len(added)
 
 
 @settings(max_examples=300, deadline=None)
@@ -266,4 +260,5 @@ def test_runs_are_the_ones_a_walk_hash_by_hash_finds(base: list[str], data: st.D
         st.tuples(st.integers(0, max(len(base) - 1, 0)), st.integers(0, 60)).map(lambda r: base[r[0]:r[0] + r[1]]),
         st.lists(st.sampled_from(["h0", "h5", "x1", "x2"]), max_size=5)), max_size=8))
     added = [h for piece in pieces for h in piece]
-    assert runs(base, added) == _runs_hash_by_hash(base, added)
+    found = runs(base, added)
+    assert found == added if len(added) < RUNS_FROM or not base else _greedy_runs_of(base, added, found)
