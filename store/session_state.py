@@ -48,14 +48,18 @@ class SessionState:
 
 
 def record_session_state(journal: Journal, session_id: str, request_id: int, state: SessionState,
-                         created_at: str, previous: SessionState | None = None, extends: bool = False) -> None:
+                         created_at: str, previous: SessionState | None = None, extends: bool = False,
+                         entries: tuple[str, ...] = ()) -> None:
     """Journal the session's state as it is after ``request_id`` changed it. ``previous``: the state as last
     journaled, if the caller knows it (a mirror that only grew since is journaled as what it gained). ``extends``:
     the caller made ``state``'s mirror by adding entries to ``previous``'s, so its start is not compared again
-    (0.2-0.5 ms of each request of a long session at 128k, whose mirror holds some 300 000 characters)."""
+    (0.2-0.5 ms of each request of a long session at 128k, whose mirror holds some 300 000 characters).
+    ``entries``: the texts the caller assembled ``state``'s mirror from (``proxy.tools.mirror``'s), in order, so
+    its pieces are known by entry rather than split out of the text again (``_assembled_pieces``)."""
     with journal.conn:
         mirror_list = None if state.mirror_text is None else _record_mirror(
-            journal, session_id, state.mirror_text, None if previous is None else previous.mirror_text, extends)
+            journal, session_id, state.mirror_text, None if previous is None else previous.mirror_text, extends,
+            entries)
         journal.conn.execute(
             "INSERT INTO session_state (session_id, request_id, offered_turn, reminded_turn, confirmations, mirror,"
             " mirror_list, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
@@ -72,6 +76,7 @@ class StateChange(NamedTuple):
     created_at: str
     previous: SessionState | None = None
     extends: bool = False
+    entries: tuple[str, ...] = ()
 
 
 def record_forward_and_state(journal: Journal, rec: ForwardRecord, change: StateChange | None) -> int:
@@ -101,42 +106,62 @@ def session_state(journal: Journal, session_id: str) -> SessionState:
 
 
 def _record_mirror(journal: Journal, session_id: str, text: str, previous: str | None = None,
-                   extends: bool = False) -> int:
+                   extends: bool = False, entries: tuple[str, ...] = ()) -> int:
     """The mirror's text as its pieces (split at ``MIRROR_SEPARATOR``: one a message, mostly; the closing brackets
     the last piece), each a blob stored once, listed like a request's messages: delta-encoded against the session's
     previous mirror. Stored whole on every change, the mirror took 57 MB of a 600-round session's journal for 6.7 MB
     of history. Only the pieces the previous mirror does not list are offered to ``blobs`` (its pieces are stored,
     and kept while its list is): a mirror rewritten on every request of a long session offered all of its ~650
     pieces each time, ~1 ms of the journal's time per request at 600 rounds (issue #13). A mirror that only gained
-    entries since ``previous`` (the text last journaled) is split, hashed and listed only where it grew."""
+    entries since ``previous`` (the text last journaled) is split, hashed and listed only where it grew; one
+    rewritten whole from ``entries`` has its pieces looked up by entry (``_assembled_pieces``), and the previous
+    list's hashes are the ones this connection inserted, not read back along its chain."""
     row = journal.conn.execute(_LAST_MIRROR, [session_id]).fetchone()
+    known = journal.grown_mirrors.get(session_id)
     if row is not None and previous is not None:
-        known = journal.grown_mirrors.get(session_id)
         grown = _record_growth(journal, int(row[0]), int(row[1]), text, previous, extends, known)
         if grown is not None:
-            return _grown(journal, session_id, *grown, text)
-    tail = _MIRROR_TAIL if text.endswith(_MIRROR_TAIL) else ""
-    before, depth = ([], 0) if row is None else _mirror_hashes(journal, int(row[0]))
-    hashes = _offer_pieces(journal, [*text[: len(text) - len(tail)].split(MIRROR_SEPARATOR), tail], set(before))
+            return _grown(journal, session_id, grown[0], grown[1], text, grown[2])
+    before, depth = ([], 0) if row is None else _previous_list(journal, int(row[0]), known)
+    hashes = _offer_assembled(journal, text, entries, set(before))
+    if hashes is None:
+        tail = _MIRROR_TAIL if text.endswith(_MIRROR_TAIL) else ""
+        hashes = _offer_pieces(journal, [*text[: len(text) - len(tail)].split(MIRROR_SEPARATOR), tail], set(before))
     if row is None or depth >= _MAX_DEPTH:
-        return _grown(journal, session_id, *_insert_mirror_list(journal, None, [], 0, hashes), text)
+        return _grown(journal, session_id, *_insert_mirror_list(journal, None, [], 0, hashes), text, hashes)
     same = next((i for i, (a, b) in enumerate(zip(before, hashes, strict=False)) if a != b),
                 min(len(before), len(hashes)))
-    return _grown(journal, session_id, *_insert_mirror_list(journal, int(row[0]), before, same, hashes, depth), text)
+    return _grown(journal, session_id, *_insert_mirror_list(journal, int(row[0]), before, same, hashes, depth), text,
+                  hashes)
+
+
+def _previous_list(journal: Journal, list_id: int, known: Grown | None) -> tuple[list[str], int]:
+    """The hashes of the session's last mirror list and its chain's depth: as this connection inserted it when
+    ``known`` is that list's (a list row never changes), else read along its chain (0.3-0.6 ms at 128k)."""
+    if known is not None and known[0] == list_id and known[3] is not None:
+        return known[3], known[2]
+    return _mirror_hashes(journal, list_id)
 
 
 _GROWN_KEPT = 8
 """How many sessions' last mirror list a journal connection keeps (``Journal.grown_mirrors``): the next version
 that grows a mirror from that very text (the same object) is known to be that list's, and its chain's depth,
 without counting the ~650 separators of ~300 000 characters and walking the chain in SQL (0.3-0.5 ms of each
-request that grows the mirror at 128k, issue #13). The texts are held: a few sessions, cleared whole when full."""
+request that grows the mirror at 128k, issue #13); a version rewritten whole (after a fold, an elision pass) is
+compared with that list's hashes, kept with it, not read back. The texts are held: a few sessions, cleared whole
+when full."""
+
+Grown = tuple[int, str, int, list[str] | None]
+"""``Journal.grown_mirrors``' entry: the list, its text, its chain's depth, its hashes (None when not known)."""
+_TAIL_HASH = hashlib.sha256(_MIRROR_TAIL.encode()).hexdigest()
 
 
-def _grown(journal: Journal, session_id: str, list_id: int, depth: int, text: str) -> int:
+def _grown(journal: Journal, session_id: str, list_id: int, depth: int, text: str,
+           hashes: list[str] | None = None) -> int:
     kept = journal.grown_mirrors
     if len(kept) >= _GROWN_KEPT and session_id not in kept:
         kept.clear()
-    kept[session_id] = (list_id, text, depth)
+    kept[session_id] = (list_id, text, depth, hashes)
     return list_id
 
 
@@ -155,11 +180,12 @@ SELECT MAX(depth) FROM chain
 
 
 def _record_growth(journal: Journal, list_id: int, length: int, text: str, previous: str, extends: bool = False,
-                   known: tuple[int, str, int] | None = None) -> tuple[int, int] | None:
+                   known: Grown | None = None) -> tuple[int, int, list[str] | None] | None:
     """``text`` as a delta on ``list_id``, the list of ``previous``, when ``text`` is ``previous`` with pieces added
     before its tail (compared unless the caller says it ``extends`` it) and that list is ``previous``'s (their
     lengths agree, or ``known``, ``Journal.grown_mirrors``' entry, says so); None otherwise. Only the new pieces are
-    hashed and offered to ``blobs``. Returns the new list and how many lists its chain has."""
+    hashed and offered to ``blobs``. Returns the new list, how many lists its chain has, and its hashes when
+    ``known`` had those of the list it extends."""
     kept = len(previous) - len(_MIRROR_TAIL)
     known = known if known is not None and known[0] == list_id and known[1] is previous else None
     if (not previous.endswith(_MIRROR_TAIL) or not text.endswith(_MIRROR_TAIL) or len(text) <= len(previous)
@@ -171,9 +197,11 @@ def _record_growth(journal: Journal, list_id: int, length: int, text: str, previ
         return None
     hashes = _offer_pieces(journal, text[kept + len(MIRROR_SEPARATOR): len(text) - len(_MIRROR_TAIL)]
                            .split(MIRROR_SEPARATOR))
-    tail = hashlib.sha256(_MIRROR_TAIL.encode()).hexdigest()  # stored with the list this one extends
-    return journal.conn.insert("INSERT INTO message_lists (base_id, base_len, added, length) VALUES (?, ?, ?, ?)",
-                               [list_id, length - 1, json.dumps([*hashes, tail]), length + len(hashes)]), depth + 1
+    tail = _TAIL_HASH  # stored with the list this one extends
+    grown = journal.conn.insert("INSERT INTO message_lists (base_id, base_len, added, length) VALUES (?, ?, ?, ?)",
+                                [list_id, length - 1, json.dumps([*hashes, tail]), length + len(hashes)])
+    whole = None if known is None or known[3] is None else [*known[3][:-1], *hashes, tail]
+    return grown, depth + 1, whole
 
 
 _PIECE_HASHES: dict[str, str] = {}
@@ -191,6 +219,47 @@ def _piece_hash(piece: str) -> str:
             _PIECE_HASHES.clear()
         known = _PIECE_HASHES[piece] = hashlib.sha256(piece.encode()).hexdigest()
     return known
+
+
+_ENTRY_OPEN, _ENTRY_CLOSE = "  {\n", "\n  }"
+"""How each of the mirror's entries begins and ends (``proxy.tools.mirror``): its piece is what lies between."""
+_ENTRY_HASHES: dict[str, str] = {}
+"""The sha256 of the piece each mirror entry makes, by the entry's text: the entries a rewritten mirror keeps are
+the very strings of the last version (``proxy.engine.context``), whose Python hash is computed once, so looking
+them up costs no pass over their text, where splitting the new text (~300 000 characters at 128k) into fresh
+pieces and hashing those took 1-2 ms of each request that rewrote the mirror whole (issue #13). Cleared whole
+when full."""
+
+
+def _offer_assembled(journal: Journal, text: str, entries: tuple[str, ...], stored: set[str]) -> list[str] | None:
+    """The hashes of ``text``'s pieces from the ``entries`` it was assembled from, each piece whose hash is not in
+    ``stored`` offered to ``blobs``; None when they do not make it up (its length, their braces), to be split."""
+    rest = entries[1:]
+    first = text.find(MIRROR_SEPARATOR) if rest else len(text) - len(_MIRROR_TAIL)
+    frame = len(_ENTRY_OPEN) + len(_ENTRY_CLOSE)
+    if (not entries or first < 0 or not text.endswith(_MIRROR_TAIL)
+            or len(text) != first + sum(map(len, rest)) + len(rest) * (len(MIRROR_SEPARATOR) - frame)
+            + len(_MIRROR_TAIL)
+            or not all(e.startswith(_ENTRY_OPEN) and e.endswith(_ENTRY_CLOSE) for e in rest)):
+        return None
+    head = text[:first]
+    offered = [(head, _piece_hash(head))]
+    hashes = [offered[0][1]]
+    for entry in rest:
+        known = _ENTRY_HASHES.get(entry)
+        if known is None:
+            if len(_ENTRY_HASHES) >= _PIECE_HASHES_KEPT:
+                _ENTRY_HASHES.clear()
+            known = _ENTRY_HASHES[entry] = hashlib.sha256(entry[len(_ENTRY_OPEN): -len(_ENTRY_CLOSE)].encode()
+                                                          ).hexdigest()
+        hashes.append(known)
+        if known not in stored:
+            offered.append((entry[len(_ENTRY_OPEN): -len(_ENTRY_CLOSE)], known))
+    hashes.append(_TAIL_HASH)
+    offered.append((_MIRROR_TAIL, _TAIL_HASH))
+    journal.conn.executemany("INSERT INTO blobs (hash, kind, body, chars) VALUES (?, 'mirror', ?, ?)"
+                             " ON CONFLICT DO NOTHING", [(h, p, len(p)) for p, h in offered if h not in stored])
+    return hashes
 
 
 def _offer_pieces(journal: Journal, pieces: list[str], stored: set[str] | frozenset[str] = frozenset()) -> list[str]:

@@ -342,15 +342,15 @@ def test_a_mirror_that_only_grows_is_written_at_its_end(tmp_path: Path, monkeypa
             {"id": f"call_{k}", "type": "function", "function": {"name": "read_file", "arguments": "{}"}}]},
             {"role": "tool", "tool_call_id": f"call_{k}", "content": f"short {k}"}]
         bodies.append({**first, "messages": msgs})
-    extends: list[bool] = []
+    extends: list[tuple[bool, bool]] = []
     record_mirror = session_state_module._record_mirror  # every way a mirror is journaled goes through it
     monkeypatch.setattr(session_state_module, "_record_mirror",
-                        lambda *args: (extends.append(args[-1]), record_mirror(*args))[1])
+                        lambda *args: (extends.append((args[4], bool(args[5]))), record_mirror(*args))[1])
     shown: list[list[str]] = []
     sent = _send(tmp_path, bodies, between=lambda i: shown.append(_ids(mirror)))
     shown.append(_ids(mirror))
     assert all(PARAGRAPH in s for s in sent) and len(whole) == 1
-    assert extends == [False, True, True, True]  # journaled as grown, said so: not compared again
+    assert extends == [(False, True)] + [(True, True)] * 3  # grown, said so: not compared again; its entries
     assert [len(ids) for ids in shown] == [len(b["messages"]) for b in bodies]
     text = mirror.read_text(encoding="utf-8")
     assert json.dumps(json.loads(text), indent=1, ensure_ascii=False) == text
@@ -407,3 +407,94 @@ def test_a_mirror_grown_from_the_list_last_inserted_is_not_recounted(store_locat
             journal.close()
     assert lists[0] == lists[1] and len(lists[0]) > 64 and sum(whole for whole, *_ in lists[0]) >= 2
     assert whole_paths.count(0) == whole_paths.count(1) == 2  # the first list and the 65th, each stored whole
+
+
+def _lists(journal: Journal, session_id: str) -> list[list[str]]:
+    """Each journaled mirror list of the session, as its hashes (read along its chain)."""
+    return [session_state_module._mirror_hashes(journal, list_id)[0] for (list_id,) in journal.conn.execute(
+        "SELECT mirror_list FROM session_state WHERE session_id = ? ORDER BY id", [session_id])]
+
+
+@given(st.lists(st.lists(_MESSAGE, min_size=1, max_size=6), min_size=1, max_size=4), st.integers(0, 2))
+def test_a_mirror_journaled_from_its_entries_is_listed_as_its_text_split(versions: list[list[dict[str, Any]]],
+                                                                        revision: int) -> None:
+    """Issue #13: a mirror rewritten whole hands the journal the entries it was assembled from, whose pieces are
+    looked up by entry instead of splitting the text again; the lists, the blobs and the text read back are those
+    of the text split, version after version (entries kept, changed, dropped, a revision's new head)."""
+    journals = [Journal(":memory:"), Journal(":memory:")]
+    try:
+        sessions = [j.record_request(incoming([{"role": "user", "content": "task"}])).session_id for j in journals]
+        cache: dict[tuple[str, str], str] = {}
+        for n, messages in enumerate(versions):
+            ids, hashes = [f"m{i}" for i in range(len(messages))], [message_hash(m) for m in messages]
+            text = mirror_document(sessions[0], revision + n % 2, ids, messages, hashes, cache)
+            for journal, session, entries in zip(journals, sessions, (tuple(cache.values()), ()), strict=True):
+                text_here = text
+                record_session_state(journal, session, 1, SessionState(mirror_text=text_here), str(n),
+                                     entries=entries)
+                assert (session_state_module._offer_assembled(journal, text_here, entries, set()) is None) != bool(
+                    entries)  # the entries are taken, not refused
+                assert session_state(journal, session).mirror_text == text_here
+        listed = [_lists(j, s) for j, s in zip(journals, sessions, strict=True)]
+        assert len(listed[0]) == len(versions) and listed[0] == listed[1]
+    finally:
+        for journal in journals:
+            journal.close()
+
+
+def test_entries_that_do_not_make_up_the_text_are_not_trusted(tmp_path: Path) -> None:
+    """Entries that are not what the text was assembled from (another version's, one missing) are refused by
+    their length, and the text is split: what is journaled is always the text given."""
+    journal = Journal(tmp_path / "j.db")
+    try:
+        session = journal.record_request(incoming([{"role": "user", "content": "task"}])).session_id
+        msgs = _body(6, 300)["messages"]
+        ids, hashes = [f"m{i}" for i in range(len(msgs))], [message_hash(m) for m in msgs]
+        cache: dict[tuple[str, str], str] = {}
+        stale = (mirror_document(session, 0, ids[:5], msgs[:5], hashes[:5], cache), tuple(cache.values()))
+        text = mirror_document(session, 0, ids, msgs, hashes, cache)
+        for entries in (stale[1], tuple(cache.values())[:-1], tuple(cache.values())[1:]):
+            record_session_state(journal, session, 1, SessionState(mirror_text=text), "0", entries=entries)
+            assert session_state(journal, session).mirror_text == text
+    finally:
+        journal.close()
+
+
+def test_a_mirror_rewritten_whole_is_compared_with_the_list_this_connection_inserted(
+        store_location: Path | str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue #13: a mirror rewritten whole (a fold changed an early entry) is delta-encoded on the session's last
+    list, whose hashes this connection kept when it inserted it: its chain is not read back (0.3-0.6 ms at 128k).
+    The lists are those journaled with the chain read, and each version reads back as it was."""
+    reads: list[int] = []
+    chain_of, record = session_state_module._mirror_hashes, session_state_module._record_mirror
+    recording = []
+    monkeypatch.setattr(session_state_module, "_mirror_hashes",
+                        lambda j, i: (recording and reads.append(i), chain_of(j, i))[1])
+    monkeypatch.setattr(session_state_module, "_record_mirror",
+                        lambda *a: (recording.append(1), record(*a), recording.clear())[1])
+    lists = []
+    for forget in (False, True):
+        journal = Journal(store_location)
+        try:
+            session = journal.record_request(incoming([{"role": "user", "content": "task"}])).session_id
+            msgs = _body(10, 400)["messages"]
+            ids = [f"m{i}" for i in range(len(msgs))]
+            versions = [mirror_document("s", 0, ids[:n], msgs[:n]) for n in range(4, len(msgs))]
+            versions += [mirror_document("s", 0, ids[:n], [{**msgs[0], "content": f"folded {n}"}, *msgs[1:n]])
+                         for n in range(len(msgs) - 3, len(msgs))]
+            reads.clear()
+            previous = None
+            for text in versions:
+                if forget:
+                    journal.grown_mirrors.clear()
+                record_session_state(journal, session, 1, SessionState(mirror_text=text), "0",
+                                     previous=None if previous is None else SessionState(mirror_text=previous))
+                assert session_state(journal, session).mirror_text == text
+                previous = text
+            assert len(reads) == (3 if forget else 0), reads  # the three versions rewritten whole
+            lists.append(journal.conn.execute(
+                "SELECT l.base_id IS NULL, l.base_len, l.added, l.length FROM session_state s JOIN message_lists l"
+                " ON l.id = s.mirror_list WHERE s.session_id = ? ORDER BY s.id", [session]).fetchall())
+        finally:
+            journal.close()
+    assert lists[0] == lists[1]
