@@ -241,7 +241,13 @@ def _time_journal(incoming: Any) -> dict[str, tuple[float, float]]:
             journal.record_response(ResponseRecord(recorded.request_id, next(attempts), "ok", 200, '{"usage":{}}',
                                                    {"prompt_tokens": 1}, 1.0, 2.0, "2025-01-01T00:00:00.000+00:00"))
 
-        out = {"Journal.record_request (repeat body)": _best_ms(lambda: journal.record_request(incoming)),
+        def repeat() -> None:  # answered, as an agent's resend comes: unanswered, each would open a parallel
+            # run, and placement would compare the request with all of them (thousands in a timing loop)
+            again = journal.record_request(incoming)
+            journal.record_response(ResponseRecord(again.request_id, 0, "ok", 200, '{"usage":{}}',
+                                                   {"prompt_tokens": 1}, 1.0, 2.0, "2025-01-01T00:00:00.000+00:00"))
+
+        out = {"Journal.record_request + record_response (the body repeated after its answer)": _best_ms(repeat),
                "Journal.record_response": _best_ms(respond)}
         writer = JournalWriter(journal)
         out["JournalWriter.call hop (no-op)"] = _best_ms(lambda: asyncio.run(_hops(writer, 50)), per=50)
