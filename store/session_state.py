@@ -221,8 +221,9 @@ def _piece_hash(piece: str) -> str:
     return known
 
 
-_ENTRY_OPEN, _ENTRY_CLOSE = "  {\n", "\n  }"
-"""How each of the mirror's entries begins and ends (``proxy.tools.mirror``): its piece is what lies between."""
+_ENTRY_OPEN, _ENTRY_CLOSE, _JOIN = "  {\n", "\n  }", ",\n"
+"""How each of the mirror's entries begins and ends, and what joins two (``proxy.tools.mirror``): an entry's piece is
+what lies between its braces' lines."""
 _ENTRY_HASHES: dict[str, str] = {}
 """The sha256 of the piece each mirror entry makes, by the entry's text: the entries a rewritten mirror keeps are
 the very strings of the last version (``proxy.engine.context``), whose Python hash is computed once, so looking
@@ -233,14 +234,10 @@ when full."""
 
 def _offer_assembled(journal: Journal, text: str, entries: tuple[str, ...], stored: set[str]) -> list[str] | None:
     """The hashes of ``text``'s pieces from the ``entries`` it was assembled from, each piece whose hash is not in
-    ``stored`` offered to ``blobs``; None when they do not make it up (its length, their braces), to be split."""
+    ``stored`` offered to ``blobs``; None when they do not make it up (``_made_of``), to be split."""
     rest = entries[1:]
     first = text.find(MIRROR_SEPARATOR) if rest else len(text) - len(_MIRROR_TAIL)
-    frame = len(_ENTRY_OPEN) + len(_ENTRY_CLOSE)
-    if (not entries or first < 0 or not text.endswith(_MIRROR_TAIL)
-            or len(text) != first + sum(map(len, rest)) + len(rest) * (len(MIRROR_SEPARATOR) - frame)
-            + len(_MIRROR_TAIL)
-            or not all(e.startswith(_ENTRY_OPEN) and e.endswith(_ENTRY_CLOSE) for e in rest)):
+    if not entries or first < 0 or not _made_of(text, first, rest):
         return None
     head = text[:first]
     offered = [(head, _piece_hash(head))]
@@ -260,6 +257,21 @@ def _offer_assembled(journal: Journal, text: str, entries: tuple[str, ...], stor
     journal.conn.executemany("INSERT INTO blobs (hash, kind, body, chars) VALUES (?, 'mirror', ?, ?)"
                              " ON CONFLICT DO NOTHING", [(h, p, len(p)) for p, h in offered if h not in stored])
     return hashes
+
+
+def _made_of(text: str, first: int, rest: tuple[str, ...]) -> bool:
+    """Is ``text`` its first piece (``text[:first]``), then each of ``rest``, as ``proxy.tools.mirror`` joins its
+    entries, then its closing brackets? Compared in place, entry by entry (no copy of the text): then the pieces
+    read back joined are ``text`` exactly, whatever the entries hold."""
+    if not text.endswith(_MIRROR_TAIL):
+        return False
+    at = first + len(_ENTRY_CLOSE) + len(_JOIN)
+    for entry in rest:
+        if not (entry.startswith(_ENTRY_OPEN) and entry.endswith(_ENTRY_CLOSE) and text.startswith(entry, at)
+                and text.startswith(_JOIN, at - len(_JOIN))):
+            return False
+        at += len(entry) + len(_JOIN)
+    return at - len(_JOIN) - len(_ENTRY_CLOSE) == len(text) - len(_MIRROR_TAIL)
 
 
 def _offer_pieces(journal: Journal, pieces: list[str], stored: set[str] | frozenset[str] = frozenset()) -> list[str]:

@@ -498,3 +498,20 @@ def test_a_mirror_rewritten_whole_is_compared_with_the_list_this_connection_inse
         finally:
             journal.close()
     assert lists[0] == lists[1]
+
+
+@given(st.lists(st.text(st.sampled_from(" {},\n]x"), max_size=12), min_size=1, max_size=5), st.text(max_size=8))
+def test_any_entries_that_make_up_the_text_read_back_as_it(inners: list[str], head: str) -> None:
+    """Whatever the entries hold (here, the separator itself, braces, newlines), a text the journal takes by its
+    entries reads back exactly; entries it cannot find in the text in order are refused, and the text is split."""
+    entries = tuple("  {\n" + inner + "\n  }" for inner in inners)
+    text = head + ',\n "messages": [\n' + ",\n".join(entries) + "\n ]\n}"
+    journal = Journal(":memory:")
+    try:
+        recorded = journal.record_request(incoming([{"role": "user", "content": "task"}]))
+        for given_entries in (entries, entries[::-1], entries[:-1]):
+            record_session_state(journal, recorded.session_id, recorded.request_id, SessionState(mirror_text=text),
+                                 "0", entries=given_entries)
+            assert session_state(journal, recorded.session_id).mirror_text == text
+    finally:
+        journal.close()
