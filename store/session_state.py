@@ -55,7 +55,7 @@ def record_session_state(journal: Journal, session_id: str, request_id: int, sta
     the caller made ``state``'s mirror by adding entries to ``previous``'s, so its start is not compared again
     (0.2-0.5 ms of each request of a long session at 128k, whose mirror holds some 300 000 characters).
     ``entries``: the texts the caller assembled ``state``'s mirror from (``proxy.tools.mirror``'s), in order, so
-    its pieces are known by entry rather than split out of the text again (``_assembled_pieces``)."""
+    its pieces are known by entry rather than split out of the text again (``_offer_assembled``)."""
     with journal.conn:
         mirror_list = None if state.mirror_text is None else _record_mirror(
             journal, session_id, state.mirror_text, None if previous is None else previous.mirror_text, extends,
@@ -114,7 +114,7 @@ def _record_mirror(journal: Journal, session_id: str, text: str, previous: str |
     and kept while its list is): a mirror rewritten on every request of a long session offered all of its ~650
     pieces each time, ~1 ms of the journal's time per request at 600 rounds (issue #13). A mirror that only gained
     entries since ``previous`` (the text last journaled) is split, hashed and listed only where it grew; one
-    rewritten whole from ``entries`` has its pieces looked up by entry (``_assembled_pieces``), and the previous
+    rewritten whole from ``entries`` has its pieces looked up by entry (``_offer_assembled``), and the previous
     list's hashes are the ones this connection inserted, not read back along its chain."""
     row = journal.conn.execute(_LAST_MIRROR, [session_id]).fetchone()
     known = journal.grown_mirrors.get(session_id)
@@ -122,7 +122,7 @@ def _record_mirror(journal: Journal, session_id: str, text: str, previous: str |
         grown = _record_growth(journal, int(row[0]), int(row[1]), text, previous, extends, known)
         if grown is not None:
             return _grown(journal, session_id, grown[0], grown[1], text, grown[2])
-    before, depth = ([], 0) if row is None else _previous_list(journal, int(row[0]), known)
+    before, depth = ([], 0) if row is None else _previous_list(journal, int(row[0]), known, previous)
     hashes = _offer_assembled(journal, text, entries, set(before))
     if hashes is None:
         tail = _MIRROR_TAIL if text.endswith(_MIRROR_TAIL) else ""
@@ -135,10 +135,12 @@ def _record_mirror(journal: Journal, session_id: str, text: str, previous: str |
                   hashes)
 
 
-def _previous_list(journal: Journal, list_id: int, known: Grown | None) -> tuple[list[str], int]:
+def _previous_list(journal: Journal, list_id: int, known: Grown | None, previous: str | None) -> tuple[list[str], int]:
     """The hashes of the session's last mirror list and its chain's depth: as this connection inserted it when
-    ``known`` is that list's (a list row never changes), else read along its chain (0.3-0.6 ms at 128k)."""
-    if known is not None and known[0] == list_id and known[3] is not None:
+    ``known`` is that list's, inserted for ``previous`` (the text the caller last journaled, that very object: a
+    list row never changes, but a session pruned and begun again could have its id back), else read along its
+    chain (0.3-0.6 ms at 128k)."""
+    if known is not None and known[0] == list_id and known[1] is previous and known[3] is not None:
         return known[3], known[2]
     return _mirror_hashes(journal, list_id)
 
