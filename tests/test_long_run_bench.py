@@ -8,6 +8,7 @@ import contextlib
 import importlib.util
 import os
 import sqlite3
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -92,3 +93,22 @@ def test_the_wide_opening_request_is_refused_by_the_proxy_and_journals_nothing(t
     with contextlib.closing(sqlite3.connect(tmp_path / "journal.db")) as db:
         assert db.execute("SELECT COUNT(*) FROM requests").fetchone()[0] == 0
     assert fake.chats == []
+
+
+def test_the_steps_of_a_long_run_are_timed_per_request_in_process() -> None:
+    """``bench/long_run_steps.py``: the run replayed through the app in its own process, each step's time per
+    request; at 32k the mirror turns on within 200 rounds and grows, so its steps are timed too, and no step of a
+    request took longer than the request."""
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "long_run_steps.py"), "--window", "32000",
+                          "--rounds", "200", "--requests", ",".join(map(str, range(200)))],
+                         capture_output=True, text=True, timeout=300, check=True)
+    lines = [line for line in run.stdout.splitlines() if line.startswith("| ")]
+    labels = [cell.strip() for cell in lines[0].strip("|").split("|")]
+    rows = [dict(zip(labels, (cell.strip() for cell in line.strip("|").split("|")), strict=True)) for line in lines[1:]]
+    requests = [row for row in rows if row["request"].isdigit()]
+    assert len(requests) == 200
+    assert all(float(row["fitting"]) > 0 and float(row["project"]) > 0 for row in requests)
+    first = next(i for i, row in enumerate(requests) if float(row["mirror journaled"]) > 0)
+    assert first > 20 and float(requests[first]["mirror rendered whole"]) > 0  # off at first, then turned on
+    assert sum(float(row["mirror grown"]) > 0 for row in requests[first:]) > 20  # and grown
+    assert all(float(row[label]) <= float(row["total"]) for row in requests for label in labels[2:])
