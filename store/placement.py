@@ -17,7 +17,7 @@ from every row, a third of a new run's time on the journal's thread after a thou
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
@@ -58,7 +58,7 @@ class Placement:
 
 
 class SiblingsMixin:
-    """How many sessions each opening has, which names a new one (``PlacementMixin._new_id``)."""
+    """How many sessions each opening has, which names a new one (``_new_ids``)."""
 
     conn: Connection
     siblings: dict[str, int]
@@ -107,7 +107,7 @@ class PlacementMixin(SiblingsMixin):
         if req.session_name is not None:
             head = self._head(req.session_name)
             if head is None:
-                return self._open(req, req.session_name, parent=None, shared=0, fingerprint=None)
+                return self._open(req, [req.session_name], parent=None, shared=0, fingerprint=None)
             return Placement(head, head.list_id, self._common_with(head, digests), False, None)
         extended = _ended_if_dead(self.conn, self.instance, self._heads_extended(req.fingerprint, digests))
         head = _continued(extended, digests, self._answered_heads(req.fingerprint))
@@ -115,34 +115,29 @@ class PlacementMixin(SiblingsMixin):
             return Placement(head, head.list_id, head.length, False, None)
         parent, shared = _closest(self._recent_heads(req.fingerprint),
                                   lambda head, at_least: self._common_with(head, digests, at_least))
-        return self._open(req, self._new_id(req.fingerprint, self._siblings(req.fingerprint)), parent, shared,
+        return self._open(req, _new_ids(req.fingerprint, self._siblings(req.fingerprint)), parent, shared,
                           req.fingerprint)
 
-    def _open(self, req: IncomingRequest, session_id: str, parent: Head | None, shared: int,
+    def _open(self, req: IncomingRequest, ids: Iterable[str], parent: Head | None, shared: int,
               fingerprint: str | None) -> Placement:
-        self.conn.execute(
-            "INSERT INTO sessions (id, fingerprint, named, parent_id, shared_len, created_at, updated_at,"
-            " head_list_id, head_len, head_digest, requests, model) VALUES (?, ?, ?, ?, ?, ?, ?, NULL, 0, ?, 0, ?)",
-            [session_id, fingerprint, int(fingerprint is None), parent.id if parent else None, shared,
-             req.received_at, req.received_at, prefix_digest([]), req.model],
-        )
-        upto = None
-        if parent is not None:
-            upto = int(self.conn.execute(
-                "UPDATE sessions SET inherit_upto = (SELECT COALESCE(MAX(id), 0) FROM decisions WHERE session_id = ?)"
-                " WHERE id = ? RETURNING inherit_upto", [parent.id, session_id]).fetchone()[0])
+        """A new session under the first of ``ids`` that no session has yet (a name: the one; an opening's: its
+        next number up, ``_new_ids``). Taken by the insert itself, which skips an id in use: a lookup of each
+        candidate first was one of the ~20 statements of a small fork (issue #13)."""
+        parent_id = parent.id if parent else None
+        sql = _OPEN_FORK if parent_id is not None else _OPEN
+        for session_id in ids:
+            row = self.conn.execute(sql, [
+                session_id, fingerprint, int(fingerprint is None), parent_id, shared, req.received_at,
+                req.received_at, prefix_digest([]), req.model, *([parent_id] if parent_id is not None else [])
+            ]).fetchone()
+            if row is not None:
+                break
+        else:
+            raise ValueError("the session's name is in use")  # a name is opened only when no session has it
+        upto = None if row[1] is None else int(row[1])
         head = Head(session_id, None, 0, prefix_digest([]), req.received_at)
         base = holder(self.conn, parent.list_id, shared) if parent and parent.list_id is not None and shared else None
-        return Placement(head, base, shared if base else 0, True, parent.id if parent else None, upto)
-
-    def _new_id(self, fingerprint: str, siblings: int) -> str:
-        stem = f"s-{fingerprint[:12]}"
-        n = siblings + 1
-        candidate = stem if n == 1 else f"{stem}-{n}"
-        while self._head(candidate) is not None:
-            n += 1
-            candidate = f"{stem}-{n}"
-        return candidate
+        return Placement(head, base, shared if base else 0, True, parent_id, upto)
 
     def _common_with(self, head: Head, digests: PrefixDigests, at_least: int = 0) -> int:
         """The messages the head shares with the request (``at_least`` when no more than that). A head no longer
@@ -175,10 +170,14 @@ class PlacementMixin(SiblingsMixin):
     def _heads_extended(self, fingerprint: str, digests: PrefixDigests) -> list[Head]:
         """The opening's sessions whose head the request starts with (equal digests at the head's length), oldest
         first, with ``pending``. The heads' distinct lengths are found by skipping through an index
-        (``_HEAD_LENGTHS``), not by reading every session of the opening."""
-        lengths = [int(n) for (n,) in self.conn.execute(_HEAD_LENGTHS, [fingerprint, fingerprint, len(digests),
-                                                                         len(digests)])]
-        wanted = sorted({digests.at(n) for n in lengths})
+        (``_HEAD_LENGTHS``), not by reading every session of the opening. A short request has few prefixes: all
+        their digests are looked up at once, without the lengths (one statement of ~20 a small fork, issue #13)."""
+        if len(digests) <= _ALL_PREFIXES:
+            wanted = sorted({digests.at(0), *(digest for _, digest in digests.run(0, len(digests)))})
+        else:
+            lengths = [int(n) for (n,) in self.conn.execute(_HEAD_LENGTHS, [fingerprint, fingerprint, len(digests),
+                                                                             len(digests)])]
+            wanted = sorted({digests.at(n) for n in lengths})
         rows: list[tuple[Any, ...]] = []
         for start in range(0, len(wanted), _CHUNK):
             chunk = wanted[start:start + _CHUNK]
@@ -255,8 +254,21 @@ def _closest(candidates: Sequence[Head], common_with: Callable[[Head, int], int]
 _FORK_CANDIDATES = 8
 """A new run's parent is looked for among the most recently active sessions of its opening only."""
 
+_OPEN_ROW = ("INSERT INTO sessions (id, fingerprint, named, parent_id, shared_len, created_at, updated_at,"
+             " head_list_id, head_len, head_digest, requests, model, inherit_upto)"
+             " VALUES (?, ?, ?, ?, ?, ?, ?, NULL, 0, ?, 0, ?, {upto})"
+             " ON CONFLICT (id) DO NOTHING RETURNING id, inherit_upto")
+_OPEN_FORK = _OPEN_ROW.format(upto="(SELECT COALESCE(MAX(id), 0) FROM decisions WHERE session_id = ?)")
+"""A session opened: a fork (``_OPEN_FORK``) inherits its parent's decisions up to the last one, read in the same
+statement (an ``UPDATE`` of the row after it was one of the ~20 statements of a small fork, issue #13)."""
+_OPEN = _OPEN_ROW.format(upto="NULL")
+
 _CHUNK = 500
 """Digests per ``IN (...)``: well under any database's limit on parameters of one statement."""
+
+_ALL_PREFIXES = 16
+"""A request of at most this many messages looks up the digests of all its prefixes (``_heads_extended``): that
+many probes of ``sessions_by_opening_digest`` cost less than the statement that finds the heads' lengths."""
 
 _OPENINGS_KEPT = 4096
 """Openings whose interrupted sessions are kept (``_interrupted_sessions``); beyond, the oldest is read again."""
@@ -289,6 +301,17 @@ _LAST_ANSWERED = (
     f" WHERE r.session_id = ? AND {ANSWERED.format(request='r.id')} AND NOT {_INTERRUPTED.format(request='r.id')}"
     f" AND {_INTERRUPTED.format(request=_LAST_REQUEST.format(session='?'))} ORDER BY r.id DESC LIMIT 1")
 """A session's last answered request, when its last request was interrupted (else no row)."""
+
+
+def _new_ids(fingerprint: str, siblings: int) -> Iterator[str]:
+    """An opening's next session ids, from the one its count of sessions names: ``s-`` and 12 hex digits of the
+    fingerprint, then ``-2``, ``-3``... (an id can be in use already: a session named so, or a count read before
+    another was opened)."""
+    stem = f"s-{fingerprint[:12]}"
+    n = siblings + 1
+    while True:
+        yield stem if n == 1 else f"{stem}-{n}"
+        n += 1
 
 
 def _continued(candidates: Sequence[Head], hashes: PrefixDigests, answered: Sequence[Head] = ()) -> Head | None:

@@ -129,6 +129,16 @@ def test_two_runs_replaying_the_same_first_steps_never_swap_sessions(journal: Jo
     assert len(set(a)) == 1 and set(b).isdisjoint(a) and len(set(b)) == 1
 
 
+def test_a_new_run_skips_the_ids_that_sessions_named_so_hold(journal: Journal) -> None:
+    opening = run(0)[0]
+    stem = f"s-{fingerprint(opening)[:12]}"
+    first = journal.record_request(incoming(opening, n=1))  # not answered yet: the next run is a parallel one
+    taken = record(journal, incoming(run(1, opening="other task")[-1], session=f"{stem}-2", n=2))
+    third = journal.record_request(incoming(opening, n=3))  # a parallel run: the next free number
+    assert (first.session_id, taken.session_id, third.session_id) == (stem, f"{stem}-2", f"{stem}-3")
+    assert journal.session(f"{stem}-2")["named"] and third.parent_id == stem  # type: ignore[index]
+
+
 def test_a_named_session_wins_over_the_fingerprint(journal: Journal) -> None:
     a = record(journal, incoming(run(1)[-1], session="agent-7"))
     b = record(journal, incoming(run(1, opening="other task")[-1], session="agent-7", n=1))

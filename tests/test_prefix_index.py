@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from ctxproxy.proxy.engine.context import read_new_session
 from ctxproxy.store import IncomingRequest, Journal, RecordedRequest, ResponseRecord, prefix_digest
 from ctxproxy.store.ancestry import _ANCESTRY
-from ctxproxy.store.placement import Head, Placement, _closest, _continued
+from ctxproxy.store.placement import Head, Placement, _closest, _continued, _new_ids
 from ctxproxy.store.prefixes import PrefixDigests
 from ctxproxy.store.recovery import ANSWERED
 from ctxproxy.store.sql import SqliteConnection
@@ -59,7 +59,7 @@ class ScanAll(Journal):
         if head is not None:
             return Placement(head, head.list_id, head.length, False, None)
         parent, shared = _closest(candidates[-8:], lambda head, at_least: self._common_with(head, digests, at_least))
-        placed = self._open(req, self._new_id(req.fingerprint, len(candidates)), parent, shared, req.fingerprint)
+        placed = self._open(req, _new_ids(req.fingerprint, len(candidates)), parent, shared, req.fingerprint)
         base = parent.list_id if parent and shared else None
         return replace(placed, base_list_id=base)
 

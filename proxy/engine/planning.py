@@ -331,7 +331,7 @@ def _forward_record(recorded: RecordedRequest, incoming: IncomingRequest, ctx: S
                     changed: bool, estimate: int | None) -> ForwardRecord:
     record = ForwardRecord(recorded.request_id, attempt, recorded.session_id, now(), incoming.params_hash,
                            verbatim=not changed, estimate=estimate, k=k,
-                           samples=ctx.calibration(incoming.model).samples,
+                           samples=ctx.calibration(incoming.model).samples, request_list_id=recorded.list_id,
                            decisions=decision_rows(p.new, p.state, sent, hashes),
                            overflow=[OverflowBody(w.overflow_id, w.body, w.tool, w.call_id, w.span, w.size, w.part)
                                      for w in p.writes])
