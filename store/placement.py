@@ -136,7 +136,8 @@ class PlacementMixin(SiblingsMixin):
             raise ValueError("the session's name is in use")  # a name is opened only when no session has it
         upto = None if row[1] is None else int(row[1])
         head = Head(session_id, None, 0, prefix_digest([]), req.received_at)
-        base = holder(self.conn, parent.list_id, shared) if parent and parent.list_id is not None and shared else None
+        base = holder(self.conn, parent.list_id, shared, self.digest_rows if self.conn.dialect == "sqlite" else None
+                      ) if parent and parent.list_id is not None and shared else None
         return Placement(head, base, shared if base else 0, True, parent_id, upto)
 
     def _common_with(self, head: Head, digests: PrefixDigests, at_least: int = 0) -> int:

@@ -113,15 +113,15 @@ def list_digest(conn: Connection, list_id: int, n: int, rebuild: Callable[[int],
     return hashlib.sha256(b"").hexdigest()
 
 
-def holder(conn: Connection, list_id: int, n: int) -> int:
+def holder(conn: Connection, list_id: int, n: int, known: DigestRows | None = None) -> int:
     """The list that holds the first ``n`` messages of request list ``list_id`` in its own segment: ``list_id``
     itself, or the base its segment took them from, and so on down. A fork is delta-encoded against it rather than
     against its parent's list: each new run of an opening would otherwise add one hop to every later lookup
-    below its fork point (runs forking runs that forked, 100 deep after 800 new runs)."""
+    below its fork point (runs forking runs that forked, 100 deep after 800 new runs). Each step reads the row
+    ``list_digest`` reads at ``n`` (``known``: kept from the search that found ``n``, two statements of a fork)."""
     current = list_id
     while True:
-        row = conn.execute("SELECT r.base_id, r.base_len FROM message_lists l JOIN message_lists r ON r.id = l.segment"
-                           " WHERE l.id = ?", [current]).fetchone()
+        row = _digest_row(conn, current, n, known)
         if row is None or row[0] is None or n > row[1]:
             return current
         current = int(row[0])
