@@ -93,8 +93,10 @@ class SpansMixin:
         def message_hashes(self, list_id: int) -> list[str]: ...
 
     def _insert_spans(self, session_id: str, spans: Sequence[OverflowBody], created_at: str,
-                      request_id: int | None) -> None:
-        row = self.conn.execute("SELECT list_id FROM requests WHERE id = ?", [request_id]).fetchone()
+                      request_id: int | None, list_id: int | None = None) -> None:
+        """``list_id``: the request's list, when the caller knows it (``ForwardRecord.request_list_id``)."""
+        row = (list_id,) if list_id is not None else self.conn.execute(
+            "SELECT list_id FROM requests WHERE id = ?", [request_id]).fetchone()
         if row is None:
             raise ValueError(f"a cut names messages of request {request_id}, which the journal does not hold")
         self.conn.executemany(
@@ -176,7 +178,7 @@ class CutsMixin(SpansMixin, OpsMixin, AncestryMixin):
     def write_forward(self, rec: ForwardRecord) -> int:
         """``record_forward`` inside the caller's transaction."""
         if rec.overflow:
-            self._insert_overflow(rec.session_id, rec.overflow, rec.created_at, rec.request_id)
+            self._insert_overflow(rec.session_id, rec.overflow, rec.created_at, rec.request_id, rec.request_list_id)
         if rec.decisions:
             self.insert_decisions(rec.session_id, rec.request_id, rec.decisions, rec.created_at)
         list_id = self._forward_list(rec)
@@ -205,10 +207,10 @@ class CutsMixin(SpansMixin, OpsMixin, AncestryMixin):
             [(session_id, request_id, *_decision_values(d), created_at, d.get("replaced_by")) for d in decisions])
 
     def _insert_overflow(self, session_id: str, bodies: Sequence[OverflowBody], created_at: str,
-                         request_id: int | None = None) -> None:
+                         request_id: int | None = None, list_id: int | None = None) -> None:
         spans = [b for b in bodies if b.span is not None and request_id is not None]
         if spans:  # the journal holds these bodies already: named, not stored again
-            self._insert_spans(session_id, spans, created_at, request_id)
+            self._insert_spans(session_id, spans, created_at, request_id, list_id)
             bodies = [b for b in bodies if b.span is None or request_id is None]
         self.conn.executemany("INSERT INTO blobs (hash, kind, body, chars) VALUES (?, 'overflow', ?, ?)"
                               " ON CONFLICT DO NOTHING",

@@ -25,7 +25,7 @@ from ctxproxy.store.liveness import instance_id
 from ctxproxy.store.migrate import apply
 from ctxproxy.store.migrations import STEPS
 from ctxproxy.store.placement import Placement, PlacementMixin
-from ctxproxy.store.prefixes import PrefixDigests, index_list
+from ctxproxy.store.prefixes import PrefixDigests, index_new_list, joined_segment
 from ctxproxy.store.reads import ReadsMixin
 from ctxproxy.store.records import IncomingRequest, RecordedRequest, ResponseRecord, prefix_digest
 from ctxproxy.store.recovery import RecoveryMixin
@@ -86,8 +86,9 @@ class Journal(PlacementMixin, ReadsMixin, CutsMixin, InspectMixin, RecoveryMixin
         with self.conn.transaction(lock=req.session_name or req.fingerprint):
             digests = PrefixDigests(req.hashes)
             place = self._place(req, digests)
-            list_id = self._insert_list(req, place)
-            index_list(self.conn, list_id, digests, place.base_list_id if place.common else None, place.common)
+            joined = joined_segment(self.conn, place.base_list_id if place.common else None, place.common)
+            list_id = self._insert_list(req, place, joined)
+            index_new_list(self.conn, list_id, digests, place.common, joined)
             self._insert_blob(req.params_hash, "params", req.params_body)
             request_id = self._insert_request(req, place.session.id, list_id)
             claimed = request_id if claim_opened and place.created and req.session_name is None else None
@@ -148,15 +149,16 @@ class Journal(PlacementMixin, ReadsMixin, CutsMixin, InspectMixin, RecoveryMixin
         self.conn.execute("INSERT INTO blobs (hash, kind, body, chars) VALUES (?, ?, ?, ?) ON CONFLICT DO NOTHING",
                           [digest, kind, body.decode(), len(body)])
 
-    def _insert_list(self, req: IncomingRequest, place: Placement) -> int:
+    def _insert_list(self, req: IncomingRequest, place: Placement, segment: int | None) -> int:
         added = req.hashes[place.common:]
         self.conn.executemany(
             "INSERT INTO blobs (hash, kind, body, chars) VALUES (?, 'message', ?, ?) ON CONFLICT DO NOTHING",
             [(h, b.decode(), len(b)) for h, b in zip(added, req.bodies[place.common:], strict=True)],
         )
         return self.conn.insert(
-            "INSERT INTO message_lists (base_id, base_len, added, length) VALUES (?, ?, ?, ?)",
-            [place.base_list_id if place.common else None, place.common, json.dumps(list(added)), len(req.hashes)],
+            "INSERT INTO message_lists (base_id, base_len, added, length, segment) VALUES (?, ?, ?, ?, ?)",
+            [place.base_list_id if place.common else None, place.common, json.dumps(list(added)), len(req.hashes),
+             segment],
         )
 
     def _insert_request(self, req: IncomingRequest, session_id: str, list_id: int) -> int:

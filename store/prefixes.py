@@ -27,7 +27,8 @@ from typing import Any
 
 from ctxproxy.store.sql import Connection
 
-__all__ = ["DigestRows", "PrefixDigests", "common_prefix", "holder", "index_list", "list_digest"]
+__all__ = ["DigestRows", "PrefixDigests", "common_prefix", "holder", "index_list", "index_new_list", "joined_segment",
+           "list_digest"]
 
 
 class PrefixDigests:
@@ -78,16 +79,35 @@ class PrefixDigests:
         return 64 * n if self._offsets is None else self._offsets[n]
 
 
+def joined_segment(conn: Connection, base_id: int | None, base_len: int) -> int | None:
+    """The segment a new list joins: its base's, when the list continues the base from its segment's end (a
+    session's next request); None when it starts one of its own (a fork, a new run)."""
+    if base_id is None or not base_len:
+        return None
+    row = conn.execute("SELECT l.segment, l.length, (SELECT MAX(p.length) FROM prefixes p"
+                       " WHERE p.segment = l.segment) FROM message_lists l WHERE l.id = ?", [base_id]).fetchone()
+    return int(row[0]) if row is not None and row[0] is not None and base_len == row[1] == row[2] else None
+
+
 def index_list(conn: Connection, list_id: int, digests: PrefixDigests, base_id: int | None,
                base_len: int) -> None:
-    """Record the prefixes of request list ``list_id`` (its hashes: ``digests``) that its base did not."""
-    segment = list_id
-    if base_id is not None and base_len:
-        row = conn.execute("SELECT l.segment, l.length, (SELECT MAX(p.length) FROM prefixes p"
-                           " WHERE p.segment = l.segment) FROM message_lists l WHERE l.id = ?", [base_id]).fetchone()
-        if row is not None and row[0] is not None and base_len == row[1] == row[2]:
-            segment = int(row[0])
-    conn.execute("UPDATE message_lists SET segment = ? WHERE id = ?", [segment, list_id])
+    """Record the prefixes of request list ``list_id`` (its hashes: ``digests``) that its base did not, the list
+    written without its segment (``index_new_list`` for one written with it)."""
+    joined = joined_segment(conn, base_id, base_len)
+    conn.execute("UPDATE message_lists SET segment = ? WHERE id = ?", [list_id if joined is None else joined, list_id])
+    _index_prefixes(conn, list_id if joined is None else joined, digests, base_len)
+
+
+def index_new_list(conn: Connection, list_id: int, digests: PrefixDigests, base_len: int,
+                   joined: int | None) -> None:
+    """``index_list`` of a list inserted with the segment it joins (``joined_segment``): only one that starts its
+    own is given it after (every request of a session joined its base's with an ``UPDATE`` of its own, issue #13)."""
+    if joined is None:
+        conn.execute("UPDATE message_lists SET segment = ? WHERE id = ?", [list_id, list_id])
+    _index_prefixes(conn, list_id if joined is None else joined, digests, base_len)
+
+
+def _index_prefixes(conn: Connection, segment: int, digests: PrefixDigests, base_len: int) -> None:
     conn.executemany("INSERT INTO prefixes (segment, length, digest) VALUES (?, ?, ?)",
                      [(segment, n, d) for n, d in digests.run(base_len, len(digests))])
 

@@ -197,7 +197,9 @@ class SqliteConnection(Connection):
         return self.raw.execute(sql, params)
 
     def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
-        self.raw.executemany(sql, rows)
+        rows = rows if isinstance(rows, list) else list(rows)
+        if rows:  # as on PostgreSQL: none, no statement (most requests' cut bodies, a forward that adds nothing)
+            self.raw.executemany(sql, rows)
 
     def script(self, ddl: str) -> None:
         for statement in _statements(ddl):
