@@ -11,7 +11,7 @@ change, no row at all after a prune) means: read the session back, as after a re
 The claim is written when the lock is taken, not when the answer is journaled: a process killed mid-request has
 claimed the session before it wrote any of that request's rows, so whatever it left is seen. And it is the
 request's id, not a counter: a request journaled before another's handling but handled after it is still told
-apart. One primary-key read and one primary-key write, in one transaction.
+apart. One primary-key read (with whether its holder was answered) and one primary-key write, in one transaction.
 
 Plain functions over a ``Journal`` (``writer.call(claim, ...)``), so the Journal class stays as is.
 """
@@ -21,7 +21,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 from ctxproxy.store.journal import Journal
-from ctxproxy.store.recovery import MARK_ABANDONED
+from ctxproxy.store.recovery import ANSWERED, MARK_ABANDONED
 
 __all__ = ["claim", "unclaim"]
 
@@ -33,12 +33,18 @@ def claim(journal: Journal, session_id: str, request_id: int) -> int | None:
     lock server frees a dead connection's locks). It gets its final ``interrupted`` row here, as a restart gives
     one (``store.recovery``), which on a shared store no starting replica may do for the others."""
     with journal.conn:
-        row = journal.conn.execute("SELECT claimed_by FROM sessions WHERE id = ?", [session_id]).fetchone()
+        row = journal.conn.execute(_HOLDER, [session_id]).fetchone()
         journal.conn.execute("UPDATE sessions SET claimed_by = ? WHERE id = ?", [request_id, session_id])
         previous = None if row is None or row[0] is None else int(row[0])
-        if previous is not None and previous != request_id:
+        if previous is not None and previous != request_id and not row[1]:
             journal.conn.execute(MARK_ABANDONED, [datetime.now(UTC).isoformat(timespec="milliseconds"), previous])
     return previous
+
+
+_HOLDER = (f"SELECT s.claimed_by, {ANSWERED.format(request='s.claimed_by')} FROM sessions s WHERE s.id = ?")
+"""The session's holder, and whether it was answered: only an unanswered one is marked (``MARK_ABANDONED``), and
+an agent's previous request almost always was (that statement ran on every request of a session, to insert
+nothing)."""
 
 
 def unclaim(journal: Journal, session_id: str) -> None:
