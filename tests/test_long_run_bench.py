@@ -112,3 +112,19 @@ def test_the_steps_of_a_long_run_are_timed_per_request_in_process() -> None:
     assert first > 20 and float(requests[first]["mirror rendered whole"]) > 0  # off at first, then turned on
     assert sum(float(row["mirror grown"]) > 0 for row in requests[first:]) > 20  # and grown
     assert all(float(row[label]) <= float(row["total"]) for row in requests for label in labels[2:])
+
+
+def test_a_small_fork_and_a_continuation_stay_within_their_statements() -> None:
+    """``bench/statements.py``: the statements the journal runs per request, counted in process on the generated
+    60-round workload. The budget is this tree's count (issue #13: 22 a new-text fork and 21.1 a continuation
+    before, each a few dozen microseconds): a statement added to either path fails here, to be counted again on
+    purpose. Each statement is listed with ``--show``."""
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "statements.py"), "--show"],
+                         capture_output=True, text=True, timeout=300, check=True)
+    counts = {line.split(":")[0]: float(line.rsplit(":", 1)[1]) for line in run.stdout.splitlines()
+              if line and not line.startswith((" ", "SQL"))}
+    fork, continuation = "new-text fork (the peers' small request)", "continuation (the replay's rounds 11-60)"
+    assert set(counts) == {fork, continuation}, run.stdout
+    assert counts[fork] <= 16 and counts[continuation] <= 18.6, run.stdout
+    assert "INSERT INTO requests" in run.stdout and "UPDATE message_lists SET segment" not in run.stdout.split(
+        "new-text fork")[0]  # a continuation joins its base's segment in its list's own insert
