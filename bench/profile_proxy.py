@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="directory for the raw py-spy stacks (default: the temp dir; ~2 MB each)")
     parser.add_argument("--conversation", type=Path, help="the 630 KB history from this file (as bench/latency.py)")
     parser.add_argument("--steps", action="store_true", help="time the proxy's own steps in process instead")
+    parser.add_argument("--nonblocking", action="store_true", help="py-spy samples without pausing the proxy: "
+                        "less distortion of short Python frames, stacks now and then torn")
     args = parser.parse_args(argv)
     if args.steps:
         print(steps_report(workloads(False, args.conversation)))
@@ -60,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     raw = args.out / f"profile-{args.workload}.txt"
     new_text = _new_text(args.workload, args.conversation)
-    requests = sample(args.py_spy, workload, args.seconds, args.rate, raw, new_text)
+    requests = sample(args.py_spy, workload, args.seconds, args.rate, raw, new_text, args.nonblocking)
     print(spy_report(raw, requests, args.rate, args.top))
     print(f"\nraw py-spy stacks: {raw} ({requests} requests in {args.seconds:g} s)")
     return 0
@@ -77,7 +79,7 @@ def _new_text(workload: str, conversation: Path | None) -> NewText | None:
 
 
 def sample(py_spy: str, workload: Workload, seconds: float, rate: int, raw: Path,
-           new_text: NewText | None = None) -> int:
+           new_text: NewText | None = None, nonblocking: bool = False) -> int:
     """Serve ``workload`` through the proxy, back to back, while py-spy records it; the number of requests.
     With ``new_text``, the conversation is replayed first and each request carries new text."""
     timer = time_first_byte if workload.stream else time_whole
@@ -92,7 +94,8 @@ def sample(py_spy: str, workload: Workload, seconds: float, rate: int, raw: Path
             latency_peers.replay(targets.proxied, new_text[0])
         for _ in range(20):
             timer(client, CHAT_PATH, body())
-        spy = subprocess.Popen([py_spy, "record", "--pid", str(targets.proxy_pid), "--rate", str(rate),
+        spy = subprocess.Popen([py_spy, "record", *(["--nonblocking"] if nonblocking else []), "--pid",
+                                str(targets.proxy_pid), "--rate", str(rate),
                                 "--duration", str(int(seconds)), "--format", "raw", "--threads",
                                 "--output", str(raw)], stdout=subprocess.DEVNULL)
         try:
