@@ -41,7 +41,7 @@ def claim(journal: Journal, session_id: str, request_id: int) -> int | None:
     return previous
 
 
-_HOLDER = (f"SELECT s.claimed_by, {ANSWERED.format(request='s.claimed_by')} FROM sessions s WHERE s.id = ?")
+_HOLDER = f"SELECT s.claimed_by, {ANSWERED.format(request='s.claimed_by')} FROM sessions s WHERE s.id = ?"
 """The session's holder, and whether it was answered: only an unanswered one is marked (``MARK_ABANDONED``), and
 an agent's previous request almost always was (that statement ran on every request of a session, to insert
 nothing)."""

@@ -221,9 +221,9 @@ class CutsMixin(SpansMixin, OpsMixin, AncestryMixin):
             [(session_id, b.overflow_id, b.tool, b.call_id, len(b.body.encode()), created_at) for b in bodies])
 
     def _forward_list(self, rec: ForwardRecord) -> int:
-        if (rec.verbatim or rec.own_list) and rec.request_list_id is not None:
-            return rec.request_list_id
         if rec.verbatim or rec.own_list:
+            if rec.request_list_id is not None:
+                return rec.request_list_id
             row = self.conn.execute("SELECT list_id FROM requests WHERE id = ?", [rec.request_id]).fetchone()
             return int(row[0])
         self.conn.executemany(

@@ -259,9 +259,10 @@ _OPEN_ROW = ("INSERT INTO sessions (id, fingerprint, named, parent_id, shared_le
              " head_list_id, head_len, head_digest, requests, model, inherit_upto)"
              " VALUES (?, ?, ?, ?, ?, ?, ?, NULL, 0, ?, 0, ?, {upto})"
              " ON CONFLICT (id) DO NOTHING RETURNING id, inherit_upto")
+"""A session opened (no row back: its id is taken); a fork (``_OPEN_FORK``) inherits its parent's decisions up to
+the last one, read in the same statement (an ``UPDATE`` of the row after it was one of the ~20 statements of a
+small fork, issue #13)."""
 _OPEN_FORK = _OPEN_ROW.format(upto="(SELECT COALESCE(MAX(id), 0) FROM decisions WHERE session_id = ?)")
-"""A session opened: a fork (``_OPEN_FORK``) inherits its parent's decisions up to the last one, read in the same
-statement (an ``UPDATE`` of the row after it was one of the ~20 statements of a small fork, issue #13)."""
 _OPEN = _OPEN_ROW.format(upto="NULL")
 
 _CHUNK = 500

@@ -94,20 +94,18 @@ def index_list(conn: Connection, list_id: int, digests: PrefixDigests, base_id: 
     """Record the prefixes of request list ``list_id`` (its hashes: ``digests``) that its base did not, the list
     written without its segment (``index_new_list`` for one written with it)."""
     joined = joined_segment(conn, base_id, base_len)
-    conn.execute("UPDATE message_lists SET segment = ? WHERE id = ?", [list_id if joined is None else joined, list_id])
-    _index_prefixes(conn, list_id if joined is None else joined, digests, base_len)
+    if joined is not None:  # one of its own is set by ``index_new_list``
+        conn.execute("UPDATE message_lists SET segment = ? WHERE id = ?", [joined, list_id])
+    index_new_list(conn, list_id, digests, base_len, joined)
 
 
 def index_new_list(conn: Connection, list_id: int, digests: PrefixDigests, base_len: int,
                    joined: int | None) -> None:
     """``index_list`` of a list inserted with the segment it joins (``joined_segment``): only one that starts its
     own is given it after (every request of a session joined its base's with an ``UPDATE`` of its own, issue #13)."""
+    segment = list_id if joined is None else joined
     if joined is None:
         conn.execute("UPDATE message_lists SET segment = ? WHERE id = ?", [list_id, list_id])
-    _index_prefixes(conn, list_id if joined is None else joined, digests, base_len)
-
-
-def _index_prefixes(conn: Connection, segment: int, digests: PrefixDigests, base_len: int) -> None:
     conn.executemany("INSERT INTO prefixes (segment, length, digest) VALUES (?, ?, ?)",
                      [(segment, n, d) for n, d in digests.run(base_len, len(digests))])
 
