@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import threading
 import time
 from collections.abc import Callable
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from ctxproxy.store import Journal, JournalWriter, MemoryJournal
+from ctxproxy.store import checkpoints as checkpoints_module
 from ctxproxy.store.checkpoints import (
     BACKSTOP_PAGES,
     PACE_PAGES,
@@ -83,6 +85,40 @@ def test_commits_that_never_pause_for_long_still_let_the_log_start_afresh(tmp_pa
         assert (tmp_path / "journal.db-wal").stat().st_size < (tmp_path / "journal.db").stat().st_size
     finally:
         checkpoints.close()
+        journal.close()
+
+
+def test_a_transaction_open_across_a_checkpoint_still_lets_the_log_start_afresh(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SQLite starts the log afresh only at a commit whose transaction began after the log was copied back whole. One
+    that began before (a request's, sent back to back) committed on top of it, and the log grew on to the next
+    checkpoint; the chase waits for it, copies it too, and starts the log afresh itself."""
+    monkeypatch.setattr(checkpoints_module, "PAUSE", 0.02)
+    journal = Journal(tmp_path / "journal.db")
+    checkpoint_backstop(journal.conn)
+    writer = journal.conn.raw
+    writer.execute("CREATE TABLE scratch (x BLOB)")
+    for n in range(5):
+        record(journal, incoming([{"role": "user", "content": f"{n} " + "x" * 8000}], n=n))
+    checkpointer = sqlite3.connect(str(tmp_path / "journal.db"), timeout=0, isolation_level=None)
+
+    def commit_soon() -> None:
+        time.sleep(0.005)
+        writer.execute("INSERT INTO scratch VALUES (zeroblob(20000))")
+        writer.execute("COMMIT")
+
+    try:
+        writer.execute("BEGIN IMMEDIATE")  # its snapshot: a log not yet copied back
+        committing = threading.Thread(target=commit_soon)
+        committing.start()
+        log_pages, copied = Checkpointer._copy_back(checkpointer)
+        committing.join()
+        assert copied == log_pages > 50
+        writer.execute("INSERT INTO scratch VALUES (zeroblob(20000))")
+        _, now, _ = checkpointer.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+        assert now < 10  # this commit's pages alone: the log began again
+    finally:
+        checkpointer.close()
         journal.close()
 
 
