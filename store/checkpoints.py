@@ -25,8 +25,8 @@ that began during the last pass (a request's commit, sent back to back) commits 
 growing to the next checkpoint, in ~1 of 4 checkpoints of such a burst, several in a row now and then (the WAL file
 keeps the largest size it reached). So a chase that has caught up starts the log afresh itself, with
 ``PRAGMA wal_checkpoint(RESTART)``: that takes the write lock for the few µs of a pass with nothing to copy (no
-sync), or, if a writer holds the lock, does nothing but a passive pass and says so, and the chase goes on after
-``PAUSE`` lets that writer commit.
+sync; a commit that slipped in since the last pass is copied under it, and synced), or, if a writer holds the lock,
+does nothing but a passive pass and says so, and the chase goes on after ``PAUSE`` lets that writer commit.
 """
 
 from __future__ import annotations
