@@ -9,7 +9,9 @@ checkpoint's worth of commits when it starts afresh at each, a multiple of it wh
 
 How: ``tests/test_checkpoints.burst`` (a request with 8 KB of new text journaled every 2 ms for a
 second, each poking a ``Checkpointer`` that runs every 0.05 s), ``--runs`` times, each on a new journal in a
-temporary folder; printed per run: requests, checkpoints, the log's largest size, the file's, and their ratio.
+temporary folder; printed per run: requests, checkpoints, how many times the log started afresh (its header's
+checkpoint sequence number, ``tests/test_checkpoints.log_restarts``), the log's largest size, the file's, and their
+ratio.
 
 Run: ``.venv/bin/python bench/log_restarts.py --runs 12`` (``PYTHONPATH=OTHER``: another tree's checkpointer)
 """
@@ -34,14 +36,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=12)
     args = parser.parse_args(argv)
     print(f"checkpointer from {Path(sys.modules[Checkpointer.__module__].__file__ or '?').parent.parent}")
-    print("| run | requests | checkpoints | largest log (MB) | file (MB) | log / file |")
-    print("|---:|---:|---:|---:|---:|---:|")
+    print("| run | requests | checkpoints | the log started afresh | largest log (MB) | file (MB) | log / file |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
     ratios = []
     for run in range(args.runs):
         with tempfile.TemporaryDirectory(prefix="ctxproxy-log-") as folder:
-            n, checkpoints, log, file = burst(Path(folder))
+            n, checkpoints, log, file, restarts = burst(Path(folder))
         ratios.append(log / file)
-        print(f"| {run + 1} | {n} | {checkpoints} | {log / 1e6:.2f} | {file / 1e6:.2f} | {log / file:.2f} |")
+        print(f"| {run + 1} | {n} | {checkpoints} | {restarts} | {log / 1e6:.2f} | {file / 1e6:.2f} "
+              f"| {log / file:.2f} |")
     print(f"\nlog / file: median {statistics.median(ratios):.2f}, {min(ratios):.2f}–{max(ratios):.2f}; "
           f"at 0.75 or more in {sum(r >= 0.75 for r in ratios)} of {len(ratios)} runs")
     return 0

@@ -67,9 +67,17 @@ def test_commits_leave_the_log_to_the_checkpointer_which_copies_it_back_when_pok
         journal.close()
 
 
-def burst(folder: Path, seconds: float = 1.0) -> tuple[int, int, int, int]:
+def log_restarts(log: Path) -> int:
+    """How many times the write-ahead log at ``log`` started afresh: its header's checkpoint sequence number (bytes
+    12-15, big-endian), which SQLite counts up at each restart from 0 for a new log."""
+    with log.open("rb") as file:
+        return int.from_bytes(file.read(16)[12:16], "big")
+
+
+def burst(folder: Path, seconds: float = 1.0) -> tuple[int, int, int, int, int]:
     """Requests 2 ms apart for ``seconds``, each poking a checkpointer that runs every 0.05 s (as the 600-round
-    run's, sent back to back): (requests, checkpoints, log bytes, file bytes) after. ``bench/log_restarts.py``'s."""
+    run's, sent back to back): (requests, checkpoints, log bytes, file bytes, times the log started afresh) after.
+    ``bench/log_restarts.py``'s."""
     journal = Journal(folder / "journal.db")
     checkpoint_backstop(journal.conn)
     checkpoints = Checkpointer(folder / "journal.db", every=0.05)
@@ -81,20 +89,21 @@ def burst(folder: Path, seconds: float = 1.0) -> tuple[int, int, int, int]:
             n += 1
             time.sleep(0.002)
         return n, checkpoints.checkpoints, (folder / "journal.db-wal").stat().st_size, (
-            folder / "journal.db").stat().st_size
+            folder / "journal.db").stat().st_size, log_restarts(folder / "journal.db-wal")
     finally:
         checkpoints.close()
         journal.close()
 
 
 def test_commits_that_never_pause_for_long_still_let_the_log_start_afresh(tmp_path: Path) -> None:
-    """Each checkpoint found commits made while it ran, so the log never started afresh and grew to the backstop (54
-    MB of log for a 6 MB file here); checkpoints run again while commits came during the last, until one ends
-    between two, and start the log afresh (SQLite keeps a log file at the largest size it reached: 0.77-0.96 of the
-    file's when the log went on past some checkpoints, 0.52-0.60 since, ``bench/log_restarts.py``)."""
-    _, checkpoints, log, file = burst(tmp_path)
+    """Each checkpoint found commits made while it ran, so the log never started afresh (0 times in 18 checkpoints)
+    and grew to the backstop (54 MB of log for a 6 MB file here); checkpoints run again while commits came during
+    the last, until one ends between two, and start the log afresh. Counted by the log's own header, not judged by
+    its size: how long a period runs on a machine whose cores are all busy is the scheduler's (``burst`` on such a
+    machine: 10-19 restarts of 12-17 checkpoints, the largest log 0.6-3.4 times the file)."""
+    _, checkpoints, _, _, restarts = burst(tmp_path)
     assert checkpoints >= 5
-    assert log < file
+    assert restarts >= checkpoints // 2
 
 
 def test_a_transaction_open_across_a_checkpoint_still_lets_the_log_start_afresh(
