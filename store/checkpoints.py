@@ -20,13 +20,10 @@ between two commits; and the wait after a poke follows the log (``next_wait``): 
 pages the log held and sets the next wait so that it holds about ``PACE_PAGES`` at the next one, shorter while
 commits come fast, back to ``every`` as they slow (an agent waiting on its model gets a checkpoint per request).
 
-A log copied back whole still starts afresh only at a commit whose transaction *began* after the copy ended: one
-that began during the last pass (a request's commit, sent back to back) commits on top of it, and the log went on
-growing to the next checkpoint, in ~1 of 4 checkpoints of such a burst, several in a row now and then (the WAL file
-keeps the largest size it reached). So a chase that has caught up starts the log afresh itself, with
-``PRAGMA wal_checkpoint(RESTART)``: that takes the write lock for the few µs of a pass with nothing to copy (no
-sync; a commit that slipped in since the last pass is copied under it, and synced), or, if a writer holds the lock,
-does nothing but a passive pass and says so, and the chase goes on after ``PAUSE`` lets that writer commit.
+A log copied back whole still starts afresh only at a commit whose transaction began after the copy ended: under
+commits sent back to back, one began during the last pass at 1-7 of a burst's 18 checkpoints, committed on top, and the
+log went on to the next checkpoint (``bench/log_restarts.py``). Starting it afresh from here would take the write
+lock (``_PASSIVE``), which the writer's transactions cannot all wait for.
 """
 
 from __future__ import annotations
@@ -34,7 +31,6 @@ from __future__ import annotations
 import logging
 import sqlite3
 import threading
-import time
 from pathlib import Path
 
 from ctxproxy.store.sql import Connection
@@ -58,12 +54,10 @@ CHASES = 8
 """Checkpoints run back to back at most after the first (``Checkpointer._copy_back``)."""
 
 _PASSIVE = "PRAGMA wal_checkpoint(PASSIVE)"
-_RESTART = "PRAGMA wal_checkpoint(RESTART)"
-
-PAUSE = 0.001
-"""Seconds a chase waits for a writer that held the write lock when it tried to start the log afresh, or for a
-reader that kept a pass from copying all of the log (the writer, between its commit and the end of its
-transaction; a reader in another process may hold it longer, and then each checkpoint waits ``CHASES`` of these)."""
+"""The only checkpoint this thread runs. RESTART or TRUNCATE would take the write lock, and a transaction of the
+writer's that began with a read (``BEGIN``, not ``BEGIN IMMEDIATE``) and then writes fails at once while another
+connection holds it, busy timeout or not (``tests/test_checkpoints.py``): tried here to start the log afresh under
+back-to-back commits, RESTART made a small chat a 503 while a large request was journaled."""
 
 SHORTEST_WAIT = 0.05
 """Seconds: the checkpoints' pace at its fastest (each one syncs the log and the file)."""
@@ -131,19 +125,16 @@ class Checkpointer:
         first. The log starts afresh only at a commit that finds all of it copied, and commits that come all the
         time (a session's requests sent back to back) left each checkpoint behind by what they wrote while it ran:
         the log never started afresh, and reached the backstop. Each next checkpoint copies only what came during
-        the last (a few pages), so one soon ends between two commits; one that finds nothing new costs no sync, and
-        then the log is started afresh here (``_start_afresh``) unless a writer is in a transaction."""
+        the last (a few pages), so one soon ends between two commits; one that finds nothing new costs no sync."""
         _, log_pages, copied = conn.execute(_PASSIVE).fetchone()
-        seen, done, caught_up = log_pages, copied, False
+        seen, done = log_pages, copied
         for _ in range(CHASES):
-            if done < seen:  # a reader holds the rest: a writer ending its transaction, or another process
-                time.sleep(PAUSE)
-            elif caught_up and _start_afresh(conn):
+            if done < seen:  # a reader holds the rest: another checkpoint would not copy it either
                 break
             _, now, done = conn.execute(_PASSIVE).fetchone()
-            if now < seen:  # the log started afresh meanwhile
+            if now <= seen:  # nothing came meanwhile, or the log started afresh
                 break
-            seen, caught_up = now, now == seen
+            seen = now
         return log_pages, copied
 
     def _checkpoint(self, conn: sqlite3.Connection | None) -> sqlite3.Connection | None:
@@ -151,7 +142,7 @@ class Checkpointer:
         disk full, an I/O error... the next poke tries again, on a new one; the backstop holds meanwhile)."""
         try:
             if conn is None:
-                conn = sqlite3.connect(str(self._path), timeout=0, check_same_thread=False, isolation_level=None)
+                conn = sqlite3.connect(str(self._path), check_same_thread=False, isolation_level=None)
                 conn.execute(f"PRAGMA synchronous={'FULL' if self._sync == 'full' else 'NORMAL'}")  # how it syncs
             log_pages, copied = self._copy_back(conn)
             self._pinned = log_pages >= BACKSTOP_PAGES * 3 // 4 and copied < log_pages
@@ -163,12 +154,3 @@ class Checkpointer:
             if conn is not None:
                 conn.close()
             return None
-
-
-def _start_afresh(conn: sqlite3.Connection) -> bool:
-    """Start a log copied back whole afresh now (``PRAGMA wal_checkpoint(RESTART)``, never waiting on ``conn``'s
-    busy timeout of 0): True if it did; False if a writer or a reader held it, after ``PAUSE`` for them."""
-    busy, _, _ = conn.execute(_RESTART).fetchone()
-    if busy:
-        time.sleep(PAUSE)
-    return not busy

@@ -137,21 +137,27 @@ class JournalWriter:
             self._running.release()
 
     def _guarded(self, method: Callable[..., T], *args: object) -> T:
+        """On the writer thread. On SQLite a request-path call (``_HERE``) holds the write lock from its start, as
+        ``_run_here``'s do: a transaction that began with a read and then writes (``claim``'s) fails at once, busy
+        timeout or not, while another connection holds the lock (a ``ctxproxy prune``); this one waits for it."""
+        journal = self._own()
+        locked = journal.conn.dialect == "sqlite" and method in _HERE
         if not self._here:
-            return self._checked(self._own(), method, args)
+            return self._checked(journal, method, args, locked=locked)
         with self._running:
-            return self._checked(self._own(), method, args)
+            return self._checked(journal, method, args, locked=locked)
 
-    def _checked(self, journal: Journal, method: Callable[..., T], args: tuple[object, ...], held: bool = False) -> T:
+    def _checked(self, journal: Journal, method: Callable[..., T], args: tuple[object, ...], held: bool = False,
+                 locked: bool = False) -> T:
         """``method(journal, *args)``, its storage failures made the operator's; ``held``: in the transaction
-        ``_run_here`` began, committed here."""
+        ``_run_here`` began, committed here; ``locked``: in one begun here with the write lock (``_guarded``)."""
         if method not in _BLIND_WRITES:
             self._notice_other_writers(journal)
         self._write_unwritten(journal)
         try:
             if held:  # a failure SQLite rolled the transaction back for, which the looks above let pass
                 journal.conn.check_held()
-            result = method(journal, *args)
+            result = _locked_call(journal, method, args) if locked else method(journal, *args)
             if held:
                 journal.conn.end(commit=True)
         except journal.conn.Error as exc:
@@ -233,3 +239,8 @@ def storage_failure(exc: Exception, journal: Journal) -> JournalUnavailable | No
         return problem
     return None
 
+
+def _locked_call(journal: Journal, method: Callable[..., T], args: tuple[object, ...]) -> T:
+    """``method(journal, *args)`` in a transaction that takes SQLite's write lock at its ``BEGIN IMMEDIATE``."""
+    with journal.conn.transaction(exclusive=True):
+        return method(journal, *args)

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from ctxproxy.store import Journal, JournalWriter, MemoryJournal
-from ctxproxy.store import checkpoints as checkpoints_module
 from ctxproxy.store.checkpoints import (
     BACKSTOP_PAGES,
     PACE_PAGES,
@@ -98,45 +97,44 @@ def burst(folder: Path, seconds: float = 1.0) -> tuple[int, int, int, int, int]:
 def test_commits_that_never_pause_for_long_still_let_the_log_start_afresh(tmp_path: Path) -> None:
     """Each checkpoint found commits made while it ran, so the log never started afresh (0 times in 18 checkpoints)
     and grew to the backstop (54 MB of log for a 6 MB file here); checkpoints run again while commits came during
-    the last, until one ends between two, and start the log afresh. Counted by the log's own header, not judged by
-    its size: how long a period runs on a machine whose cores are all busy is the scheduler's (``burst`` on such a
-    machine: 10-19 restarts of 12-17 checkpoints, the largest log 0.6-3.4 times the file)."""
+    the last, until one ends between two. Counted by the log's own header, not judged by its size, which the
+    scheduler decides: a commit whose transaction began during the last pass keeps the log going to the next
+    checkpoint, and how long that runs is the machine's (11-18 restarts of 18 checkpoints, the largest log 0.5-1.7
+    times the file; with both cores busy elsewhere 7-18 of 17-18, and up to 3.4 times)."""
     _, checkpoints, _, _, restarts = burst(tmp_path)
     assert checkpoints >= 5
-    assert restarts >= checkpoints // 2
+    assert restarts >= checkpoints // 4
 
 
-def test_a_transaction_open_across_a_checkpoint_still_lets_the_log_start_afresh(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """SQLite starts the log afresh only at a commit whose transaction began after the log was copied back whole. One
-    that began before (a request's, sent back to back) committed on top of it, and the log grew on to the next
-    checkpoint; the chase waits for it, copies it too, and starts the log afresh itself."""
-    monkeypatch.setattr(checkpoints_module, "PAUSE", 0.02)
+def test_the_checkpointer_never_takes_the_write_lock_which_a_transaction_that_read_could_not_wait_for(
+        tmp_path: Path) -> None:
+    """A transaction that began with a read (``BEGIN``, not ``BEGIN IMMEDIATE``) and then writes fails at once, busy
+    timeout or not, while another connection holds the write lock: a RESTART checkpoint, which takes it, made a
+    small chat a 503 while a large request was journaled. So the checkpointer runs PASSIVE checkpoints only."""
     journal = Journal(tmp_path / "journal.db")
-    checkpoint_backstop(journal.conn)
     writer = journal.conn.raw
     writer.execute("CREATE TABLE scratch (x BLOB)")
-    for n in range(5):
-        record(journal, incoming([{"role": "user", "content": f"{n} " + "x" * 8000}], n=n))
-    checkpointer = sqlite3.connect(str(tmp_path / "journal.db"), timeout=0, isolation_level=None)
-
-    def commit_soon() -> None:
-        time.sleep(0.005)
-        writer.execute("INSERT INTO scratch VALUES (zeroblob(20000))")
-        writer.execute("COMMIT")
-
+    other = sqlite3.connect(str(tmp_path / "journal.db"), isolation_level=None)
     try:
-        writer.execute("BEGIN IMMEDIATE")  # its snapshot: a log not yet copied back
-        committing = threading.Thread(target=commit_soon)
-        committing.start()
-        log_pages, copied = Checkpointer._copy_back(checkpointer)
-        committing.join()
-        assert copied == log_pages > 50
-        writer.execute("INSERT INTO scratch VALUES (zeroblob(20000))")
-        _, now, _ = checkpointer.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
-        assert now < 10  # this commit's pages alone: the log began again
-    finally:
+        writer.execute("BEGIN")
+        writer.execute("SELECT COUNT(*) FROM scratch").fetchone()
+        other.execute("BEGIN IMMEDIATE")
+        started = time.monotonic()
+        with pytest.raises(sqlite3.OperationalError, match="database is locked"):
+            writer.execute("INSERT INTO scratch VALUES (1)")
+        assert time.monotonic() - started < 1.0  # its busy timeout is 10 s: not waited for
+        writer.execute("ROLLBACK")
+        other.execute("ROLLBACK")
+        statements: list[str] = []
+        checkpointer = sqlite3.connect(str(tmp_path / "journal.db"), isolation_level=None)
+        checkpointer.set_trace_callback(statements.append)
+        for n in range(20):
+            record(journal, incoming([{"role": "user", "content": f"{n} " + "x" * 8000}], n=n))
+        Checkpointer._copy_back(checkpointer)
         checkpointer.close()
+        assert statements and set(statements) == {"PRAGMA wal_checkpoint(PASSIVE)"}
+    finally:
+        other.close()
         journal.close()
 
 

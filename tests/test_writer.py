@@ -22,6 +22,7 @@ from ctxproxy.config import load_settings
 from ctxproxy.proxy.engine.heavy import OFFLOAD_BYTES, WHOLE_MIRROR_CHARS, heavy_journaling
 from ctxproxy.proxy.errors import StorageError, StorageFull, storage_error
 from ctxproxy.store import Journal, JournalWriter, SessionState, StateChange, checkpoints
+from ctxproxy.store.claims import claim
 from tests.conftest import app_client
 from tests.fakes import FakeUpstream
 from tests.test_journal import incoming, run
@@ -274,3 +275,25 @@ def test_the_connection_is_never_used_from_two_threads_at_once(tmp_path: Path, p
 def test_what_journaling_is_heavy(change: Any, forward_bytes: int, heavy: bool) -> None:
     """A MiB of cut bodies, or a long mirror stored whole (not one that only grew): the journal's thread."""
     assert heavy_journaling(change, forward_bytes) is heavy
+
+
+def test_a_call_on_the_writer_thread_waits_for_another_process_s_write_lock(tmp_path: Path) -> None:
+    """``claim`` reads, then writes: begun with a plain ``BEGIN``, it failed at once while another connection held
+    SQLite's write lock (a ``ctxproxy prune``; a checkpoint that took it made a small chat a 503). A request-path
+    call on the writer thread begins with the lock, and waits for it within the busy timeout."""
+    writer = JournalWriter(Journal(tmp_path / "journal.db"))
+    other = sqlite3.connect(str(tmp_path / "journal.db"), isolation_level=None, check_same_thread=False)
+    try:
+        rec = asyncio.run(writer.call(Journal.record_request, incoming([{"role": "user", "content": "hi"}])))
+        other.execute("BEGIN IMMEDIATE")  # the caller's thread cannot take it: the call goes to the writer thread
+        release = threading.Timer(0.3, lambda: other.execute("COMMIT"))
+        release.start()
+        started = time.monotonic()
+        asyncio.run(writer.call(claim, rec.session_id, rec.request_id))
+        assert time.monotonic() - started >= 0.25
+        release.join()
+        held = writer.journal.conn.execute("SELECT claimed_by FROM sessions WHERE id = ?", [rec.session_id])
+        assert held.fetchone()[0] == rec.request_id
+    finally:
+        other.close()
+        writer.close()
