@@ -137,11 +137,12 @@ class JournalWriter:
             self._running.release()
 
     def _guarded(self, method: Callable[..., T], *args: object) -> T:
-        """On the writer thread. On SQLite a request-path call (``_HERE``) holds the write lock from its start, as
-        ``_run_here``'s do: a transaction that began with a read and then writes (``claim``'s) fails at once, busy
-        timeout or not, while another connection holds the lock (a ``ctxproxy prune``); this one waits for it."""
+        """On the writer thread. On a SQLite file each call is one transaction holding the write lock from its start,
+        as ``_run_here``'s are: one that began with a read and then writes (``claim``'s) fails at once, busy timeout
+        or not, while another connection holds the lock (a ``ctxproxy prune``); this one waits for it. (A prune,
+        which needs a transaction of its own, is the command's, never the writer's.)"""
         journal = self._own()
-        locked = journal.conn.dialect == "sqlite" and method in _HERE
+        locked = journal.conn.dialect == "sqlite" and journal.path is not None
         if not self._here:
             return self._checked(journal, method, args, locked=locked)
         with self._running:
