@@ -279,8 +279,8 @@ def test_what_journaling_is_heavy(change: Any, forward_bytes: int, heavy: bool) 
 
 def test_a_call_on_the_writer_thread_waits_for_another_process_s_write_lock(tmp_path: Path) -> None:
     """``claim`` reads, then writes: begun with a plain ``BEGIN``, it failed at once while another connection held
-    SQLite's write lock (a ``ctxproxy prune``; a checkpoint that took it made a small chat a 503). A request-path
-    call on the writer thread begins with the lock, and waits for it within the busy timeout."""
+    SQLite's write lock (a ``ctxproxy prune``; a checkpoint that took it made a small chat a 503). Every call on
+    the writer thread begins with the lock, and waits for it within the busy timeout."""
     writer = JournalWriter(Journal(tmp_path / "journal.db"))
     other = sqlite3.connect(str(tmp_path / "journal.db"), isolation_level=None, check_same_thread=False)
     try:
