@@ -101,7 +101,9 @@ class Checkpointer:
         self._poked.set()
 
     def close(self) -> None:
-        """Stop, without a last checkpoint: the last connection to the file to close checkpoints it whole."""
+        """Stop, without a last checkpoint: the last connection to the file to close checkpoints it whole. It sets
+        the stop before the poke, so the thread sees one or the other: the poke, unless its clear came after both,
+        and then the stop, which it looks at before it waits again."""
         self._stopping.set()
         self._poked.set()
         self._thread.join()
@@ -109,7 +111,7 @@ class Checkpointer:
     def _run(self) -> None:
         conn: sqlite3.Connection | None = None
         try:
-            while True:
+            while not self._stopping.is_set():  # a close between the wait below and the clear: its poke is gone
                 self._poked.wait()
                 if self._stopping.wait(self.wait):
                     break  # closing

@@ -195,3 +195,36 @@ def test_a_checkpoint_that_fails_is_logged_and_tried_again_at_the_next_poke(tmp_
     finally:
         checkpoints.close()
     assert "could not checkpoint the journal's write-ahead log" in caplog.records[0].getMessage()
+
+
+class _ClosedJustBeforeTheClear(threading.Event):
+    """The checkpointer's poke event, whose first ``clear`` lets ``close`` set both events first: a close that came
+    after the wait before a checkpoint ended and before the thread cleared the poke (a scheduler's choice)."""
+
+    def __init__(self, checkpoints: Checkpointer) -> None:
+        super().__init__()
+        self.checkpoints, self.closer = checkpoints, threading.Thread(target=checkpoints.close)
+
+    def clear(self) -> None:
+        if self.closer.ident is None:
+            self.closer.start()
+            while not self.is_set():  # close has set the stop, then the poke
+                time.sleep(0.001)
+        super().clear()
+
+
+def test_a_close_that_comes_just_before_the_poke_is_cleared_still_stops_the_thread(tmp_path: Path) -> None:
+    """The thread cleared the poke after close had set it and waited for the next one for ever: a replay's
+    app never finished its shutdown (a CI run stopped at its time limit)."""
+    Journal(tmp_path / "journal.db").close()
+    checkpoints = Checkpointer(tmp_path / "journal.db", every=0.0)
+    first, hooked = checkpoints._poked, _ClosedJustBeforeTheClear(checkpoints)
+    checkpoints._poked = hooked
+    first.set()  # the thread, waiting on the first event, goes on to the hooked one's clear
+    _wait_for(lambda: hooked.closer.ident is not None)
+    hooked.closer.join(timeout=5)
+    stopped = not hooked.closer.is_alive()
+    if not stopped:  # let the test end: what a second close would do
+        checkpoints._poked.set()
+        hooked.closer.join()
+    assert stopped
