@@ -203,7 +203,7 @@ class _ClosedJustBeforeTheClear(threading.Event):
 
     def __init__(self, checkpoints: Checkpointer) -> None:
         super().__init__()
-        self.checkpoints, self.closer = checkpoints, threading.Thread(target=checkpoints.close)
+        self.closer = threading.Thread(target=checkpoints.close)
 
     def clear(self) -> None:
         if self.closer.ident is None:
@@ -213,14 +213,23 @@ class _ClosedJustBeforeTheClear(threading.Event):
         super().clear()
 
 
+class _ClosedJustBeforeItsFirstClear(Checkpointer):
+    """A checkpointer whose thread waits on that event from its start."""
+
+    def _run(self) -> None:
+        self._poked = _ClosedJustBeforeTheClear(self)
+        super()._run()
+
+
 def test_a_close_that_comes_just_before_the_poke_is_cleared_still_stops_the_thread(tmp_path: Path) -> None:
     """The thread cleared the poke after close had set it and waited for the next one for ever: a replay's
     app never finished its shutdown (a CI run stopped at its time limit)."""
     Journal(tmp_path / "journal.db").close()
-    checkpoints = Checkpointer(tmp_path / "journal.db", every=0.0)
-    first, hooked = checkpoints._poked, _ClosedJustBeforeTheClear(checkpoints)
-    checkpoints._poked = hooked
-    first.set()  # the thread, waiting on the first event, goes on to the hooked one's clear
+    checkpoints = _ClosedJustBeforeItsFirstClear(tmp_path / "journal.db", every=0.0)
+    _wait_for(lambda: isinstance(checkpoints._poked, _ClosedJustBeforeTheClear))
+    hooked = checkpoints._poked
+    assert isinstance(hooked, _ClosedJustBeforeTheClear)
+    checkpoints.poke()
     _wait_for(lambda: hooked.closer.ident is not None)
     hooked.closer.join(timeout=5)
     stopped = not hooked.closer.is_alive()
