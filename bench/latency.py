@@ -24,6 +24,8 @@ PEERS/README.md`` prints the peers' figures, read from their README at run time,
 runs a second ctxproxy from another source tree (``git archive REV proxy store config | tar -x -C SRC``) in the
 same run, each round through both, and reports each proxy's CPU time per request: on a busy machine the wall
 times of two runs differ by more than a change is worth, the ratio of one run and the CPU time much less.
+``--peer NAME=COMMAND`` (``bench/peer_proxies.py``) runs another proxy the same way, beside ctxproxy in each
+round, so "ahead of every peer" is judged on this machine, not against figures from the peers' own.
 
 Run: ``.venv/bin/python bench/latency.py --requests 200 --markdown`` (``--check``: exit 1 when a goal is missed;
 ``--conversation PEERS/conversation-60.json``: the peers' workload)
@@ -51,6 +53,7 @@ from typing import Any
 
 import httpx
 import latency_peers
+from peer_proxies import parse_peer, peer_proxies
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.real.upstream import stop
@@ -91,11 +94,13 @@ def main(argv: list[str] | None = None) -> int:
     peers = latency_peers.peers_figures(args.peers) if args.peers else None
     with tempfile.TemporaryDirectory(prefix="ctxproxy-bench-") as tmp, \
             servers(Path(tmp), args.proxy_env, args.proxy) as targets, \
-            baseline_proxy(Path(tmp), targets, args) as baseline:
-        new_text, results, identical = _measure(targets, baseline, args, chosen)
+            baseline_proxy(Path(tmp), targets, args) as baseline, \
+            peer_proxies(args.peer, targets.direct, Path(tmp), _stop) as beside:
+        others = ({"baseline": baseline} if baseline else {}) | beside
+        new_text, results, identical = _measure(targets, others, args, chosen)
     report = _report(command, args.proxy, args.requests, results) | {
         "new_text": new_text, "identical": identical, "baseline": args.baseline and str(args.baseline),
-        "peers": peers}
+        "peers": peers, "peers_beside": {peer.name: peer.command for peer in args.peer}}
     out: Path = args.json or (DEFAULT_JSON if args.proxy == "ctxproxy" else DEFAULT_JSON.with_stem(
         f"latency-{args.proxy}"))
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -109,30 +114,31 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if args.check and any(r["meets_goal"] is False for r in results) else 0
 
 
-def _measure(targets: Targets, baseline: tuple[str, int] | None, args: argparse.Namespace,
+def _measure(targets: Targets, others: dict[str, tuple[str, int]], args: argparse.Namespace,
              chosen: list[Workload]) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
     """New-text rows (peers' method), identical-body results (this script's method) and, beside a baseline
-    proxy, identical-body rows measured like the new-text ones (every target in each round)."""
-    new_text = _run_peers_method(targets, args, baseline) if args.method != "identical" else []
+    proxy or peers (``others``: ``{name: (url, pid)}``), identical-body rows measured like the new-text ones (every
+    target in each round)."""
+    new_text = _run_peers_method(targets, args, others) if args.method != "identical" else []
     if args.method == "peers":
         return new_text, [], []
-    if baseline is None:
+    if not others:
         return new_text, [_run_workload(targets, w, args.requests) for w in chosen], []
     identical = [row for w in chosen if not w.stream
-                 for row in latency_peers.measure(targets.direct, _proxies(targets, baseline), f"identical {w.name}",
+                 for row in latency_peers.measure(targets.direct, _proxies(targets, others), f"identical {w.name}",
                                                   args.requests, 0, lambda i, b=w.body: b)]
     return new_text, [], identical
 
 
-def _proxies(targets: Targets, baseline: tuple[str, int] | None) -> dict[str, tuple[str, int]]:
-    return {"ctxproxy": (targets.proxied, targets.proxy_pid), **({"baseline": baseline} if baseline else {})}
+def _proxies(targets: Targets, others: dict[str, tuple[str, int]]) -> dict[str, tuple[str, int]]:
+    return {"ctxproxy": (targets.proxied, targets.proxy_pid), **others}
 
 
 def _run_peers_method(targets: Targets, args: argparse.Namespace,
-                      baseline: tuple[str, int] | None) -> list[dict[str, Any]]:
+                      others: dict[str, tuple[str, int]]) -> list[dict[str, Any]]:
     """The peers' method: the 60-request replay, then new-text small and large requests (``latency_peers``)."""
     conversation = json.loads(args.conversation.read_text()) if args.conversation else generated(rounds=60)
-    proxies = _proxies(targets, baseline)
+    proxies = _proxies(targets, others)
     for url, _ in proxies.values():
         latency_peers.replay(url, conversation)
     return [row for kind in ("small", "large")
@@ -188,6 +194,9 @@ def _parser() -> argparse.ArgumentParser:
                         "their added-latency figures are printed beside ours")
     parser.add_argument("--baseline", type=Path, metavar="SRC", help="also measure a second ctxproxy running "
                         "the code under SRC (a checkout or `git archive` of proxy/ store/ config/), same run")
+    parser.add_argument("--peer", action="append", default=[], type=parse_peer, metavar="NAME=COMMAND",
+                        help="also measure another proxy, same run (bench/peer_proxies.py: {port}, {upstream}, "
+                        "{upstream_root}, {data} filled in; repeatable)")
     parser.add_argument("--proxy-env", action="append", default=[], metavar="KEY=VALUE",
                         help="extra environment for the proxy, e.g. CTXPROXY_LOG_LEVEL=warning (repeatable)")
     return parser
