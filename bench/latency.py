@@ -40,7 +40,6 @@ import json
 import os
 import platform
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -53,7 +52,7 @@ from typing import Any
 
 import httpx
 import latency_peers
-from peer_proxies import parse_peer, peer_proxies
+from peer_proxies import free_port, parse_peer, peer_proxies, wait_answering
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.real.upstream import stop
@@ -238,12 +237,6 @@ def workloads(no_stream: bool, conversation_file: Path | None = None) -> list[Wo
 
 
 # --- processes ----------------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @contextlib.contextmanager
 def servers(tmp: Path, proxy_env: list[str], proxy: str = "ctxproxy") -> Iterator[Targets]:
     """The fake upstream and the proxy in front of it, each its own process; both stopped (by PID) on exit."""
@@ -288,16 +281,8 @@ def _spawn(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[b
 
 
 def _wait_ready(proc: subprocess.Popen[bytes], url: str, log: Path, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    with httpx.Client(timeout=1.0) as client:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{url} exited with {proc.returncode}:\n{log.read_text()[-2000:]}")
-            with contextlib.suppress(httpx.TransportError):
-                if client.get(url).status_code == 200:
-                    return
-            time.sleep(0.05)
-    raise RuntimeError(f"{url} not ready after {timeout:.0f} s:\n{log.read_text()[-2000:]}")
+    """Until ``url`` answers 200, or the process ends (``peer_proxies.wait_answering``)."""
+    wait_answering(proc, url, log, timeout, ready=lambda status: status == 200)
 
 
 _stop = stop  # the real-server tests' helper: terminate, then kill after 10 s

@@ -69,7 +69,7 @@ def peer_proxies(peers: list[Peer], upstream_root: str, tmp: Path,
                                                 stdout=sink, stderr=subprocess.STDOUT,
                                                 env=os.environ | {"HOME": str(data)}))
             url = f"http://127.0.0.1:{port}"
-            wait_answering(started[-1], url, log)
+            wait_answering(started[-1], url + "/", log)
             out[peer.name] = (url, started[-1].pid)
         yield out
     finally:
@@ -77,15 +77,17 @@ def peer_proxies(peers: list[Peer], upstream_root: str, tmp: Path,
             stop(proc)
 
 
-def wait_answering(proc: subprocess.Popen[bytes], url: str, log: Path, timeout: float = 30.0) -> None:
-    """Until ``url`` answers HTTP at all (a peer need not have a health route), or the process ends."""
+def wait_answering(proc: subprocess.Popen[bytes], url: str, log: Path, timeout: float = 30.0,
+                   ready: Callable[[int], bool] = lambda status: True) -> None:
+    """Until ``url`` answers with a status ``ready`` accepts (any, by default: a peer need not have a health
+    route), or the process ends."""
     deadline = time.monotonic() + timeout
     with httpx.Client(timeout=1.0) as client:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise RuntimeError(f"{url} exited with {proc.returncode}:\n{log.read_text()[-2000:]}")
             with contextlib.suppress(httpx.TransportError):
-                client.get(url + "/")
-                return
+                if ready(client.get(url).status_code):
+                    return
             time.sleep(0.05)
-    raise RuntimeError(f"{url} not answering after {timeout:.0f} s:\n{log.read_text()[-2000:]}")
+    raise RuntimeError(f"{url} not ready after {timeout:.0f} s:\n{log.read_text()[-2000:]}")
