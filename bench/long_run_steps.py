@@ -162,12 +162,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=600)
     parser.add_argument("--requests", default="", help="comma-separated request numbers (from 0) to show")
     parser.add_argument("--last", type=int, default=150, help="the last requests' medians too (the mirror's part)")
+    parser.add_argument("--slowest", type=int, default=0, help="and the N requests that took longest, in order")
     args = parser.parse_args(argv)
     timings = Timings()
     _inline()
     wrap_steps(timings)
     asyncio.run(replay(args.window, args.rounds, timings))
     chosen = [int(n) for n in args.requests.split(",") if n.strip()]
+    by_total = sorted(range(len(timings.requests)), key=lambda i: -timings.requests[i]["total"])
+    chosen += sorted(set(by_total[: args.slowest]) - set(chosen))
     print(f"{args.rounds} rounds at {args.window} tokens, in process, ms per request (a step includes those it calls)")
     print(table(timings, chosen, min(args.last, len(timings.requests))))
     return 0
