@@ -25,12 +25,17 @@ from ctxproxy.store.reads import chain
 __all__ = ["MIRROR_SEPARATOR", "CalibrationInForce", "SessionState", "StateChange", "calibration_in_force",
            "latest_calibration", "record_forward_and_state", "record_session_state", "session_state"]
 
-MIRROR_SEPARATOR = "\n  },\n  {\n"
+MIRROR_SEPARATOR = "\n    },\n    {\n"
 """Where the mirror's text is cut into pieces for the journal: between two of its entries, as
 ``proxy.tools.mirror.mirror_document`` lays them out (any text splits and joins back the same; this one makes the
 pieces the entries, which repeat from one version of the mirror to the next)."""
-_MIRROR_TAIL = "\n  }\n ]\n}"
+_MIRROR_TAIL = "\n    }\n  ]\n}"
 """How the mirror ends: a piece of its own (the last), so the newest entry is the same piece in the next version."""
+_EARLIER_SEPARATOR = "\n  },\n  {\n"
+"""The separator of the mirrors journaled before their indent became two spaces (issue #13): such a mirror's first
+piece begins ``_EARLIER_HEAD``, and its pieces are joined back with this one."""
+_EARLIER_HEAD = '{\n "session": '
+
 _MAX_DEPTH = 64
 """A mirror's list is stored whole rather than as the 65th delta of a chain: a read rebuilds at most 64 rows (in
 one query). A whole list is ~67 bytes a piece: every 17th, as before runs, was most of the mirror's lists."""
@@ -48,18 +53,14 @@ class SessionState:
 
 
 def record_session_state(journal: Journal, session_id: str, request_id: int, state: SessionState,
-                         created_at: str, previous: SessionState | None = None, extends: bool = False,
-                         entries: tuple[str, ...] = ()) -> None:
+                         created_at: str, previous: SessionState | None = None, extends: bool = False) -> None:
     """Journal the session's state as it is after ``request_id`` changed it. ``previous``: the state as last
     journaled, if the caller knows it (a mirror that only grew since is journaled as what it gained). ``extends``:
     the caller made ``state``'s mirror by adding entries to ``previous``'s, so its start is not compared again
-    (0.2-0.5 ms of each request of a long session at 128k, whose mirror holds some 300 000 characters).
-    ``entries``: the texts the caller assembled ``state``'s mirror from (``proxy.tools.mirror``'s), in order, so
-    its pieces are known by entry rather than split out of the text again (``_offer_assembled``)."""
+    (0.2-0.5 ms of each request of a long session at 128k, whose mirror holds some 300 000 characters)."""
     with journal.conn:
         mirror_list = None if state.mirror_text is None else _record_mirror(
-            journal, session_id, state.mirror_text, None if previous is None else previous.mirror_text, extends,
-            entries)
+            journal, session_id, state.mirror_text, None if previous is None else previous.mirror_text, extends)
         journal.conn.execute(
             "INSERT INTO session_state (session_id, request_id, offered_turn, reminded_turn, confirmations, mirror,"
             " mirror_list, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
@@ -76,7 +77,6 @@ class StateChange(NamedTuple):
     created_at: str
     previous: SessionState | None = None
     extends: bool = False
-    entries: tuple[str, ...] = ()
 
 
 def record_forward_and_state(journal: Journal, rec: ForwardRecord, change: StateChange | None) -> int:
@@ -100,22 +100,21 @@ def session_state(journal: Journal, session_id: str) -> SessionState:
         return SessionState()
     offered, reminded, confirmations, mirror, text, mirror_list = row
     if mirror_list is not None:
-        pieces = _pieces(journal, _mirror_hashes(journal, int(mirror_list))[0])
-        text = MIRROR_SEPARATOR.join(pieces[:-1]) + pieces[-1]
+        text = _joined(_pieces(journal, _mirror_hashes(journal, int(mirror_list))[0]))
     return SessionState(offered, reminded, tuple(json.loads(confirmations)), mirror, text)
 
 
 def _record_mirror(journal: Journal, session_id: str, text: str, previous: str | None = None,
-                   extends: bool = False, entries: tuple[str, ...] = ()) -> int:
+                   extends: bool = False) -> int:
     """The mirror's text as its pieces (split at ``MIRROR_SEPARATOR``: one a message, mostly; the closing brackets
     the last piece), each a blob stored once, listed like a request's messages: delta-encoded against the session's
     previous mirror. Stored whole on every change, the mirror took 57 MB of a 600-round session's journal for 6.7 MB
     of history. Only the pieces the previous mirror does not list are offered to ``blobs`` (its pieces are stored,
     and kept while its list is): a mirror rewritten on every request of a long session offered all of its ~650
     pieces each time, ~1 ms of the journal's time per request at 600 rounds (issue #13). A mirror that only gained
-    entries since ``previous`` (the text last journaled) is split, hashed and listed only where it grew; one
-    rewritten whole from ``entries`` has its pieces looked up by entry (``_offer_assembled``), and the previous
-    list's hashes are the ones this connection inserted, not read back along its chain."""
+    entries since ``previous`` (the text last journaled) is split, hashed and listed only where it grew; for one
+    rewritten whole, the previous list's hashes are the ones this connection inserted, not read back along its
+    chain, and its pieces' hashes are mostly looked up (``_piece_hash``)."""
     row = journal.conn.execute(_LAST_MIRROR, [session_id]).fetchone()
     known = journal.grown_mirrors.get(session_id)
     if row is not None and previous is not None:
@@ -123,10 +122,8 @@ def _record_mirror(journal: Journal, session_id: str, text: str, previous: str |
         if grown is not None:
             return _grown(journal, session_id, grown[0], grown[1], text, grown[2])
     before, depth = ([], 0) if row is None else _previous_list(journal, int(row[0]), known, previous)
-    hashes = _offer_assembled(journal, text, entries, set(before))
-    if hashes is None:
-        tail = _MIRROR_TAIL if text.endswith(_MIRROR_TAIL) else ""
-        hashes = _offer_pieces(journal, [*text[: len(text) - len(tail)].split(MIRROR_SEPARATOR), tail], set(before))
+    tail = _MIRROR_TAIL if text.endswith(_MIRROR_TAIL) else ""
+    hashes = _offer_pieces(journal, [*text[: len(text) - len(tail)].split(MIRROR_SEPARATOR), tail], set(before))
     if row is None or depth >= _MAX_DEPTH:
         return _grown(journal, session_id, *_insert_mirror_list(journal, None, [], 0, hashes), text, hashes)
     same = next((i for i, (a, b) in enumerate(zip(before, hashes, strict=False)) if a != b),
@@ -223,59 +220,6 @@ def _piece_hash(piece: str) -> str:
     return known
 
 
-_ENTRY_OPEN, _ENTRY_CLOSE, _JOIN = "  {\n", "\n  }", ",\n"
-"""How each of the mirror's entries begins and ends, and what joins two (``proxy.tools.mirror``): an entry's piece is
-what lies between its braces' lines."""
-_ENTRY_HASHES: dict[str, str] = {}
-"""The sha256 of the piece each mirror entry makes, by the entry's text: the entries a rewritten mirror keeps are
-the very strings of the last version (``proxy.engine.context``), whose Python hash is computed once, so looking
-them up costs no pass over their text, where splitting the new text (~300 000 characters at 128k) into fresh
-pieces and hashing those took 1-2 ms of each request that rewrote the mirror whole (issue #13). Cleared whole
-when full."""
-
-
-def _offer_assembled(journal: Journal, text: str, entries: tuple[str, ...], stored: set[str]) -> list[str] | None:
-    """The hashes of ``text``'s pieces from the ``entries`` it was assembled from, each piece whose hash is not in
-    ``stored`` offered to ``blobs``; None when they do not make it up (``_made_of``), to be split."""
-    rest = entries[1:]
-    first = text.find(MIRROR_SEPARATOR) if rest else len(text) - len(_MIRROR_TAIL)
-    if not entries or first < 0 or not _made_of(text, first, rest):
-        return None
-    head = text[:first]
-    offered = [(head, _piece_hash(head))]
-    hashes = [offered[0][1]]
-    for entry in rest:
-        known = _ENTRY_HASHES.get(entry)
-        if known is None:
-            if len(_ENTRY_HASHES) >= _PIECE_HASHES_KEPT:
-                _ENTRY_HASHES.clear()
-            known = _ENTRY_HASHES[entry] = hashlib.sha256(entry[len(_ENTRY_OPEN): -len(_ENTRY_CLOSE)].encode()
-                                                          ).hexdigest()
-        hashes.append(known)
-        if known not in stored:
-            offered.append((entry[len(_ENTRY_OPEN): -len(_ENTRY_CLOSE)], known))
-    hashes.append(_TAIL_HASH)
-    offered.append((_MIRROR_TAIL, _TAIL_HASH))
-    journal.conn.executemany("INSERT INTO blobs (hash, kind, body, chars) VALUES (?, 'mirror', ?, ?)"
-                             " ON CONFLICT DO NOTHING", [(h, p, len(p)) for p, h in offered if h not in stored])
-    return hashes
-
-
-def _made_of(text: str, first: int, rest: tuple[str, ...]) -> bool:
-    """Is ``text`` its first piece (``text[:first]``), then each of ``rest``, as ``proxy.tools.mirror`` joins its
-    entries, then its closing brackets? Compared in place, entry by entry (no copy of the text): then the pieces
-    read back joined are ``text`` exactly, whatever the entries hold."""
-    if not text.endswith(_MIRROR_TAIL):
-        return False
-    at = first + len(_ENTRY_CLOSE) + len(_JOIN)
-    for entry in rest:
-        if not (entry.startswith(_ENTRY_OPEN) and entry.endswith(_ENTRY_CLOSE) and text.startswith(entry, at)
-                and text.startswith(_JOIN, at - len(_JOIN))):
-            return False
-        at += len(entry) + len(_JOIN)
-    return at - len(_JOIN) - len(_ENTRY_CLOSE) == len(text) - len(_MIRROR_TAIL)
-
-
 def _offer_pieces(journal: Journal, pieces: list[str], stored: set[str] | frozenset[str] = frozenset()) -> list[str]:
     """The pieces' hashes; each piece whose hash is not in ``stored`` offered to ``blobs`` (kept once)."""
     hashes = [_piece_hash(p) for p in pieces]
@@ -311,6 +255,12 @@ def _pieces(journal: Journal, hashes: list[str]) -> list[str]:
         found.update(journal.conn.execute(
             f"SELECT hash, body FROM blobs WHERE hash IN ({','.join('?' * len(chunk))})", chunk).fetchall())
     return [found[h] for h in hashes]
+
+
+def _joined(pieces: list[str]) -> str:
+    """A mirror's text from its pieces (the last, its tail, joined without a separator)."""
+    separator = _EARLIER_SEPARATOR if pieces[0].startswith(_EARLIER_HEAD) else MIRROR_SEPARATOR
+    return separator.join(pieces[:-1]) + pieces[-1]
 
 
 @dataclass(frozen=True)

@@ -136,8 +136,8 @@ def test_a_prune_and_a_forgotten_incognito_session_leave_no_text_kept(tmp_path: 
 
 
 def _mirror(entries: list[str]) -> str:
-    head = '{\n "session": "s",\n "revision": 0,\n "messages": [\n  {\n'
-    return head + MIRROR_SEPARATOR.join(entries) + "\n  }\n ]\n}"
+    head = '{\n  "session": "s",\n  "revision": 0,\n  "messages": [\n    {\n'
+    return head + MIRROR_SEPARATOR.join(entries) + "\n    }\n  ]\n}"
 
 
 def test_a_mirror_changed_early_names_the_later_entries_of_the_one_before(store_location: Path | str) -> None:

@@ -26,7 +26,8 @@ from ctxproxy.proxy.core.identity import content_text
 from ctxproxy.proxy.engine import mirror_file
 from ctxproxy.proxy.engine.context import SessionContext
 from ctxproxy.proxy.engine.mirror_file import rewrite_in_place
-from ctxproxy.proxy.tools.mirror import appended_document, indented, mirror_document
+from ctxproxy.proxy.tools import mirror as mirror_module
+from ctxproxy.proxy.tools.mirror import CLOSE, appended_document, mirror_document
 from ctxproxy.store import (
     ForwardRecord,
     Journal,
@@ -187,35 +188,45 @@ def test_a_request_that_cuts_and_grows_the_mirror_journals_both_in_one_call(tmp_
         journal.close()
 
 
-def test_the_mirror_assembled_from_cached_entries_is_the_json_it_always_was() -> None:
-    msgs = _body(6, 40)["messages"] + [{"role": "user", "content": "é\n\"quoted\"\ttab"}]
+def test_the_mirror_is_the_json_the_stdlib_writes_indented_by_two() -> None:
+    msgs = _body(6, 40)["messages"] + [{"role": "user", "content": "é\n\"quoted\"\ttab\u2028\x00"}]
     ids = [f"m{i}" for i in range(len(msgs))]
-    cache: dict[tuple[str, str], str] = {}
-    for n in [0, 1, 4, len(msgs), len(msgs)]:
+    for n in [0, 1, 4, len(msgs)]:
         whole = json.dumps({"session": "s", "revision": n, "messages": [
             {"id": mid, **{k: v for k, v in m.items() if k in ("role", "content", "tool_call_id", "tool_calls")}}
-            for mid, m in zip(ids[:n], msgs[:n], strict=True)]}, indent=1, ensure_ascii=False)
-        hashes = [message_hash(m) for m in msgs[:n]]
-        assert mirror_document("s", n, ids[:n], msgs[:n], hashes, cache) == whole
-    changed = [*msgs[:-1], {"role": "user", "content": "cut"}]  # same identity, another message: not the old text
-    text = mirror_document("s", 0, ids, changed, [message_hash(m) for m in changed], cache)
-    assert json.loads(text)["messages"][-1]["content"] == "cut" and len(cache) == len(ids)
+            for mid, m in zip(ids[:n], msgs[:n], strict=True)]}, indent=2, ensure_ascii=False)
+        assert mirror_document("s", n, ids[:n], msgs[:n]) == whole
 
 
 JSON_VALUES = st.recursive(
-    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=True) | st.text(),
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(st.characters(codec="utf-8")) | st.text(st.characters(categories=["Cs"]), min_size=1, max_size=2),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=5), inner, max_size=4)
     | st.dictionaries(st.integers(0, 3), inner, min_size=1, max_size=2), max_leaves=20)
 
 
-@given(JSON_VALUES, st.integers(0, 4))
-@example({"id": "m1", "role": "assistant", "content": None, "tool_calls": [
-    {"id": "c1", "type": "function", "function": {"name": "sh", "arguments": '{"cmd": "ls\\n"}'}}]}, 2)
+@given(st.lists(JSON_VALUES, max_size=4), st.integers(0, 3))
 @example([[[[[["deep", {"er": [1, {"and": "é\u2028\x00"}]}]]]]]], 0)
-def test_an_entry_is_written_as_the_stdlib_writes_it_whatever_it_holds(value: Any, margin: int) -> None:
-    """orjson's text, its indent halved, where it writes the same (issue #13: a mirror turned on at 128k took 26 ms
-    the stdlib's way); the stdlib's for floats, integers past 64 bits, lone surrogates, keys that are not strings."""
-    assert indented(value, margin) == json.dumps(value, indent=1, ensure_ascii=False).replace("\n", "\n" + " " * margin)
+@example(["\ud800", 2**70, {1: "key"}], 1)
+def test_a_mirror_holds_its_entries_whatever_they_hold_cut_at_the_journals_separator(contents: list[Any],
+                                                                                    revision: int) -> None:
+    """Written by orjson in one call (issue #13: the request that turns the mirror on at 128k), by the stdlib where
+    orjson refuses (lone surrogates, integers past 64 bits, keys that are not strings): the file is UTF-8, reads
+    back as its entries (keys as JSON makes them), and the journal's separator falls between its entries only."""
+    messages = [{"role": "tool", "tool_call_id": f"c{i}", "content": c, "extra": 1} for i, c in enumerate(contents)]
+    ids = [f"m{i}" for i in range(len(messages))]
+    text = mirror_document("s", revision, ids, messages)
+    text.encode()  # no lone surrogate in the file
+    expected = {"session": "s", "revision": revision, "messages": [
+        {"id": mid, "role": "tool", "tool_call_id": m["tool_call_id"], "content": m["content"]}
+        for mid, m in zip(ids, messages, strict=True)]}
+    assert json.loads(text) == json.loads(json.dumps(expected))
+    assert text.count(MIRROR_SEPARATOR) == max(len(ids) - 1, 0)
+    assert text.endswith("\n    }" + CLOSE) == bool(ids)
+    cache: dict[tuple[str, str], str] = {}
+    hashes = [f"h{i}" for i in ids]
+    assert mirror_document("s", revision, ids, messages, hashes, cache) == text  # written whole, cut for the cache
+    assert mirror_document("s", revision, ids, messages, hashes, cache) == text  # joined from the cache
 
 
 def test_a_mirror_rewritten_shorter_in_place_is_exactly_its_new_text(tmp_path: Path) -> None:
@@ -232,7 +243,7 @@ def test_the_entries_a_draft_is_judged_against_are_read_back_from_the_mirror_wri
     mirror, only when a commit asks: read back from the document, they are what the messages written said."""
     messages = _body(3)["messages"]
     ids = [f"m{i}" for i in range(len(messages))]
-    document = mirror_document("s", 0, ids, messages, [message_hash(m) for m in messages], {})
+    document = mirror_document("s", 0, ids, messages)
     ctx = SessionContext(decisions=[], mirror_document=document, mirror_written=True)
     assert ctx.written_entries() == {mid: content_text(m.get("content")) for mid, m in zip(ids, messages,
                                                                                             strict=True)}
@@ -254,8 +265,38 @@ def test_a_mirror_extended_by_new_entries_is_the_text_written_whole(messages: li
     cache: dict[tuple[str, str], str] = {}
     before = mirror_document("s", revision, ids[:kept], messages[:kept], hashes[:kept], cache)
     grown = appended_document(before, ids[kept:], messages[kept:], hashes[kept:], cache)
-    assert grown == mirror_document("s", revision, ids, messages, hashes, {})
+    assert grown == mirror_document("s", revision, ids, messages)
+    assert mirror_document("s", revision, ids, messages, hashes, cache) == grown  # from the cache alone
     assert set(cache) == set(zip(ids, hashes, strict=True))
+
+
+_VERSION = st.lists(st.tuples(st.integers(0, 5), _MESSAGE), max_size=7)
+
+
+@given(_VERSION, _VERSION, st.integers(0, 7), st.integers(0, 7), _VERSION, st.integers(0, 2))
+def test_a_mirror_assembled_from_cached_entries_is_the_text_written_whole(before: list[tuple[int, dict[str, Any]]],
+                                                                        changed: list[tuple[int, dict[str, Any]]],
+                                                                        at: int, dropped: int,
+                                                                        added: list[tuple[int, dict[str, Any]]],
+                                                                        revision: int) -> None:
+    """Issue #13: a version that changes some entries (a fold, an elision pass) and adds some at the end writes
+    those and joins the others' text from the cache the last version left; byte for byte the whole text, whatever
+    was changed, dropped, added or repeated where, and the cache holds the current entries only."""
+    def written(version: list[tuple[int, dict[str, Any]]], cache: dict[tuple[str, str], str] | None) -> str:
+        return mirror_document("s", revision, [f"m{k}" for k, _ in version], [m for _, m in version],
+                               [message_hash(m) for _, m in version], cache)
+
+    at = min(at, len(before))
+    after = [*before[:at], *changed, *before[at + dropped:], *added]
+    cache: dict[tuple[str, str], str] = {}
+    assert written(before, cache) == written(before, None)
+    assert written(after, cache) == written(after, None)
+    assert set(cache) == {(f"m{k}", message_hash(m)) for k, m in after}
+
+
+def test_the_mirror_and_the_journal_cut_it_at_the_same_separator() -> None:
+    """The core cannot import the store, nor the store the core: the one layout is written down twice."""
+    assert mirror_module._BETWEEN == MIRROR_SEPARATOR
 
 
 def test_a_mirror_that_only_grew_is_journaled_as_its_new_entries(store_location: Path | str,
@@ -345,15 +386,15 @@ def test_a_mirror_that_only_grows_is_written_at_its_end(tmp_path: Path, monkeypa
     extends: list[tuple[bool, bool]] = []
     record_mirror = session_state_module._record_mirror  # every way a mirror is journaled goes through it
     monkeypatch.setattr(session_state_module, "_record_mirror",
-                        lambda *args: (extends.append((args[4], bool(args[5]))), record_mirror(*args))[1])
+                        lambda *args: (extends.append(args[4]), record_mirror(*args))[1])
     shown: list[list[str]] = []
     sent = _send(tmp_path, bodies, between=lambda i: shown.append(_ids(mirror)))
     shown.append(_ids(mirror))
     assert all(PARAGRAPH in s for s in sent) and len(whole) == 1
-    assert extends == [(False, True)] + [(True, True)] * 3  # grown, said so: not compared again; its entries
+    assert extends == [False] + [True] * 3  # grown, said so: not compared again
     assert [len(ids) for ids in shown] == [len(b["messages"]) for b in bodies]
     text = mirror.read_text(encoding="utf-8")
-    assert json.dumps(json.loads(text), indent=1, ensure_ascii=False) == text
+    assert json.dumps(json.loads(text), indent=2, ensure_ascii=False) == text
 
 
 def _ids(mirror: Path) -> list[str]:
@@ -416,46 +457,42 @@ def _lists(journal: Journal, session_id: str) -> list[list[str]]:
 
 
 @given(st.lists(st.lists(_MESSAGE, min_size=1, max_size=6), min_size=1, max_size=4), st.integers(0, 2))
-def test_a_mirror_journaled_from_its_entries_is_listed_as_its_text_split(versions: list[list[dict[str, Any]]],
+def test_a_mirror_journaled_version_after_version_reads_back_as_written(versions: list[list[dict[str, Any]]],
                                                                         revision: int) -> None:
-    """Issue #13: a mirror rewritten whole hands the journal the entries it was assembled from, whose pieces are
-    looked up by entry instead of splitting the text again; the lists, the blobs and the text read back are those
-    of the text split, version after version (entries kept, changed, dropped, a revision's new head)."""
-    journals = [Journal(":memory:"), Journal(":memory:")]
+    """Each version (entries kept, changed, dropped, a revision's new head) is journaled as its text split at the
+    separator, delta-encoded on the one before, and reads back as it was written."""
+    journal = Journal(":memory:")
     try:
-        sessions = [j.record_request(incoming([{"role": "user", "content": "task"}])).session_id for j in journals]
-        cache: dict[tuple[str, str], str] = {}
+        session = journal.record_request(incoming([{"role": "user", "content": "task"}])).session_id
+        previous = None
         for n, messages in enumerate(versions):
-            ids, hashes = [f"m{i}" for i in range(len(messages))], [message_hash(m) for m in messages]
-            text = mirror_document(sessions[0], revision + n % 2, ids, messages, hashes, cache)
-            for journal, session, entries in zip(journals, sessions, (tuple(cache.values()), ()), strict=True):
-                text_here = text
-                record_session_state(journal, session, 1, SessionState(mirror_text=text_here), str(n),
-                                     entries=entries)
-                assert (session_state_module._offer_assembled(journal, text_here, entries, set()) is None) != bool(
-                    entries)  # the entries are taken, not refused
-                assert session_state(journal, session).mirror_text == text_here
-        listed = [_lists(j, s) for j, s in zip(journals, sessions, strict=True)]
-        assert len(listed[0]) == len(versions) and listed[0] == listed[1]
+            text = mirror_document(session, revision + n % 2, [f"m{i}" for i in range(len(messages))], messages)
+            record_session_state(journal, session, 1, SessionState(mirror_text=text), str(n), previous=previous)
+            assert session_state(journal, session).mirror_text == text
+            previous = SessionState(mirror_text=text)
+        assert len(_lists(journal, session)) == len(versions)
     finally:
-        for journal in journals:
-            journal.close()
+        journal.close()
 
 
-def test_entries_that_do_not_make_up_the_text_are_not_trusted(tmp_path: Path) -> None:
-    """Entries that are not what the text was assembled from (another version's, one missing) are refused by
-    their length, and the text is split: what is journaled is always the text given."""
+def test_a_mirror_journaled_before_its_indent_was_two_spaces_reads_back_as_written(tmp_path: Path) -> None:
+    """A journal kept by an earlier ctxproxy holds mirrors indented by one space, cut at that layout's separator:
+    read back after the upgrade, such a mirror is the text that earlier version wrote (so the file it left is not
+    taken for the model's draft)."""
     journal = Journal(tmp_path / "j.db")
     try:
         session = journal.record_request(incoming([{"role": "user", "content": "task"}])).session_id
-        msgs = _body(6, 300)["messages"]
-        ids, hashes = [f"m{i}" for i in range(len(msgs))], [message_hash(m) for m in msgs]
-        cache: dict[tuple[str, str], str] = {}
-        stale = (mirror_document(session, 0, ids[:5], msgs[:5], hashes[:5], cache), tuple(cache.values()))
-        text = mirror_document(session, 0, ids, msgs, hashes, cache)
-        for entries in (stale[1], tuple(cache.values())[:-1], tuple(cache.values())[1:]):
-            record_session_state(journal, session, 1, SessionState(mirror_text=text), "0", entries=entries)
-            assert session_state(journal, session).mirror_text == text
+        msgs = _body(4, 50)["messages"]
+        earlier = json.dumps({"session": session, "revision": 0, "messages": [
+            {"id": f"m{i}", **m} for i, m in enumerate(msgs)]}, indent=1, ensure_ascii=False)
+        tail = "\n  }\n ]\n}"
+        pieces = [*earlier[: -len(tail)].split("\n  },\n  {\n"), tail]
+        hashes = session_state_module._offer_pieces(journal, pieces)
+        list_id, _ = session_state_module._insert_mirror_list(journal, None, [], 0, hashes)
+        journal.conn.execute("INSERT INTO session_state (session_id, request_id, confirmations, mirror, mirror_list,"
+                             " created_at) VALUES (?, 1, '[]', 'm', ?, '0')", [session, list_id])
+        assert len(pieces) == len(msgs) + 1
+        assert session_state(journal, session).mirror_text == earlier
     finally:
         journal.close()
 
@@ -500,18 +537,20 @@ def test_a_mirror_rewritten_whole_is_compared_with_the_list_this_connection_inse
     assert lists[0] == lists[1]
 
 
-@given(st.lists(st.text(st.sampled_from(" {},\n]x"), max_size=12), min_size=1, max_size=5), st.text(max_size=8))
-def test_any_entries_that_make_up_the_text_read_back_as_it(inners: list[str], head: str) -> None:
-    """Whatever the entries hold (here, the separator itself, braces, newlines), a text the journal takes by its
-    entries reads back exactly; entries it cannot find in the text in order are refused, and the text is split."""
-    entries = tuple("  {\n" + inner + "\n  }" for inner in inners)
-    text = head + ',\n "messages": [\n' + ",\n".join(entries) + "\n ]\n}"
+@given(st.lists(st.text(st.sampled_from(" {},\n]x"), max_size=16), min_size=1, max_size=5), st.text(max_size=8))
+def test_any_text_laid_out_like_a_mirror_reads_back_as_it(inners: list[str], head: str) -> None:
+    """Whatever the entries hold (here, the separator itself, braces, newlines), a text the journal cuts at the
+    separator reads back exactly, whole or grown from the one before."""
+    entries = ["    {\n" + inner + "\n    }" for inner in inners]
     journal = Journal(":memory:")
     try:
         recorded = journal.record_request(incoming([{"role": "user", "content": "task"}]))
-        for given_entries in (entries, entries[::-1], entries[:-1]):
+        previous = None
+        for n in range(1, len(entries) + 1):
+            text = head + ',\n  "messages": [\n' + ",\n".join(entries[:n]) + CLOSE
             record_session_state(journal, recorded.session_id, recorded.request_id, SessionState(mirror_text=text),
-                                 "0", entries=given_entries)
+                                 "0", previous=previous)
             assert session_state(journal, recorded.session_id).mirror_text == text
+            previous = SessionState(mirror_text=text)
     finally:
         journal.close()

@@ -81,9 +81,6 @@ class SessionContext:
     """The mirror's entries as last written, by (identity, hash): a new version serialises only what is new."""
     mirror_grew: tuple[str, str] | None = field(default=None, compare=False)
     """(the text, the text it became) when the last write only added entries to it (``journal_state``)."""
-    mirror_assembled: tuple[str, tuple[str, ...]] | None = field(default=None, compare=False)
-    """(the text last written, the entries it was assembled from, in order): the journal lists its pieces by
-    entry rather than splitting the text again (``store.session_state``)."""
     mirror_stat: tuple[int, int, int, int] | None = field(default=None, compare=False)
     """The file's inode, size and times just after the proxy wrote it: while they hold, no draft is pending."""
     confirmations: list[str] = field(default_factory=list)
@@ -130,11 +127,10 @@ class SessionContext:
         state = self.working_state()
         if state == self.journaled:
             return None
-        grew, assembled = self.mirror_grew, self.mirror_assembled
+        grew = self.mirror_grew
         extends = grew is not None and grew[0] is self.journaled.mirror_text and grew[1] is state.mirror_text
-        entries = assembled[1] if assembled is not None and assembled[0] is state.mirror_text else ()
         return StateChange(session_id, request_id, state, datetime.now(UTC).isoformat(timespec="milliseconds"),
-                           self.journaled, extends, entries)
+                           self.journaled, extends)
 
     def journaled_as(self, change: StateChange | None) -> None:
         """The journal has the working state of ``change`` (``state_change``'s), if any."""

@@ -55,7 +55,6 @@ def write_mirror(ctx: SessionContext, settings: Settings, session_id: str, p: Pr
         rewrite_in_place(ctx.mirror, document)
         ctx.mirror_grew = None
     ctx.mirror_written, ctx.mirror_document = True, document
-    ctx.mirror_assembled = (document, tuple(ctx.mirror_entries.values()))
     ctx.mirror_key, ctx.mirror_stat = key, _stat(ctx.mirror)
     return ctx.mirror
 
