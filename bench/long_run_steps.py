@@ -49,7 +49,7 @@ STEPS = (
     ("ctxproxy.proxy.engine.mirror_file", "appended_document", "mirror grown"),
     ("ctxproxy.proxy.engine.mirror_file", "rewrite_in_place", "mirror file written whole"),
     ("ctxproxy.store.journal", "Journal.record_forward", "forward journaled"),
-    ("ctxproxy.store.session_state", "_record_mirror", "mirror journaled"),
+    ("ctxproxy.store.session_state", "_record_shown", "mirror journaled"),
     ("ctxproxy.store.sql", "SqliteConnection._end", "commits"),
     ("ctxproxy.proxy.engine.planning", "_tallied", "tally"),
 )

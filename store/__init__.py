@@ -10,6 +10,7 @@ from ctxproxy.store.memory import MemoryJournal
 from ctxproxy.store.retention import PruneReport
 from ctxproxy.store.session_state import (
     CalibrationInForce,
+    MirrorShown,
     SessionState,
     StateChange,
     calibration_in_force,
@@ -26,6 +27,7 @@ __all__ = [
     "IncomingRequest", "Journal", "JournalUnavailable", "JournalWriter",
     "LocalLocks", "LockUnavailable",
     "MemoryJournal",
+    "MirrorShown",
     "OverflowBody",
     "PruneReport",
     "RecordedRequest",

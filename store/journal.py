@@ -58,9 +58,9 @@ class Journal(PlacementMixin, ReadsMixin, CutsMixin, InspectMixin, RecoveryMixin
         self.siblings: dict[str, int] = {}
         self.digest_rows = {}
         self.ancestries = {}
-        self.grown_mirrors: dict[str, tuple[int, str, int, list[str] | None]] = {}
-        """Per session, the mirror list this connection inserted last, its text, its chain's depth and its hashes
-        when known (``store.session_state._GROWN_KEPT`` sessions at most)."""
+        self.shown_mirrors: dict[str, Any] = {}
+        """Per session, the mirror lists this connection inserted last, with their items and chains' depths
+        (``store.session_state.Shown``, which imports this module; ``_SHOWN_KEPT`` sessions at most)."""
         self.instance = instance_id() if self.conn.dialect == "postgresql" else None
         """The process its requests record (``store.liveness``): on a shared store only."""
 

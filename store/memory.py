@@ -57,6 +57,7 @@ _FORGET = [
            WITH RECURSIVE live(id) AS (
                SELECT list_id FROM requests UNION SELECT list_id FROM forwards UNION SELECT list_id FROM overflow_spans
                UNION SELECT mirror_list FROM session_state WHERE mirror_list IS NOT NULL
+               UNION SELECT mirror_ids FROM session_state WHERE mirror_ids IS NOT NULL
                UNION SELECT head_list_id FROM sessions WHERE head_list_id IS NOT NULL
                UNION SELECT l.base_id FROM message_lists l JOIN live ON l.id = live.id WHERE l.base_id IS NOT NULL)
            SELECT id FROM live)""",

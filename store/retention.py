@@ -149,6 +149,7 @@ INSERT INTO live_lists WITH RECURSIVE live(id) AS (
     UNION SELECT list_id FROM forwards
     UNION SELECT list_id FROM overflow_spans
     UNION SELECT mirror_list FROM session_state WHERE mirror_list IS NOT NULL
+    UNION SELECT mirror_ids FROM session_state WHERE mirror_ids IS NOT NULL
     UNION SELECT head_list_id FROM sessions WHERE head_list_id IS NOT NULL
     UNION SELECT m.base_id FROM message_lists m JOIN live l ON m.id = l.id WHERE m.base_id IS NOT NULL
 )

@@ -3,9 +3,12 @@
 The projection is rebuilt from the decisions; these few values are not derived from anything else, and losing
 them (a restart, a session evicted from the proxy's working cache) changed what went upstream: an offer vanished
 mid-turn (the tool list changed, the prefix cache broke), a confirmation was never told, the reminder came twice,
-a draft of the mirror was overwritten. Each change is one row; the newest row of a session is its state. The
-mirror's text as last written is kept as its pieces (its entries, content-addressed blobs stored once however many
-versions hold them) listed like a request's messages, delta-encoded against the previous version.
+a draft of the mirror was overwritten. Each change is one row; the newest row of a session is its state.
+
+The mirror is journaled as what it shows (``MirrorShown``): the hashes of the messages in it, whose bodies the
+journal holds already (the forward that sent them stored them), and their identities, two lists delta-encoded on
+the session's previous ones; its text is rendered from them when read back. Mirrors journaled before were their
+text cut into pieces (its entries, as blobs), or the text whole: both still read back as they were written.
 
 Plain functions over a ``Journal`` (``writer.call(record_session_state, ...)``), so the Journal class stays as is.
 """
@@ -14,7 +17,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from ctxproxy.store.cuts import ForwardRecord
@@ -22,15 +26,13 @@ from ctxproxy.store.deltas import runs
 from ctxproxy.store.journal import Journal
 from ctxproxy.store.reads import chain
 
-__all__ = ["MIRROR_SEPARATOR", "CalibrationInForce", "SessionState", "StateChange", "calibration_in_force",
-           "latest_calibration", "record_forward_and_state", "record_session_state", "session_state"]
+__all__ = ["MIRROR_SEPARATOR", "CalibrationInForce", "MirrorShown", "SessionState", "StateChange",
+           "calibration_in_force", "latest_calibration", "record_forward_and_state", "record_session_state",
+           "session_state"]
 
 MIRROR_SEPARATOR = "\n    },\n    {\n"
-"""Where the mirror's text is cut into pieces for the journal: between two of its entries, as
-``proxy.tools.mirror.mirror_document`` lays them out (any text splits and joins back the same; this one makes the
-pieces the entries, which repeat from one version of the mirror to the next)."""
-_MIRROR_TAIL = "\n    }\n  ]\n}"
-"""How the mirror ends: a piece of its own (the last), so the newest entry is the same piece in the next version."""
+"""Where a mirror journaled as pieces (before ``mirror_ids``) was cut: between two of its entries, as
+``proxy.tools.mirror.mirror_document`` lays them out; its pieces are joined back with it."""
 _EARLIER_SEPARATOR = "\n  },\n  {\n"
 """The separator of the mirrors journaled before their indent became two spaces (issue #13): such a mirror's first
 piece begins ``_EARLIER_HEAD``, and its pieces are joined back with this one."""
@@ -38,7 +40,21 @@ _EARLIER_HEAD = '{\n "session": '
 
 _MAX_DEPTH = 64
 """A mirror's list is stored whole rather than as the 65th delta of a chain: a read rebuilds at most 64 rows (in
-one query). A whole list is ~67 bytes a piece: every 17th, as before runs, was most of the mirror's lists."""
+one query)."""
+
+
+@dataclass(frozen=True)
+class MirrorShown:
+    """What the mirror last written shows: the hashes of the messages it shows (their bodies are the journal's
+    already) and their identities, under its revision. Its text is rendered from them
+    (``proxy.tools.mirror.mirror_document``), so the journal keeps no copy of it."""
+
+    revision: int
+    ids: tuple[str, ...]
+    hashes: tuple[str, ...]
+    bodies: Mapping[str, bytes] = field(default_factory=dict, compare=False)
+    """Journaled: the bodies of shown messages that no forward stores (an assistant message ``null_content`` filled
+    in upstream); read back: the canonical body of every message it shows that the journal has."""
 
 
 @dataclass(frozen=True)
@@ -49,23 +65,27 @@ class SessionState:
     mirror: str | None = None
     """Where LIVE_CONTEXT.json is written (None: the mirror is off)."""
     mirror_text: str | None = None
-    """The mirror as last written, while a draft of it may be pending (None once committed or refused)."""
+    """The mirror as last written, as a journal kept it before ``mirror_shown`` (None once committed or refused)."""
+    mirror_shown: MirrorShown | None = None
+    """What the mirror last written shows, while a draft of it may be pending (None once committed or refused)."""
 
 
 def record_session_state(journal: Journal, session_id: str, request_id: int, state: SessionState,
-                         created_at: str, previous: SessionState | None = None, extends: bool = False) -> None:
-    """Journal the session's state as it is after ``request_id`` changed it. ``previous``: the state as last
-    journaled, if the caller knows it (a mirror that only grew since is journaled as what it gained). ``extends``:
-    the caller made ``state``'s mirror by adding entries to ``previous``'s, so its start is not compared again
-    (0.2-0.5 ms of each request of a long session at 128k, whose mirror holds some 300 000 characters)."""
+                         created_at: str) -> None:
+    """Journal the session's state as it is after ``request_id`` changed it. The mirror is journaled as what it
+    shows (``MirrorShown``: two lists, delta-encoded on the session's last ones); a text read back from a journal
+    kept before that, and not written again since, as one blob."""
+    shown = state.mirror_shown
     with journal.conn:
-        mirror_list = None if state.mirror_text is None else _record_mirror(
-            journal, session_id, state.mirror_text, None if previous is None else previous.mirror_text, extends)
+        lists = (None, None) if shown is None else _record_shown(journal, session_id, shown)
+        mirror_hash = None if state.mirror_text is None or shown is not None else _record_text(journal,
+                                                                                               state.mirror_text)
         journal.conn.execute(
             "INSERT INTO session_state (session_id, request_id, offered_turn, reminded_turn, confirmations, mirror,"
-            " mirror_list, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            " mirror_hash, mirror_list, mirror_ids, mirror_revision, created_at)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             [session_id, request_id, state.offered_turn, state.reminded_turn, json.dumps(list(state.confirmations)),
-             state.mirror, mirror_list, created_at])
+             state.mirror, mirror_hash, *lists, None if shown is None else shown.revision, created_at])
 
 
 class StateChange(NamedTuple):
@@ -75,14 +95,12 @@ class StateChange(NamedTuple):
     request_id: int
     state: SessionState
     created_at: str
-    previous: SessionState | None = None
-    extends: bool = False
 
 
 def record_forward_and_state(journal: Journal, rec: ForwardRecord, change: StateChange | None) -> int:
     """``Journal.record_forward`` and, when the request changed it, the working state it left, in one transaction:
     one commit and one trip to the writer thread where a forward with new cuts and a grown mirror took two (issue
-    #13). Returns the forward's list."""
+    #13). The forward goes first: the mirror names the messages it stores. Returns the forward's list."""
     with journal.conn:  # the two calls' own transactions join this one
         list_id = journal.record_forward(rec)
         if change is not None:
@@ -93,147 +111,96 @@ def record_forward_and_state(journal: Journal, rec: ForwardRecord, change: State
 def session_state(journal: Journal, session_id: str) -> SessionState:
     """The session's latest journaled state (the defaults when nothing was journaled)."""
     row = journal.conn.execute(
-        "SELECT s.offered_turn, s.reminded_turn, s.confirmations, s.mirror, b.body, s.mirror_list FROM session_state s"
-        " LEFT JOIN blobs b ON b.hash = s.mirror_hash WHERE s.session_id = ? ORDER BY s.id DESC LIMIT 1",
-        [session_id]).fetchone()
+        "SELECT s.offered_turn, s.reminded_turn, s.confirmations, s.mirror, b.body, s.mirror_list, s.mirror_ids,"
+        " s.mirror_revision FROM session_state s LEFT JOIN blobs b ON b.hash = s.mirror_hash WHERE s.session_id = ?"
+        " ORDER BY s.id DESC LIMIT 1", [session_id]).fetchone()
     if row is None:
         return SessionState()
-    offered, reminded, confirmations, mirror, text, mirror_list = row
-    if mirror_list is not None:
-        text = _joined(_pieces(journal, _mirror_hashes(journal, int(mirror_list))[0]))
-    return SessionState(offered, reminded, tuple(json.loads(confirmations)), mirror, text)
+    offered, reminded, confirmations, mirror, text, mirror_list, mirror_ids, revision = row
+    shown = None
+    if mirror_ids is not None:
+        hashes, ids = chain(journal.conn, int(mirror_list))[0], chain(journal.conn, int(mirror_ids))[0]
+        shown = MirrorShown(int(revision), tuple(ids), tuple(hashes), _bodies(journal, hashes))
+    elif mirror_list is not None:  # a journal kept before mirror_ids: the text, as its pieces
+        pieces = chain(journal.conn, int(mirror_list))[0]
+        found = _bodies(journal, pieces)
+        text = _joined([found[h].decode() for h in pieces])
+    return SessionState(offered, reminded, tuple(json.loads(confirmations)), mirror, text, shown)
 
 
-def _record_mirror(journal: Journal, session_id: str, text: str, previous: str | None = None,
-                   extends: bool = False) -> int:
-    """The mirror's text as its pieces (split at ``MIRROR_SEPARATOR``: one a message, mostly; the closing brackets
-    the last piece), each a blob stored once, listed like a request's messages: delta-encoded against the session's
-    previous mirror. Stored whole on every change, the mirror took 57 MB of a 600-round session's journal for 6.7 MB
-    of history. Only the pieces the previous mirror does not list are offered to ``blobs`` (its pieces are stored,
-    and kept while its list is): a mirror rewritten on every request of a long session offered all of its ~650
-    pieces each time, ~1 ms of the journal's time per request at 600 rounds (issue #13). A mirror that only gained
-    entries since ``previous`` (the text last journaled) is split, hashed and listed only where it grew; for one
-    rewritten whole, the previous list's hashes are the ones this connection inserted, not read back along its
-    chain, and its pieces' hashes are mostly looked up (``_piece_hash``)."""
-    row = journal.conn.execute(_LAST_MIRROR, [session_id]).fetchone()
-    known = journal.grown_mirrors.get(session_id)
-    if row is not None and previous is not None:
-        grown = _record_growth(journal, int(row[0]), int(row[1]), text, previous, extends, known)
-        if grown is not None:
-            return _grown(journal, session_id, grown[0], grown[1], text, grown[2])
-    before, depth = ([], 0) if row is None else _previous_list(journal, int(row[0]), known, previous)
-    tail = _MIRROR_TAIL if text.endswith(_MIRROR_TAIL) else ""
-    hashes = _offer_pieces(journal, [*text[: len(text) - len(tail)].split(MIRROR_SEPARATOR), tail], set(before))
-    if row is None or depth >= _MAX_DEPTH:
-        return _grown(journal, session_id, *_insert_mirror_list(journal, None, [], 0, hashes), text, hashes)
-    same = next((i for i, (a, b) in enumerate(zip(before, hashes, strict=False)) if a != b),
-                min(len(before), len(hashes)))
-    return _grown(journal, session_id, *_insert_mirror_list(journal, int(row[0]), before, same, hashes, depth), text,
-                  hashes)
-
-
-def _previous_list(journal: Journal, list_id: int, known: Grown | None, previous: str | None) -> tuple[list[str], int]:
-    """The hashes of the session's last mirror list and its chain's depth: as this connection inserted it when
-    ``known`` is that list's, inserted for ``previous`` (the text the caller last journaled, that very object: a
-    list row never changes, but a session pruned and begun again could have its id back), else read along its
-    chain (0.3-0.6 ms at 128k)."""
-    if known is not None and known[0] == list_id and known[1] is previous and known[3] is not None:
-        return known[3], known[2]
-    return _mirror_hashes(journal, list_id)
-
-
-_GROWN_KEPT = 8
-"""How many sessions' last mirror list a journal connection keeps (``Journal.grown_mirrors``): the next version
-that grows a mirror from that very text (the same object) is known to be that list's, and its chain's depth,
-without counting the ~650 separators of ~300 000 characters and walking the chain in SQL (0.3-0.5 ms of each
-request that grows the mirror at 128k, issue #13); a version rewritten whole (after a fold, an elision pass) is
-compared with that list's hashes, kept with it, not read back. The texts are held: a few sessions, cleared whole
-when full."""
-
-Grown = tuple[int, str, int, list[str] | None]
-"""``Journal.grown_mirrors``' entry: the list, its text, its chain's depth, its hashes (None when not known)."""
-_TAIL_HASH = hashlib.sha256(_MIRROR_TAIL.encode()).hexdigest()
-
-
-def _grown(journal: Journal, session_id: str, list_id: int, depth: int, text: str,
-           hashes: list[str] | None = None) -> int:
-    kept = journal.grown_mirrors
-    if len(kept) >= _GROWN_KEPT and session_id not in kept:
+def _record_shown(journal: Journal, session_id: str, shown: MirrorShown) -> tuple[int, int]:
+    """The mirror's hashes and identities as two lists, each delta-encoded on the session's last mirror's (as this
+    connection inserted them, else read along their chains); the bodies no forward stores, stored. At 128k, the
+    request that turns the mirror on hashed and stored its ~600 entries as pieces, 2.5-5.8 ms (issue #13); its
+    two lists take ~0.2."""
+    journal.conn.executemany(
+        "INSERT INTO blobs (hash, kind, body, chars) VALUES (?, 'message', ?, ?) ON CONFLICT DO NOTHING",
+        [(h, b.decode(), len(b)) for h, b in shown.bodies.items()])
+    row = journal.conn.execute(_LAST_SHOWN, [session_id]).fetchone()
+    last = None if row is None else _last_shown(journal, session_id, int(row[0]), int(row[1]))
+    hashes = _insert_list(journal, None if last is None else last.hashes, list(shown.hashes))
+    ids = _insert_list(journal, None if last is None else last.ids, list(shown.ids))
+    kept = journal.shown_mirrors
+    if len(kept) >= _SHOWN_KEPT and session_id not in kept:
         kept.clear()
-    kept[session_id] = (list_id, text, depth, hashes)
-    return list_id
+    kept[session_id] = Shown((*hashes, list(shown.hashes)), (*ids, list(shown.ids)))
+    return hashes[0], ids[0]
 
 
-_LAST_MIRROR = ("SELECT s.mirror_list, l.length FROM session_state s JOIN message_lists l ON l.id = s.mirror_list"
-                " WHERE s.session_id = ? AND s.mirror_list IS NOT NULL ORDER BY s.id DESC LIMIT 1")
-_DEPTH = f"""
-WITH RECURSIVE chain(id, base_id, depth) AS (
-    SELECT id, base_id, 1 FROM message_lists WHERE id = ?
-    UNION ALL
-    SELECT l.id, l.base_id, c.depth + 1 FROM message_lists l JOIN chain c ON l.id = c.base_id
-     WHERE c.depth < {_MAX_DEPTH}
-)
-SELECT MAX(depth) FROM chain
-"""
-"""How many lists a delta chain has, up to ``_MAX_DEPTH``: counted in SQL, none of them read."""
+class Shown(NamedTuple):
+    """A session's last mirror lists, as ``Journal.shown_mirrors`` keeps them: each (list, chain depth, items)."""
+
+    hashes: tuple[int, int, list[str]]
+    ids: tuple[int, int, list[str]]
 
 
-def _record_growth(journal: Journal, list_id: int, length: int, text: str, previous: str, extends: bool = False,
-                   known: Grown | None = None) -> tuple[int, int, list[str] | None] | None:
-    """``text`` as a delta on ``list_id``, the list of ``previous``, when ``text`` is ``previous`` with pieces added
-    before its tail (compared unless the caller says it ``extends`` it) and that list is ``previous``'s (their
-    lengths agree, or ``known``, ``Journal.grown_mirrors``' entry, says so); None otherwise. Only the new pieces are
-    hashed and offered to ``blobs``. Returns the new list, how many lists its chain has, and its hashes when
-    ``known`` had those of the list it extends."""
-    kept = len(previous) - len(_MIRROR_TAIL)
-    known = known if known is not None and known[0] == list_id and known[1] is previous else None
-    if (not previous.endswith(_MIRROR_TAIL) or not text.endswith(_MIRROR_TAIL) or len(text) <= len(previous)
-            or not (extends or text.startswith(previous[:kept])) or not text.startswith(MIRROR_SEPARATOR, kept)
-            or (known is None and previous.count(MIRROR_SEPARATOR, 0, kept) + 2 != length)):
-        return None
-    depth = known[2] if known is not None else journal.conn.execute(_DEPTH, [list_id]).fetchone()[0]
-    if depth >= _MAX_DEPTH:
-        return None
-    hashes = _offer_pieces(journal, text[kept + len(MIRROR_SEPARATOR): len(text) - len(_MIRROR_TAIL)]
-                           .split(MIRROR_SEPARATOR))
-    tail = _TAIL_HASH  # stored with the list this one extends
-    grown = journal.conn.insert("INSERT INTO message_lists (base_id, base_len, added, length) VALUES (?, ?, ?, ?)",
-                                [list_id, length - 1, json.dumps([*hashes, tail]), length + len(hashes)])
-    whole = None if known is None or known[3] is None else [*known[3][:-1], *hashes, tail]
-    return grown, depth + 1, whole
+_SHOWN_KEPT = 256
+"""How many sessions' last mirror lists a journal connection keeps (``Journal.shown_mirrors``, cleared whole when
+full): the next version is delta-encoded on them without reading their chains back (0.3-0.6 ms at 128k)."""
+
+_LAST_SHOWN = ("SELECT mirror_list, mirror_ids FROM session_state WHERE session_id = ? AND mirror_ids IS NOT NULL"
+               " ORDER BY id DESC LIMIT 1")
 
 
-_PIECE_HASHES: dict[str, str] = {}
-"""The sha256 of the mirror's pieces last hashed, by their text: a mirror rewritten whole (after a fold, an
-elision pass) repeats all but a few of its ~650 pieces, and hashing them again was 1.3 ms of such a request at
-128k; looking a piece up hashes it too, but with Python's own string hash, several times faster. Cleared whole
-when full (a few MB of pieces at most)."""
-_PIECE_HASHES_KEPT = 8192
+def _last_shown(journal: Journal, session_id: str, hashes_id: int, ids_id: int) -> Shown:
+    known: Shown | None = journal.shown_mirrors.get(session_id)
+    if known is not None and known.hashes[0] == hashes_id and known.ids[0] == ids_id:
+        return known
+    (hashes, hashes_depth), (ids, ids_depth) = chain(journal.conn, hashes_id), chain(journal.conn, ids_id)
+    return Shown((hashes_id, hashes_depth, hashes), (ids_id, ids_depth, ids))
 
 
-def _piece_hash(piece: str) -> str:
-    known = _PIECE_HASHES.get(piece)
-    if known is None:
-        if len(_PIECE_HASHES) >= _PIECE_HASHES_KEPT:
-            _PIECE_HASHES.clear()
-        known = _PIECE_HASHES[piece] = hashlib.sha256(piece.encode()).hexdigest()
-    return known
+def _insert_list(journal: Journal, base: tuple[int, int, list[str]] | None, items: list[str]) -> tuple[int, int]:
+    """``items`` as a list on ``base`` (list, depth, its items): after the start they share, the rest as runs of it
+    and new items; whole when there is no base or its chain is ``_MAX_DEPTH`` long. Returns the list and its
+    chain's depth."""
+    if base is None or base[1] >= _MAX_DEPTH:
+        return _insert_mirror_list(journal, None, [], 0, items)
+    base_id, depth, before = base
+    return _insert_mirror_list(journal, base_id, before, _same_start(before, items), items, depth)
 
 
-def _offer_pieces(journal: Journal, pieces: list[str], stored: set[str] | frozenset[str] = frozenset()) -> list[str]:
-    """The pieces' hashes; each piece whose hash is not in ``stored`` offered to ``blobs`` (kept once)."""
-    hashes = [_piece_hash(p) for p in pieces]
-    journal.conn.executemany("INSERT INTO blobs (hash, kind, body, chars) VALUES (?, 'mirror', ?, ?)"
-                             " ON CONFLICT DO NOTHING",
-                             [(h, p, len(p)) for h, p in zip(hashes, pieces, strict=True) if h not in stored])
-    return hashes
+def _same_start(a: list[str], b: list[str]) -> int:
+    """How many items ``a`` and ``b`` share from the start: compared in C where one extends the other."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    return next(i for i in range(n) if a[i] != b[i])
+
+
+def _record_text(journal: Journal, text: str) -> str:
+    """A mirror's text, whole, as one blob (a session resumed from a journal kept before ``mirror_shown``)."""
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    journal.conn.execute("INSERT INTO blobs (hash, kind, body, chars) VALUES (?, 'mirror', ?, ?)"
+                         " ON CONFLICT DO NOTHING", [digest, text, len(text)])
+    return digest
 
 
 def _insert_mirror_list(journal: Journal, base_id: int | None, base: list[str], same: int, hashes: list[str],
                         depth: int = 0) -> tuple[int, int]:
-    """A mirror's list after the first ``same`` pieces of the previous one (``base_id``, whose pieces are ``base``
+    """A mirror's list after the first ``same`` items of the previous one (``base_id``, whose items are ``base``
     and whose chain has ``depth`` lists): the rest as runs of ``base`` where they repeat it (an early change keeps
-    the later entries) and new hashes. Returns the list and how many lists its chain has."""
+    the later entries) and new items. Returns the list and how many lists its chain has."""
     added = runs(base, hashes[same:])
     if not same and all(isinstance(item, str) for item in added):
         base_id = None
@@ -242,19 +209,15 @@ def _insert_mirror_list(journal: Journal, base_id: int | None, base: list[str], 
     return list_id, 1 if base_id is None else depth + 1
 
 
-def _mirror_hashes(journal: Journal, list_id: int) -> tuple[list[str], int]:
-    """A mirror's piece hashes, and how many lists its delta chain has (bounded by ``_MAX_DEPTH``)."""
-    return chain(journal.conn, list_id)
-
-
-def _pieces(journal: Journal, hashes: list[str]) -> list[str]:
-    found: dict[str, str] = {}
+def _bodies(journal: Journal, hashes: list[str]) -> dict[str, bytes]:
+    """The blobs of ``hashes`` that the journal has, by hash."""
+    found: dict[str, bytes] = {}
     unique = list(dict.fromkeys(hashes))
     for start in range(0, len(unique), 500):
         chunk = unique[start:start + 500]
-        found.update(journal.conn.execute(
+        found.update((h, body.encode()) for h, body in journal.conn.execute(
             f"SELECT hash, body FROM blobs WHERE hash IN ({','.join('?' * len(chunk))})", chunk).fetchall())
-    return [found[h] for h in hashes]
+    return found
 
 
 def _joined(pieces: list[str]) -> str:

@@ -176,7 +176,7 @@ def test_migrating_twice_is_a_noop(store_location: Path | str) -> None:
         "m005_session_state", "m006_prefix_index", "m007_overflow_spans_and_mirror_lists",
         "m008_kept_responses", "m009_postgres", "m010_session_claims", "m011_postgres_foreign_key_indexes",
         "m012_request_instances", "m013_decisions_by_reference_and_list_runs",
-            "m014_sessions_by_opening"]
+            "m014_sessions_by_opening", "m015_mirrors_as_what_they_show"]
     journal.close()
 
 

@@ -1,36 +1,31 @@
 """The journal stores each text once: a decision names the forwarded message its replacement is the content of, and
-a forward list or a mirror names the runs of its base it repeats after an early change (migration ``m013``).
+a forward list or a mirror names the runs of its base it repeats after an early change (migration ``m013``), and
+a mirror is journaled as the messages it shows (``m015``).
 
-Each is read back exactly as before: the decisions, every forward list, the mirror's text, and a journal written by
+Each is read back exactly as before: the decisions, every forward list, what the mirror shows, and a journal written by
 the code before (its rows are read as they are, never rewritten).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sqlite3
-import sys
 from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ctxproxy.proxy.engine.hashing import canonical_json, content_hash
-from ctxproxy.store import ForwardRecord, Journal, SessionState, record_session_state, session_state
+from ctxproxy.store import ForwardRecord, Journal, MirrorShown, SessionState, record_session_state, session_state
 from ctxproxy.store.deltas import RUNS_FROM, rebuild, runs
 from ctxproxy.store.memory import MemoryJournal
-from ctxproxy.store.session_state import MIRROR_SEPARATOR
 from tests.conftest import app_client
 from tests.fakes import CountingUpstream
 from tests.test_journal import incoming, record, run
 from tests.test_rewriting import requests_of, settings_for
 from tests.workloads import conversation
-
-session_state_module = sys.modules["ctxproxy.store.session_state"]  # the package names a function so too
 
 hashes = st.lists(st.sampled_from([f"h{i}" for i in range(12)]), max_size=40)
 
@@ -135,43 +130,52 @@ def test_a_prune_and_a_forgotten_incognito_session_leave_no_text_kept(tmp_path: 
     assert list(memory.forgotten) == [rec.session_id] and len(memory.replaced_texts) == 0
 
 
-def _mirror(entries: list[str]) -> str:
-    head = '{\n  "session": "s",\n  "revision": 0,\n  "messages": [\n    {\n'
-    return head + MIRROR_SEPARATOR.join(entries) + "\n    }\n  ]\n}"
+def _shown(journal: Journal, rounds: int) -> tuple[Any, MirrorShown]:
+    """A journaled request of ``rounds`` rounds, and a mirror showing its messages (their bodies journaled)."""
+    req = incoming(run(rounds)[-1])
+    return record(journal, req), MirrorShown(0, tuple(f"m{i}" for i in range(len(req.hashes))), tuple(req.hashes))
+
+
+def _last_added(journal: Journal, column: str) -> list[Any]:
+    (added,) = journal.conn.execute(f"SELECT l.added FROM session_state s JOIN message_lists l ON l.id = s.{column}"
+                                    " ORDER BY s.id DESC LIMIT 1").fetchone()
+    return list(json.loads(added))
 
 
 def test_a_mirror_changed_early_names_the_later_entries_of_the_one_before(store_location: Path | str) -> None:
+    """Issue #13: a mirror is journaled as what it shows, its messages' hashes and identities: a version with an
+    early entry changed and one added names the rest as a run of the one before, and reads back as it was."""
     journal = Journal(store_location)
-    rec = record(journal, incoming(run(1)[-1]))
-    entries = [f'   "id": "tool:c{k}",\n   "content": "{k}"' for k in range(30)]
-    changed = [entries[0], '   "id": "tool:c1",\n   "content": "[elided]"', *entries[2:], '   "id": "new"']
-    for k, version in enumerate([entries, changed]):
-        record_session_state(journal, rec.session_id, rec.request_id, SessionState(mirror="m", mirror_text=_mirror(
-            version)), f"2026-01-01T00:00:0{k}")
-    (added,) = journal.conn.execute("SELECT l.added FROM session_state s JOIN message_lists l ON l.id = s.mirror_list"
-                                    " ORDER BY s.id DESC LIMIT 1").fetchone()
-    assert len(json.loads(added)) == 4  # the changed entry, a run of 28, the new entry, the closing piece
-    assert session_state(journal, rec.session_id).mirror_text == _mirror(changed)
+    rec, shown = _shown(journal, 15)
+    changed = MirrorShown(0, (*shown.ids, "new"), (shown.hashes[0], shown.hashes[5], *shown.hashes[2:],
+                                                     shown.hashes[1]))
+    for k, version in enumerate([shown, changed]):
+        record_session_state(journal, rec.session_id, rec.request_id, SessionState(mirror="m", mirror_shown=version),
+                             f"2026-01-01T00:00:0{k}")
+    assert len(_last_added(journal, "mirror_list")) == 3  # the changed hash, a run of the 29 after, the new one
+    assert _last_added(journal, "mirror_ids") == ["new"]  # the identities only grew
+    back = session_state(journal, rec.session_id).mirror_shown
+    assert back == changed and back is not None
+    assert set(back.bodies) == set(shown.hashes) and all(content_hash(b) == h for h, b in back.bodies.items())
     journal.close()
 
 
-def test_a_mirror_offers_the_journal_only_the_entries_its_previous_version_lacks(tmp_path: Path) -> None:
-    """Issue #13: a mirror rewritten on every request of a 600-round session offered all its ~650 pieces to
-    ``blobs`` each time (~1 ms of the journal's time a request); now only those the previous mirror lacks."""
+def test_a_mirror_stores_no_text_of_its_own(tmp_path: Path) -> None:
+    """Issue #13: the request that turns the mirror on at 128k stored its ~600 entries as blobs, hashed, each time
+    a version changed them (2.5-5.8 ms); now nothing but two lists, and the body of a message it shows that no
+    forward stores, once."""
     journal = Journal(tmp_path / "journal.db")
-    rec = record(journal, incoming(run(1)[-1]))
-    entries = [f'   "id": "tool:c{k}",\n   "content": "{k}"' for k in range(30)]
-    grown = [*entries, '   "id": "new",\n   "content": "n"']
-    record_session_state(journal, rec.session_id, rec.request_id, SessionState(mirror="m", mirror_text=_mirror(
-        entries)), "2026-01-01T00:00:00")
-    statements: list[str] = []
-    journal.conn.raw.set_trace_callback(statements.append)  # type: ignore[attr-defined]
-    record_session_state(journal, rec.session_id, rec.request_id, SessionState(mirror="m", mirror_text=_mirror(
-        grown)), "2026-01-01T00:00:01")
-    journal.conn.raw.set_trace_callback(None)  # type: ignore[attr-defined]
-    offered = [s for s in statements if s.startswith("INSERT INTO blobs")]
-    assert len(offered) == 1 and '"id": "new"' in offered[0]
-    assert session_state(journal, rec.session_id).mirror_text == _mirror(grown)
+    rec, shown = _shown(journal, 30)
+    blobs = journal.conn.execute("SELECT COUNT(*) FROM blobs").fetchone()[0]
+    record_session_state(journal, rec.session_id, rec.request_id, SessionState(mirror="m", mirror_shown=shown), "0")
+    assert journal.conn.execute("SELECT COUNT(*) FROM blobs").fetchone()[0] == blobs
+    unsent = canonical_json({"role": "assistant", "content": ""})
+    filled = MirrorShown(0, (*shown.ids, "filled"), (*shown.hashes, content_hash(unsent)),
+                         {content_hash(unsent): unsent})
+    record_session_state(journal, rec.session_id, rec.request_id, SessionState(mirror="m", mirror_shown=filled), "1")
+    assert journal.conn.execute("SELECT COUNT(*) FROM blobs").fetchone()[0] == blobs + 1
+    back = session_state(journal, rec.session_id).mirror_shown
+    assert back == filled and back is not None and back.bodies[content_hash(unsent)] == unsent
     journal.close()
 
 
@@ -219,19 +223,6 @@ def test_a_journal_written_before_reads_its_decisions_and_lists_as_they_are(tmp_
         base = [] if base_id is None else journal.message_hashes(base_id)
         assert journal.message_hashes(list_id) == base[:base_len] + json.loads(added)
     journal.close()
-
-
-@given(st.lists(st.text(st.characters(blacklist_categories=("Cs",)), max_size=30), max_size=20), st.integers(1, 5))
-def test_a_mirror_piece_is_hashed_as_it_always_was_however_often_it_was_seen(pieces: list[str], kept: int) -> None:
-    """The pieces' hashes kept by their text (a whole rewrite repeats most of them) are their sha256, also when
-    the store of them filled and was cleared in between."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(session_state_module, "_PIECE_HASHES", {})
-        patch.setattr(session_state_module, "_PIECE_HASHES_KEPT", kept)
-        for _ in range(2):
-            got = [session_state_module._piece_hash(p) for p in pieces]
-            assert got == [hashlib.sha256(p.encode()).hexdigest() for p in pieces]
-        assert len(session_state_module._PIECE_HASHES) <= kept
 
 
 def _greedy_runs_of(base: list[str], added: list[str], out: list[str | list[int]]) -> bool:

@@ -12,26 +12,27 @@ import importlib
 import json
 import os
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
 from ctxproxy.config import load_settings
-from ctxproxy.proxy.core import message_hash
+from ctxproxy.proxy.core import canonical_json, message_hash
 from ctxproxy.proxy.core.identity import content_text
 from ctxproxy.proxy.engine import mirror_file
 from ctxproxy.proxy.engine.context import SessionContext
 from ctxproxy.proxy.engine.mirror_file import rewrite_in_place
 from ctxproxy.proxy.tools import mirror as mirror_module
-from ctxproxy.proxy.tools.mirror import CLOSE, appended_document, mirror_document
+from ctxproxy.proxy.tools.mirror import CLOSE, appended_document, mirror_document, rendered, same_mirror
 from ctxproxy.store import (
     ForwardRecord,
     Journal,
     JournalWriter,
+    MirrorShown,
     SessionState,
     StateChange,
     record_forward_and_state,
@@ -114,24 +115,71 @@ def test_without_the_context_tools_no_mirror_is_written_nor_announced(tmp_path: 
     assert not (tmp_path / "ws" / "LIVE_CONTEXT.json").exists()
 
 
-def test_the_journal_keeps_each_mirror_entry_once_and_gives_the_text_back(store_location: Path | str) -> None:
-    """Each version of a growing mirror is journaled (a restart judges a pending draft against it), as pieces
-    stored once: the journal holds about one copy of the last version, not the sum of every version."""
+def test_the_journal_keeps_what_the_mirror_shows_and_gives_the_text_back(store_location: Path | str) -> None:
+    """Each version of a growing mirror is journaled (a restart judges a pending draft against it) as what it
+    shows: the hashes of messages the journal holds and their identities. Rendered from that, it is the text
+    written, up to the order of keys; the journal holds no text of its own."""
     journal = Journal(store_location)
     try:
-        recorded = journal.record_request(incoming([{"role": "user", "content": "task"}]))
         msgs = _body(40, 500)["messages"]
+        req = incoming(msgs)
+        recorded = journal.record_request(req)
         ids = [f"m{i}" for i in range(len(msgs))]
-        texts = [mirror_document(recorded.session_id, n // 30, ids[:n], msgs[:n]) for n in range(len(msgs) + 1)]
-        for text in texts:
-            state = SessionState(mirror="LIVE_CONTEXT.json", mirror_text=text)
+        for n in range(len(msgs) + 1):
+            text = mirror_document(recorded.session_id, n // 30, ids[:n], msgs[:n])
+            shown = MirrorShown(n // 30, tuple(ids[:n]), tuple(req.hashes[:n]))
+            state = SessionState(mirror="LIVE_CONTEXT.json", mirror_shown=shown)
             record_session_state(journal, recorded.session_id, recorded.request_id, state, "2026-01-01T00:00:00")
-            assert session_state(journal, recorded.session_id).mirror_text == text
-        stored = journal.conn.execute("SELECT SUM(chars) FROM blobs WHERE kind = 'mirror'").fetchone()[0]
-        assert stored <= 1.5 * len(texts[-1]), (stored, len(texts[-1]), sum(map(len, texts)))
-        off = SessionState(mirror=None, mirror_text=None)
+            back = session_state(journal, recorded.session_id).mirror_shown
+            assert back == shown and back is not None
+            again = rendered(recorded.session_id, back.revision, back.ids, back.hashes, back.bodies)
+            assert again is not None and same_mirror(text, again)
+        assert journal.conn.execute("SELECT COUNT(*) FROM blobs WHERE kind = 'mirror'").fetchone()[0] == 0
+        off = SessionState(mirror=None)
         record_session_state(journal, recorded.session_id, recorded.request_id, off, "2026-01-01T00:00:01")
         assert session_state(journal, recorded.session_id) == off
+    finally:
+        journal.close()
+
+
+def test_a_mirror_whose_message_the_journal_lacks_renders_as_none() -> None:
+    assert rendered("s", 0, ["m0"], ["h0"], {}) is None
+    assert rendered("s", 0, ["m0"], ["h0"], {"h0": b'{"role":"user","content":"x"}'}) == mirror_document(
+        "s", 0, ["m0"], [{"role": "user", "content": "x"}])
+
+
+def test_a_file_is_judged_against_a_mirror_rendered_from_the_journal_as_json(tmp_path: Path) -> None:
+    """After a restart the mirror is rendered from the journal, its messages' keys sorted: the file written before,
+    keys as the agent sent them, is that mirror (not a draft, and taken as the text written); an edited one is a
+    draft."""
+    messages = [{"role": "tool", "tool_call_id": "c1", "content": "out"}, {"role": "user", "content": "go"}]
+    ids = ["tool:c1", "user:1"]
+    written = mirror_document("s", 0, ids, messages)
+    path = tmp_path / "LIVE_CONTEXT.json"
+    for edit, draft in [(written, False), (written.replace('"out"', '"cut"'), True), ("{not json", True)]:
+        path.write_text(edit, encoding="utf-8")
+        ctx = SessionContext(decisions=[], mirror_written=True, mirror_exact=False, mirror_stat=(0, 0, 0, 0),
+                             mirror_document=mirror_document("s", 0, ids, [orjson.loads(canonical_json(m))
+                                                                           for m in messages]))
+        assert ctx.mirror_document != written
+        assert mirror_file._draft_pending(ctx, path, mirror_file._stat(path)) is draft
+        assert ctx.mirror_exact is not draft and (draft or ctx.mirror_document == written)
+
+
+def test_a_mirror_read_back_as_text_is_journaled_whole_until_written_again(tmp_path: Path) -> None:
+    """A session resumed from a journal kept before mirrors were journaled as what they show keeps its text: a
+    change of its state journals that text (one blob), so the draft it may have is still judged against it."""
+    journal = Journal(tmp_path / "j.db")
+    try:
+        session = journal.record_request(incoming([{"role": "user", "content": "task"}])).session_id
+        text = mirror_document(session, 0, ["m0"], [{"role": "user", "content": "task"}])
+        ctx = SessionContext(decisions=[])
+        ctx.resume(SessionState(mirror="m", mirror_text=text), session)
+        ctx.offered_turn = "user:1"
+        state = ctx.working_state()
+        assert state.mirror_text == text and state.mirror_shown is None and ctx.mirror_written
+        record_session_state(journal, session, 1, state, "0")
+        assert session_state(journal, session) == state
     finally:
         journal.close()
 
@@ -148,8 +196,8 @@ def test_a_forward_and_the_working_state_it_left_are_journaled_together(store_lo
             return ForwardRecord(recorded.request_id, attempt, recorded.session_id, "2026-01-01T00:00:01",
                                  req.params_hash, verbatim=True, estimate=10, k=1.0)
 
-        state = SessionState(offered_turn="user:1", mirror="m", mirror_text=mirror_document(
-            recorded.session_id, 0, ["m0"], [{"role": "user", "content": "task"}]))
+        state = SessionState(offered_turn="user:1", mirror="m", mirror_shown=MirrorShown(0, ("m0",),
+                                                                                          tuple(req.hashes)))
         unwritable = SessionState(confirmations=(object(),))  # type: ignore[arg-type]  # not JSON: the write fails
         with pytest.raises(TypeError):
             record_forward_and_state(journal, forward(0), StateChange(recorded.session_id, recorded.request_id,
@@ -183,7 +231,10 @@ def test_a_request_that_cuts_and_grows_the_mirror_journals_both_in_one_call(tmp_
     try:
         (session_id,) = journal.conn.execute("SELECT id FROM sessions").fetchone()
         text = (tmp_path / "ws" / "LIVE_CONTEXT.json").read_text(encoding="utf-8")
-        assert session_state(journal, session_id).mirror_text == text
+        shown = session_state(journal, session_id).mirror_shown
+        assert shown is not None
+        again = rendered(session_id, shown.revision, shown.ids, shown.hashes, shown.bodies)
+        assert again is not None and same_mirror(text, again)
     finally:
         journal.close()
 
@@ -299,75 +350,6 @@ def test_the_mirror_and_the_journal_cut_it_at_the_same_separator() -> None:
     assert mirror_module._BETWEEN == MIRROR_SEPARATOR
 
 
-def test_a_mirror_that_only_grew_is_journaled_as_its_new_entries(store_location: Path | str,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue #13: a mirror that gained entries since the text last journaled lists only them, on the previous list
-    (no reading back, splitting and hashing of every entry); any other change, or a ``previous`` that is not the
-    journal's last, is journaled whole as before, and every version reads back as it was."""
-    journal = Journal(store_location)
-    try:
-        recorded = journal.record_request(incoming([{"role": "user", "content": "task"}]))
-        msgs = _body(12, 700)["messages"]
-        ids = [f"m{i}" for i in range(len(msgs))]
-        grow = [mirror_document(recorded.session_id, 0, ids[:n], msgs[:n]) for n in range(4, len(msgs) + 1)]
-        other = mirror_document(recorded.session_id, 1, ids, msgs)  # a revision: the head changed
-        hashed: list[bytes] = []
-        counting = SimpleNamespace(sha256=lambda b: (hashed.append(b), hashlib.sha256(b))[1])
-        monkeypatch.setattr(session_state_module, "hashlib", counting)
-        previous = None
-        for text in [*grow, other, grow[3], grow[5]]:
-            state = SessionState(mirror="LIVE_CONTEXT.json", mirror_text=text)
-            record_session_state(journal, recorded.session_id, recorded.request_id, state, "2026-01-01T00:00:00",
-                                 previous=None if previous is None else SessionState(mirror_text=previous))
-            assert session_state(journal, recorded.session_id).mirror_text == text
-            previous = text
-        added = [len(json.loads(a)) for (a,) in journal.conn.execute(
-            "SELECT l.added FROM session_state s JOIN message_lists l ON l.id = s.mirror_list ORDER BY s.id")]
-        assert added[1:len(grow)] == [2] * (len(grow) - 1)  # one new entry and the closing piece, each time
-        whole = 2 * len(grow[0].split(MIRROR_SEPARATOR)) + 3 * len(msgs) + 6  # the first, the revision and two more
-        assert len(hashed) <= whole + len(grow), (len(hashed), whole)  # not every piece of every version
-        stale = SessionState(mirror_text=grow[0])  # not what the journal last kept: journaled whole
-        record_session_state(journal, recorded.session_id, recorded.request_id,
-                             SessionState(mirror="LIVE_CONTEXT.json", mirror_text=grow[6]), "2026", previous=stale)
-        assert session_state(journal, recorded.session_id).mirror_text == grow[6]
-    finally:
-        journal.close()
-
-
-class Compared(str):
-    """A mirror's text that notes the prefixes it is asked whether it starts with."""
-
-    asked: list[str]
-
-    def startswith(self, prefix: Any, *where: Any) -> bool:
-        self.asked.append(prefix)
-        return super().startswith(prefix, *where)
-
-
-def test_a_mirror_the_proxy_grew_is_journaled_without_comparing_its_start(store_location: Path | str) -> None:
-    """``extends``: the caller made the mirror by adding entries to the one last journaled (``SessionContext``
-    knows it wrote it so), and its start (~300 000 characters at 128k) is not compared again; the journal lists
-    the same new entries on the previous list as when it compares, and the text reads back as it was."""
-    journal = Journal(store_location)
-    try:
-        recorded = journal.record_request(incoming([{"role": "user", "content": "task"}]))
-        msgs = _body(8, 700)["messages"]
-        ids = [f"m{i}" for i in range(len(msgs))]
-        first, grown = (mirror_document(recorded.session_id, 0, ids[:n], msgs[:n]) for n in (4, 6))
-        record_session_state(journal, recorded.session_id, recorded.request_id, SessionState(mirror_text=first), "0")
-        text = Compared(grown)
-        text.asked = []
-        record_session_state(journal, recorded.session_id, recorded.request_id, SessionState(mirror_text=text), "1",
-                             previous=SessionState(mirror_text=first), extends=True)
-        assert text.asked == [MIRROR_SEPARATOR]  # where the new entries start, nothing before it
-        assert session_state(journal, recorded.session_id).mirror_text == grown
-        (added,) = journal.conn.execute("SELECT l.added FROM session_state s JOIN message_lists l"
-                                        " ON l.id = s.mirror_list ORDER BY s.id DESC LIMIT 1").fetchone()
-        assert len(json.loads(added)) == 3  # two new entries and the closing piece
-    finally:
-        journal.close()
-
-
 def test_a_mirror_that_only_grows_is_written_at_its_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue #13: rounds too short to cut, after the mirror turned on, only add entries: the file is written whole
     once and then only where it grew, and is at every step exactly the document (the JSON as ``json.dumps``
@@ -383,15 +365,10 @@ def test_a_mirror_that_only_grows_is_written_at_its_end(tmp_path: Path, monkeypa
             {"id": f"call_{k}", "type": "function", "function": {"name": "read_file", "arguments": "{}"}}]},
             {"role": "tool", "tool_call_id": f"call_{k}", "content": f"short {k}"}]
         bodies.append({**first, "messages": msgs})
-    extends: list[tuple[bool, bool]] = []
-    record_mirror = session_state_module._record_mirror  # every way a mirror is journaled goes through it
-    monkeypatch.setattr(session_state_module, "_record_mirror",
-                        lambda *args: (extends.append(args[4]), record_mirror(*args))[1])
     shown: list[list[str]] = []
     sent = _send(tmp_path, bodies, between=lambda i: shown.append(_ids(mirror)))
     shown.append(_ids(mirror))
     assert all(PARAGRAPH in s for s in sent) and len(whole) == 1
-    assert extends == [False] + [True] * 3  # grown, said so: not compared again
     assert [len(ids) for ids in shown] == [len(b["messages"]) for b in bodies]
     text = mirror.read_text(encoding="utf-8")
     assert json.dumps(json.loads(text), indent=2, ensure_ascii=False) == text
@@ -401,76 +378,56 @@ def _ids(mirror: Path) -> list[str]:
     return [e["id"] for e in json.loads(mirror.read_text(encoding="utf-8"))["messages"]]
 
 
-class Counted(str):
-    """A mirror's text that notes how often its separators are counted."""
-
-    counts: int = 0
-
-    def count(self, *args: Any) -> int:
-        type(self).counts += 1
-        return super().count(*args)
+_SHOWN = st.lists(st.tuples(st.integers(0, 9), st.integers(0, 9)), max_size=12)
 
 
-def test_a_mirror_grown_from_the_list_last_inserted_is_not_recounted(store_location: Path | str,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """The journal keeps, per session, the mirror list it inserted last with its text and chain depth: the next
-    version grown from that very text is listed on it without counting the text's separators or walking the chain
-    (0.3-0.5 ms a request at 128k); the lists are laid out as those journaled without it (a session of each, in
-    the same journal), past the chain's 64-list cap."""
-    lists, whole_paths = [], []
-    insert = session_state_module._insert_mirror_list  # the path of a mirror not grown from the last one
-    monkeypatch.setattr(session_state_module, "_insert_mirror_list",
-                        lambda *a: (whole_paths.append(len(lists)), insert(*a))[1])
+@given(st.lists(_SHOWN, min_size=1, max_size=6), st.integers(0, 2))
+def test_what_a_mirror_shows_journaled_version_after_version_reads_back_as_it(versions: list[list[tuple[int, int]]],
+                                                                             revision: int) -> None:
+    """Each version (entries kept, changed, dropped, added, repeated) is journaled as two lists delta-encoded on
+    the last version's, and reads back as it was; the lists are the same whether this connection kept the last
+    ones or read them back along their chains (it does not read them when it kept them)."""
+    layouts = []
     for forget in (False, True):
-        journal = Journal(store_location)
+        journal = Journal(":memory:")
         try:
-            recorded = journal.record_request(incoming([{"role": "user", "content": "task"}]))
-            msgs = _body(40, 60)["messages"]
-            ids = [f"m{i}" for i in range(len(msgs))]
-            texts = [Counted(mirror_document(recorded.session_id, 0, ids[:n], msgs[:n])) for n in range(2, len(msgs))]
-            Counted.counts, previous = 0, None
-            for text in texts:
-                if forget:
-                    journal.grown_mirrors.clear()
-                record_session_state(journal, recorded.session_id, recorded.request_id,
-                                     SessionState(mirror_text=text), "0",
-                                     previous=None if previous is None else SessionState(mirror_text=previous),
-                                     extends=previous is not None)
-                assert session_state(journal, recorded.session_id).mirror_text == text
-                previous = text
-            assert (Counted.counts == 0) != forget
-            lists.append([(whole, base_len, len(json.loads(added)), length) for whole, base_len, added, length in
-                          journal.conn.execute(
-                              "SELECT l.base_id IS NULL, l.base_len, l.added, l.length FROM session_state s JOIN"
-                              " message_lists l ON l.id = s.mirror_list WHERE s.session_id = ? ORDER BY s.id",
-                              [recorded.session_id]).fetchall()])
+            session = journal.record_request(incoming([{"role": "user", "content": "task"}])).session_id
+            chains: list[int] = []
+            with pytest.MonkeyPatch.context() as patch:
+                chain = session_state_module.chain
+                patch.setattr(session_state_module, "chain",
+                              lambda c, i, seen=chains, read=chain: (seen.append(i), read(c, i))[1])
+                for n, version in enumerate(versions):
+                    if forget:
+                        journal.shown_mirrors.clear()
+                    shown = MirrorShown(revision + n % 2, tuple(f"m{i}" for i, _ in version),
+                                        tuple(f"h{h}" for _, h in version))
+                    record_session_state(journal, session, 1, SessionState(mirror_shown=shown), str(n))
+                    assert len(chains) == (2 if forget and n else 0)  # the last version's two lists, read back
+                    chains.clear()
+                    assert session_state(journal, session).mirror_shown == shown
+                    chains.clear()
+            layouts.append(journal.conn.execute(
+                "SELECT l.base_id IS NULL, l.base_len, l.added, l.length FROM session_state s JOIN message_lists l"
+                " ON l.id IN (s.mirror_list, s.mirror_ids) WHERE s.session_id = ? ORDER BY l.id", [session]).fetchall())
         finally:
             journal.close()
-    assert lists[0] == lists[1] and len(lists[0]) > 64 and sum(whole for whole, *_ in lists[0]) >= 2
-    assert whole_paths.count(0) == whole_paths.count(1) == 2  # the first list and the 65th, each stored whole
+    assert layouts[0] == layouts[1]
 
 
-def _lists(journal: Journal, session_id: str) -> list[list[str]]:
-    """Each journaled mirror list of the session, as its hashes (read along its chain)."""
-    return [session_state_module._mirror_hashes(journal, list_id)[0] for (list_id,) in journal.conn.execute(
-        "SELECT mirror_list FROM session_state WHERE session_id = ? ORDER BY id", [session_id])]
-
-
-@given(st.lists(st.lists(_MESSAGE, min_size=1, max_size=6), min_size=1, max_size=4), st.integers(0, 2))
-def test_a_mirror_journaled_version_after_version_reads_back_as_written(versions: list[list[dict[str, Any]]],
-                                                                        revision: int) -> None:
-    """Each version (entries kept, changed, dropped, a revision's new head) is journaled as its text split at the
-    separator, delta-encoded on the one before, and reads back as it was written."""
-    journal = Journal(":memory:")
+def test_a_mirror_list_is_stored_whole_past_its_chain_s_cap(tmp_path: Path) -> None:
+    """A read rebuilds a list along at most 64 rows: the 65th version of a growing mirror is stored whole."""
+    journal = Journal(tmp_path / "j.db")
     try:
         session = journal.record_request(incoming([{"role": "user", "content": "task"}])).session_id
-        previous = None
-        for n, messages in enumerate(versions):
-            text = mirror_document(session, revision + n % 2, [f"m{i}" for i in range(len(messages))], messages)
-            record_session_state(journal, session, 1, SessionState(mirror_text=text), str(n), previous=previous)
-            assert session_state(journal, session).mirror_text == text
-            previous = SessionState(mirror_text=text)
-        assert len(_lists(journal, session)) == len(versions)
+        for n in range(1, 70):
+            shown = MirrorShown(0, tuple(f"m{i}" for i in range(n)), tuple(f"h{i}" for i in range(n)))
+            record_session_state(journal, session, 1, SessionState(mirror_shown=shown), str(n))
+            assert session_state(journal, session).mirror_shown == shown
+        whole = [n for n, (base,) in enumerate(journal.conn.execute(
+            "SELECT l.base_id FROM session_state s JOIN message_lists l ON l.id = s.mirror_list ORDER BY s.id"))
+                 if base is None]
+        assert whole == [0, 64]
     finally:
         journal.close()
 
@@ -487,70 +444,13 @@ def test_a_mirror_journaled_before_its_indent_was_two_spaces_reads_back_as_writt
             {"id": f"m{i}", **m} for i, m in enumerate(msgs)]}, indent=1, ensure_ascii=False)
         tail = "\n  }\n ]\n}"
         pieces = [*earlier[: -len(tail)].split("\n  },\n  {\n"), tail]
-        hashes = session_state_module._offer_pieces(journal, pieces)
+        hashes = [hashlib.sha256(p.encode()).hexdigest() for p in pieces]  # as that version stored them
+        journal.conn.executemany("INSERT INTO blobs (hash, kind, body, chars) VALUES (?, 'mirror', ?, ?) ON CONFLICT"
+                                 " DO NOTHING", [(h, p, len(p)) for h, p in zip(hashes, pieces, strict=True)])
         list_id, _ = session_state_module._insert_mirror_list(journal, None, [], 0, hashes)
         journal.conn.execute("INSERT INTO session_state (session_id, request_id, confirmations, mirror, mirror_list,"
                              " created_at) VALUES (?, 1, '[]', 'm', ?, '0')", [session, list_id])
         assert len(pieces) == len(msgs) + 1
         assert session_state(journal, session).mirror_text == earlier
-    finally:
-        journal.close()
-
-
-def test_a_mirror_rewritten_whole_is_compared_with_the_list_this_connection_inserted(
-        store_location: Path | str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue #13: a mirror rewritten whole (a fold changed an early entry) is delta-encoded on the session's last
-    list, whose hashes this connection kept when it inserted it: its chain is not read back (0.3-0.6 ms at 128k).
-    The lists are those journaled with the chain read, and each version reads back as it was."""
-    reads: list[int] = []
-    chain_of, record = session_state_module._mirror_hashes, session_state_module._record_mirror
-    recording = []
-    monkeypatch.setattr(session_state_module, "_mirror_hashes",
-                        lambda j, i: (recording and reads.append(i), chain_of(j, i))[1])
-    monkeypatch.setattr(session_state_module, "_record_mirror",
-                        lambda *a: (recording.append(1), record(*a), recording.clear())[1])
-    lists = []
-    for forget in (False, True):
-        journal = Journal(store_location)
-        try:
-            session = journal.record_request(incoming([{"role": "user", "content": "task"}])).session_id
-            msgs = _body(10, 400)["messages"]
-            ids = [f"m{i}" for i in range(len(msgs))]
-            versions = [mirror_document("s", 0, ids[:n], msgs[:n]) for n in range(4, len(msgs))]
-            versions += [mirror_document("s", 0, ids[:n], [{**msgs[0], "content": f"folded {n}"}, *msgs[1:n]])
-                         for n in range(len(msgs) - 3, len(msgs))]
-            reads.clear()
-            previous = None
-            for text in versions:
-                if forget:
-                    journal.grown_mirrors.clear()
-                record_session_state(journal, session, 1, SessionState(mirror_text=text), "0",
-                                     previous=None if previous is None else SessionState(mirror_text=previous))
-                assert session_state(journal, session).mirror_text == text
-                previous = text
-            assert len(reads) == (3 if forget else 0), reads  # the three versions rewritten whole
-            lists.append(journal.conn.execute(
-                "SELECT l.base_id IS NULL, l.base_len, l.added, l.length FROM session_state s JOIN message_lists l"
-                " ON l.id = s.mirror_list WHERE s.session_id = ? ORDER BY s.id", [session]).fetchall())
-        finally:
-            journal.close()
-    assert lists[0] == lists[1]
-
-
-@given(st.lists(st.text(st.sampled_from(" {},\n]x"), max_size=16), min_size=1, max_size=5), st.text(max_size=8))
-def test_any_text_laid_out_like_a_mirror_reads_back_as_it(inners: list[str], head: str) -> None:
-    """Whatever the entries hold (here, the separator itself, braces, newlines), a text the journal cuts at the
-    separator reads back exactly, whole or grown from the one before."""
-    entries = ["    {\n" + inner + "\n    }" for inner in inners]
-    journal = Journal(":memory:")
-    try:
-        recorded = journal.record_request(incoming([{"role": "user", "content": "task"}]))
-        previous = None
-        for n in range(1, len(entries) + 1):
-            text = head + ',\n  "messages": [\n' + ",\n".join(entries[:n]) + CLOSE
-            record_session_state(journal, recorded.session_id, recorded.request_id, SessionState(mirror_text=text),
-                                 "0", previous=previous)
-            assert session_state(journal, recorded.session_id).mirror_text == text
-            previous = SessionState(mirror_text=text)
     finally:
         journal.close()

@@ -19,9 +19,9 @@ import httpx
 import pytest
 
 from ctxproxy.config import load_settings
-from ctxproxy.proxy.engine.heavy import OFFLOAD_BYTES, WHOLE_MIRROR_CHARS, heavy_journaling
+from ctxproxy.proxy.engine.heavy import OFFLOAD_BYTES, OFFLOAD_MESSAGES, WHOLE_MIRROR_CHARS, heavy_journaling
 from ctxproxy.proxy.errors import StorageError, StorageFull, storage_error
-from ctxproxy.store import Journal, JournalWriter, SessionState, StateChange, checkpoints
+from ctxproxy.store import Journal, JournalWriter, MirrorShown, SessionState, StateChange, checkpoints
 from ctxproxy.store.claims import claim
 from tests.conftest import app_client
 from tests.fakes import FakeUpstream
@@ -263,17 +263,22 @@ def test_the_connection_is_never_used_from_two_threads_at_once(tmp_path: Path, p
     assert placed_on == ["ctxproxy-journal_0"]
 
 
+def _shown(n: int) -> SessionState:
+    return SessionState(mirror_shown=MirrorShown(0, tuple(f"m{i}" for i in range(n)), tuple(f"h{i}" for i in range(n))))
+
+
 @pytest.mark.parametrize(("change", "forward_bytes", "heavy"), [
     (None, 0, False),
     (None, OFFLOAD_BYTES, True),
-    (StateChange("s", 1, SessionState(offered_turn="t"), "now", SessionState(), False), 0, False),
-    (StateChange("s", 1, SessionState(mirror_text="m" * WHOLE_MIRROR_CHARS), "now", SessionState(), False), 0, True),
-    (StateChange("s", 1, SessionState(mirror_text="m" * WHOLE_MIRROR_CHARS), "now", SessionState(), True), 0, False),
-    (StateChange("s", 1, SessionState(mirror_text="m" * (WHOLE_MIRROR_CHARS - 1)), "now", SessionState(), False), 0,
-     False),
+    (StateChange("s", 1, SessionState(offered_turn="t"), "now"), 0, False),
+    (StateChange("s", 1, SessionState(mirror_text="m" * WHOLE_MIRROR_CHARS), "now"), 0, True),
+    (StateChange("s", 1, SessionState(mirror_text="m" * (WHOLE_MIRROR_CHARS - 1)), "now"), 0, False),
+    (StateChange("s", 1, _shown(OFFLOAD_MESSAGES), "now"), 0, True),
+    (StateChange("s", 1, _shown(OFFLOAD_MESSAGES - 1), "now"), 0, False),
 ])
 def test_what_journaling_is_heavy(change: Any, forward_bytes: int, heavy: bool) -> None:
-    """A MiB of cut bodies, or a long mirror stored whole (not one that only grew): the journal's thread."""
+    """A MiB of cut bodies, a mirror of a thousand messages (its lists), or a long mirror's text stored whole: the
+    journal's thread."""
     assert heavy_journaling(change, forward_bytes) is heavy
 
 

@@ -19,7 +19,7 @@ import json
 from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -31,11 +31,13 @@ from ctxproxy.proxy.core.project import absorbed_state
 from ctxproxy.proxy.core.tokens import Calibration
 from ctxproxy.proxy.engine.heavy import heavy_journaling
 from ctxproxy.proxy.engine.tally import Counting
+from ctxproxy.proxy.tools.mirror import rendered, same_mirror
 from ctxproxy.store import (
     CalibrationInForce,
     ForwardRecord,
     Journal,
     JournalWriter,
+    MirrorShown,
     RecordedRequest,
     SessionState,
     StateChange,
@@ -74,13 +76,14 @@ class SessionContext:
     """The mirror was written and not committed or refused since: a file that differs from ``mirror_document`` is
     the model's draft (not overwritten until committed), judged against what it was given (``written_entries``)."""
     mirror_document: str | None = None
-    """The mirror's text as last written: what ``mirror_written`` is read back from after a restart."""
+    """The mirror's text as last written; after a restart, rendered from what the journal says it showed."""
+    mirror_shown: MirrorShown | None = field(default=None, compare=False)  # what it shows, as journaled
+    mirror_exact: bool = field(default=True, compare=False)
+    """False while ``mirror_document`` is rendered from the journal (keys sorted): a file is compared as JSON."""
     mirror_key: tuple[Any, ...] | None = field(default=None, compare=False)
     """What the mirror last written showed (session, revision, identities, hashes): unchanged, it is not rewritten."""
     mirror_entries: dict[tuple[str, str], str] = field(default_factory=dict, compare=False)
     """The mirror's entries as last written, by (identity, hash): a new version serialises only what is new."""
-    mirror_grew: tuple[str, str] | None = field(default=None, compare=False)
-    """(the text, the text it became) when the last write only added entries to it (``journal_state``)."""
     mirror_stat: tuple[int, int, int, int] | None = field(default=None, compare=False)
     """The file's inode, size and times just after the proxy wrote it: while they hold, no draft is pending."""
     confirmations: list[str] = field(default_factory=list)
@@ -99,9 +102,10 @@ class SessionContext:
 
     def working_state(self) -> SessionState:
         """What of this context the decisions do not imply, as the journal keeps it."""
+        shown = self.mirror_shown if self.mirror_written else None
+        earlier = self.mirror_document if self.mirror_written and shown is None else None  # a text read back
         return SessionState(self.offered_turn, self.reminded_turn, tuple(self.confirmations),
-                            None if self.mirror is None else str(self.mirror),
-                            self.mirror_document if self.mirror_written else None)
+                            None if self.mirror is None else str(self.mirror), earlier, shown)
 
     async def journal_state(self, writer: JournalWriter, session_id: str, request_id: int) -> None:
         """Journal the working state if ``request_id`` changed it (the offer, the reminder, the confirmations, the
@@ -127,10 +131,7 @@ class SessionContext:
         state = self.working_state()
         if state == self.journaled:
             return None
-        grew = self.mirror_grew
-        extends = grew is not None and grew[0] is self.journaled.mirror_text and grew[1] is state.mirror_text
-        return StateChange(session_id, request_id, state, datetime.now(UTC).isoformat(timespec="milliseconds"),
-                           self.journaled, extends)
+        return StateChange(session_id, request_id, state, datetime.now(UTC).isoformat(timespec="milliseconds"))
 
     def journaled_as(self, change: StateChange | None) -> None:
         """The journal has the working state of ``change`` (``state_change``'s), if any."""
@@ -144,20 +145,24 @@ class SessionContext:
             return {}
         return _entries(self.mirror_document)
 
-    def resume(self, state: SessionState) -> None:
-        """Take back the working state the journal kept."""
+    def resume(self, state: SessionState, session_id: str) -> None:
+        """Take back the working state the journal kept; the mirror's text rendered from what it shows."""
         self.offered_turn, self.reminded_turn = state.offered_turn, state.reminded_turn
         self.confirmations = list(state.confirmations)
         self.mirror = None if state.mirror is None else Path(state.mirror)
-        self.mirror_document = state.mirror_text
-        self.mirror_written = state.mirror_text is not None
-        self.journaled = state
+        shown = state.mirror_shown
+        self.mirror_document = state.mirror_text if shown is None else rendered(
+            session_id, shown.revision, shown.ids, shown.hashes, shown.bodies)
+        self.mirror_written, self.mirror_exact = self.mirror_document is not None, shown is None
+        self.mirror_shown = None if shown is None else replace(shown, bodies={})  # rendered: not kept
+        self.journaled = replace(state, mirror_shown=self.mirror_shown)
 
 
 def _refresh_mirror(stale: SessionContext, fresh: SessionContext) -> None:
     """Another process wrote the mirror since this one did (replicas each on a disk of its own): the file here
-    still holds what this process wrote then, which would pass for the model's draft. It is rewritten from the
-    journaled text. A file that is neither (the model's draft) is left as it is."""
+    still holds what this process wrote then, which would pass for the model's draft. It is rewritten from what the
+    journal says the mirror shows; a file that shows that already is kept, and one that is neither (the model's
+    draft) is left as it is."""
     path, text = fresh.mirror, fresh.mirror_document
     if path is None or text is None or not fresh.mirror_written or stale.mirror_document is None:
         return
@@ -165,9 +170,14 @@ def _refresh_mirror(stale: SessionContext, fresh: SessionContext) -> None:
         here = path.read_text(encoding="utf-8") if path.exists() else None
     except OSError:
         return
-    if here is None or (here != text and here == stale.mirror_document):
+    if here is not None and not fresh.mirror_exact and same_mirror(here, text):
+        fresh.mirror_document = here  # the same mirror, as the file holds it
+    elif here is None or (here != text and here == stale.mirror_document):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text, encoding="utf-8")
+    else:
+        return  # the model's draft
+    fresh.mirror_exact = True
 
 
 def _entries(document: str) -> dict[str, str]:
@@ -301,7 +311,7 @@ class SessionContexts:
         context = SessionContext(decisions, calibrations={model: self._calibration(saved, model)},
                                  mirror_revision=saved.revisions)
         context.absorbs = sources[0] if len(sources) == 1 and len(decisions) == sources[0][1] else None
-        context.resume(saved.state)
+        context.resume(saved.state, session_id)
         return context
 
     def absorbed(self, writer: JournalWriter, ctx: SessionContext) -> State | None:

@@ -49,8 +49,8 @@ OFFLOAD_MESSAGES = 1000
 starts afresh (after a restart, or once the session's decisions changed) walks every message, some 20-50 µs each."""
 
 WHOLE_MIRROR_CHARS = 100_000
-"""A mirror this long, journaled whole (its first version, or one rewritten rather than grown), is split, hashed and
-stored on the journal's thread, not on the loop (``heavy_journaling``): 10-30 ms for a long session's."""
+"""A mirror's text this long, journaled whole as one blob (a session resumed from a journal kept before mirrors were
+journaled as what they show), is stored on the journal's thread, not on the loop (``heavy_journaling``)."""
 
 WORKERS = 2
 """Heavy steps running at once: the machine's cores; more would only share them, and hold more memory."""
@@ -72,13 +72,15 @@ def is_large(body_bytes: int, messages: int) -> bool:
 def heavy_journaling(change: StateChange | None, forward_bytes: int = 0) -> bool:
     """Whether journaling the working state ``change`` (``proxy.engine.context.SessionContext.state_change``'s),
     with a forward that stores ``forward_bytes``, belongs on the journal's thread (``JournalWriter.call``'s
-    ``heavy``): a MiB of cut bodies, or a long mirror stored whole."""
+    ``heavy``): a MiB of cut bodies, a mirror of a thousand messages or more (its two lists, delta-encoded), or a
+    long mirror's text stored whole."""
     if forward_bytes >= OFFLOAD_BYTES:
         return True
     if change is None:
         return False
-    text = change.state.mirror_text
-    return text is not None and not change.extends and len(text) >= WHOLE_MIRROR_CHARS
+    text, shown = change.state.mirror_text, change.state.mirror_shown
+    return (text is not None and len(text) >= WHOLE_MIRROR_CHARS) or (
+        shown is not None and len(shown.ids) >= OFFLOAD_MESSAGES)
 
 
 class Offload:

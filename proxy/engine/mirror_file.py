@@ -5,21 +5,26 @@ one round: at 128k that is every request of the last 160 of a 600-round run, ~50
 is rewritten whole only when an entry it shows changed (an elision pass, a fold, a revision); a request that only
 adds entries writes them over the closing brackets, in place. A draft of the model's is noticed by the file's size
 and times changing, then told apart from a touch by comparing its text with what was written (no hash of the
-whole text on every write). Opened for writing, a file is first truncated, which frees its pages for the write to
-fault back in: 0.86 ms a whole write against 0.52 in place (issue #13).
+whole text on every write). After a restart, what was written is rendered from the journal, which keeps what the
+mirror shows, not its text (``store.session_state``): a file is compared with that as JSON. Opened for writing, a
+file is first truncated, which frees its pages for the write to fault back in: 0.86 ms a whole write against 0.52
+in place (issue #13).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from ctxproxy.config import Settings
-from ctxproxy.proxy.core import Projection
+from ctxproxy.proxy.core import Projection, canonical_json
 from ctxproxy.proxy.engine.context import SessionContext
-from ctxproxy.proxy.tools.mirror import CLOSE, appended_document, mirror_document, mirror_path
+from ctxproxy.proxy.tools.mirror import CLOSE, appended_document, mirror_document, mirror_path, same_mirror
+from ctxproxy.store import MirrorShown
 
-__all__ = ["rewrite_in_place", "write_mirror"]
+__all__ = ["keep_unsent", "rewrite_in_place", "write_mirror"]
 
 _CLOSE_BYTES = len(CLOSE.encode())
 
@@ -49,14 +54,24 @@ def write_mirror(ctx: SessionContext, settings: Settings, session_id: str, p: Pr
         document = appended_document(ctx.mirror_document, ids[kept:], messages[kept:], key[3][kept:],
                                      ctx.mirror_entries)
         _write_at(ctx.mirror, stat[1] - _CLOSE_BYTES, document[len(ctx.mirror_document) - len(CLOSE):])
-        ctx.mirror_grew = (ctx.mirror_document, document)
     else:
         document = mirror_document(session_id, ctx.mirror_revision, ids, messages, key[3], ctx.mirror_entries)
         rewrite_in_place(ctx.mirror, document)
-        ctx.mirror_grew = None
-    ctx.mirror_written, ctx.mirror_document = True, document
+    ctx.mirror_written, ctx.mirror_document, ctx.mirror_exact = True, document, True
+    ctx.mirror_shown = MirrorShown(ctx.mirror_revision, key[2], key[3])
     ctx.mirror_key, ctx.mirror_stat = key, _stat(ctx.mirror)
     return ctx.mirror
+
+
+def keep_unsent(ctx: SessionContext, p: Projection, sent: Sequence[str]) -> None:
+    """The mirror just written is journaled as the hashes of the messages it shows, whose bodies the forward
+    stores, as they went upstream (``sent``): one that went otherwise (``null_content`` filled in) has its body
+    journaled with the mirror."""
+    shown = ctx.mirror_shown
+    if shown is None or shown is ctx.journaled.mirror_shown or tuple(sent[: len(shown.hashes)]) == shown.hashes:
+        return
+    ctx.mirror_shown = replace(shown, bodies={h: canonical_json(m) for h, went, m in zip(
+        shown.hashes, sent, p.messages, strict=False) if h != went})
 
 
 def _kept_entries(ctx: SessionContext, key: tuple[Any, ...], stat: tuple[int, int, int, int] | None) -> int:
@@ -80,9 +95,10 @@ def _draft_pending(ctx: SessionContext, path: Path, stat: tuple[int, int, int, i
         return False
     if stat == ctx.mirror_stat:
         return False
-    if path.read_text(encoding="utf-8") != ctx.mirror_document:
+    text = path.read_text(encoding="utf-8")
+    if text != ctx.mirror_document and (ctx.mirror_exact or not same_mirror(text, ctx.mirror_document or "")):
         return True
-    ctx.mirror_stat = stat  # touched, not changed
+    ctx.mirror_document, ctx.mirror_exact, ctx.mirror_stat = text, True, stat  # touched, not changed
     return False
 
 

@@ -37,7 +37,7 @@ from ctxproxy.proxy.engine.context import ParentState, SessionContext
 from ctxproxy.proxy.engine.decided import decision_rows
 from ctxproxy.proxy.engine.exchange import Tallying, now
 from ctxproxy.proxy.engine.heavy import is_large
-from ctxproxy.proxy.engine.mirror_file import write_mirror
+from ctxproxy.proxy.engine.mirror_file import keep_unsent, write_mirror
 from ctxproxy.proxy.engine.outfiles import outfiles_dir, write_outfiles
 from ctxproxy.proxy.engine.policy import (
     assemble,
@@ -203,6 +203,7 @@ def _shape(app: AppState, settings: Settings, ctx: SessionContext, ask: Ask, win
     payload = assemble(dict(body), p.messages, p.hashes, p.changed, after, listed, bool(rules.fenced),
                        settings.null_content == "empty")
     sent, hashes, changed = payload.sent, payload.hashes, payload.changed
+    keep_unsent(ctx, p, hashes)
     budgeted = _context_tools_cost(app, settings, body, bool(rules.fenced), rules.budget.budget)
     estimate = p.report.estimate - (budgeted - (app.read_tool_tokens() if listed else 0)
                                     if may_offer and not offered else 0)

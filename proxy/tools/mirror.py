@@ -26,7 +26,7 @@ from ctxproxy.proxy.core.state import Rules, sha256_text
 from ctxproxy.proxy.core.stubs import full_output, stub_line
 
 __all__ = ["CLOSE", "PARAGRAPH", "MirrorPlaces", "Revision", "appended_document", "maintenance_rounds",
-           "mirror_document", "mirror_path", "revise"]
+           "mirror_document", "mirror_path", "rendered", "revise", "same_mirror"]
 
 _FILE_TOOL = re.compile(r"read|view|open|cat|edit|write|create|patch|replace|insert", re.I)
 _SHELL_TOOL = re.compile(r"bash|shell|run|exec|terminal|command|python", re.I)
@@ -82,6 +82,25 @@ def mirror_document(session: str, revision: int, ids: Sequence[str], messages: S
     cache.update(zip(keys, pieces, strict=True))
     head = _json({"session": session, "revision": revision, "messages": []})[: -len("[]\n}")] + "[\n"
     return _between(pieces, head + _ENTRY_START, _ENTRY_END + CLOSE)
+
+
+def rendered(session: str, revision: int, ids: Sequence[str], hashes: Sequence[str],
+             bodies: Mapping[str, bytes]) -> str | None:
+    """The mirror that showed the messages of ``hashes`` (their canonical ``bodies``, by hash) as ``ids``: what the
+    journal keeps of it, rendered; None when a body is missing. Their keys are sorted where the file has them as
+    the agent sent them: the same JSON, not always the same text (``same_mirror``)."""
+    if any(h not in bodies for h in hashes):
+        return None
+    return mirror_document(session, revision, ids, [orjson.loads(bodies[h]) for h in hashes])
+
+
+def same_mirror(text: str, document: str) -> bool:
+    """Whether ``text`` (a file) is ``document`` as JSON: a mirror rendered from the journal is the one written
+    up to the order of keys."""
+    try:
+        return bool(json.loads(text) == json.loads(document))
+    except ValueError:
+        return False
 
 
 CLOSE = "\n  ]\n}"
