@@ -29,6 +29,7 @@ Run: ``.venv/bin/python bench/long_run.py --markdown --gpu-model PEERS/gpu``
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import os
@@ -77,10 +78,18 @@ NO_USAGE = json.dumps({k: v for k, v in json.loads(fake_upstream.COMPLETION).ite
 
 
 # --- the upstream -------------------------------------------------------------------------------------------------
+UPSTREAM_MS_ENV = "LONG_RUN_UPSTREAM_MS"
+"""How long the upstream takes to answer a chat (``--upstream-ms``), handed to its process."""
+
+
 async def _upstream_app(scope: Any, receive: Any, send: Any) -> None:
-    """``fake_upstream.app`` answering chats without ``usage``."""
+    """``fake_upstream.app`` answering chats without ``usage``, after ``--upstream-ms`` (0: at once, the peers'
+    method)."""
     if scope["type"] == "http" and scope["method"] == "POST" and scope["path"].endswith("/chat/completions"):
         await fake_upstream.read_body(receive)
+        delay = float(os.environ.get(UPSTREAM_MS_ENV) or 0) / 1000
+        if delay:
+            await asyncio.sleep(delay)
         await fake_upstream.send_bytes(send, 200, NO_USAGE)
         return
     await fake_upstream.app(scope, receive, send)
@@ -469,6 +478,8 @@ def _parser() -> argparse.ArgumentParser:
                         "bench/journal_reads.py")
     parser.add_argument("--twins", action="store_true", help="run each source twice side by side, and each request "
                         "direct twice: a request's own cost is the less of the two (twin_runs)")
+    parser.add_argument("--upstream-ms", type=float, default=0.0, help="the upstream answers each chat after this "
+                        "long (a model's time to its answer; 0, the default, is the peers' method: at once)")
     parser.add_argument("--serve-upstream", type=int, help=argparse.SUPPRESS)
     return parser
 
@@ -479,6 +490,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve_upstream:
         serve_upstream(args.serve_upstream)
         return 0
+    os.environ[UPSTREAM_MS_ENV] = str(args.upstream_ms)  # the upstream's process inherits it
     requests = bodies(args.rounds)
     note = "" if args.gpu_model else (f"GPU seconds left out: no cost model given (--gpu-model DIR or {GPU_ENV}, "
                                       "the folder holding the shared gpu_seconds.py).")

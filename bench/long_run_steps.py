@@ -44,7 +44,7 @@ STEPS = (
     ("ctxproxy.proxy.engine.planning", "_shape", "shape"),
     ("ctxproxy.proxy.engine.planning", "project", "project"),
     ("ctxproxy.proxy.engine.planning", "_upstream_bytes", "upstream bytes"),
-    ("ctxproxy.proxy.engine.planning", "write_mirror", "mirror file"),
+    ("ctxproxy.proxy.engine.mirror_file", "_write", "mirror file"),
     ("ctxproxy.proxy.engine.mirror_file", "mirror_document", "mirror rendered whole"),
     ("ctxproxy.proxy.engine.mirror_file", "appended_document", "mirror grown"),
     ("ctxproxy.proxy.engine.mirror_file", "rewrite_in_place", "mirror file written whole"),
@@ -117,10 +117,19 @@ def _inline() -> None:
         setattr(importlib.import_module(module_name), name, _never)
 
 
+UPSTREAM = {"delay": 0.0, "timings": None, "started": 0}
+"""``--upstream-ms`` and where the upstream notes when a request reached it (``to upstream``)."""
+
+
 async def _upstream(scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
-    """``long_run.py``'s upstream: its fixed answer, without usage, to every request."""
+    """``long_run.py``'s upstream: its fixed answer, without usage, to every request, after ``--upstream-ms``."""
+    timings = UPSTREAM["timings"]
+    if isinstance(timings, Timings) and "to upstream" not in timings.current:
+        timings.add("to upstream", int(UPSTREAM["started"]))
     while (await receive()).get("more_body"):
         pass
+    if UPSTREAM["delay"]:
+        await asyncio.sleep(float(UPSTREAM["delay"]))
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
     await send({"type": "http.response.body", "body": long_run.NO_USAGE})
 
@@ -136,17 +145,17 @@ async def replay(window: int, rounds: int, timings: Timings) -> None:
             await client.post(CHAT, content=orjson.dumps(long_run.WARM_UP), headers=HEADERS)
             timings.current.clear()
             for body in long_run.bodies(rounds):
-                started = time.perf_counter_ns()
+                started = UPSTREAM["started"] = time.perf_counter_ns()
                 answer = await client.post(CHAT, content=body, headers=HEADERS)
                 if answer.status_code != 200:
                     raise RuntimeError(f"the proxy answered {answer.status_code}: {answer.text[:300]}")
-                timings.next_request((time.perf_counter_ns() - started) / 1e6)
+                timings.next_request((time.perf_counter_ns() - started) / 1e6 - 1000 * float(UPSTREAM["delay"]))
 
 
 def table(timings: Timings, chosen: list[int], last: int) -> str:
     """Markdown: the chosen requests' steps (``total``: the request as the client timed it), then each step's median
     over all requests and over the last ``last``."""
-    labels = ["total", *(label for _, _, label in STEPS)]
+    labels = ["total", "to upstream", *(label for _, _, label in STEPS)]
     rows = [f"| {i} | " + " | ".join(f"{timings.requests[i].get(label, 0):.2f}" for label in labels) + " |"
             for i in chosen]
     for name, part in (("median, all", timings.requests), (f"median, last {last}", timings.requests[-last:])):
@@ -163,8 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", default="", help="comma-separated request numbers (from 0) to show")
     parser.add_argument("--last", type=int, default=150, help="the last requests' medians too (the mirror's part)")
     parser.add_argument("--slowest", type=int, default=0, help="and the N requests that took longest, in order")
+    parser.add_argument("--upstream-ms", type=float, default=0.0, help="the upstream answers after this long (left "
+                        "out of total): what the proxy does meanwhile is not waited for")
     args = parser.parse_args(argv)
     timings = Timings()
+    UPSTREAM.update(delay=args.upstream_ms / 1000, timings=timings)
     _inline()
     wrap_steps(timings)
     asyncio.run(replay(args.window, args.rounds, timings))

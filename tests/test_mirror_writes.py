@@ -7,6 +7,7 @@ committed. A draft of the model's is still never overwritten: a changed file is 
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import importlib
 import json
@@ -23,6 +24,7 @@ from hypothesis import strategies as st
 from ctxproxy.config import load_settings
 from ctxproxy.proxy.core import canonical_json, message_hash
 from ctxproxy.proxy.core.identity import content_text
+from ctxproxy.proxy.engine import forward as forward_module
 from ctxproxy.proxy.engine import mirror_file
 from ctxproxy.proxy.engine.context import SessionContext
 from ctxproxy.proxy.engine.mirror_file import rewrite_in_place
@@ -454,3 +456,67 @@ def test_a_mirror_journaled_before_its_indent_was_two_spaces_reads_back_as_writt
         assert session_state(journal, session).mirror_text == earlier
     finally:
         journal.close()
+
+
+def test_a_mirror_that_cannot_be_written_costs_no_answer_and_is_written_at_the_next_request(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The mirror's folder cannot be made (a file holds its name): the request is still answered, the failure is
+    logged, and the next request writes the mirror whole once it can."""
+    blocker = tmp_path / "ws"
+    blocker.write_text("not a folder")
+    sent = _send(tmp_path, [_body(13), _body(13)], between=lambda i: blocker.unlink())
+    assert all(PARAGRAPH in s for s in sent)
+    assert "could not write the live mirror" in caplog.text
+    assert len(_ids(tmp_path / "ws" / "LIVE_CONTEXT.json")) == len(_body(13)["messages"])
+
+
+def test_the_mirror_is_written_while_the_request_is_upstream_and_before_its_answer(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue #13: the file the model is told of is written after the request has gone upstream (it reads it only
+    once it has answered), and the answer waits for it: at the client, the file is whole."""
+    events: list[str] = []
+    real = mirror_file.rewrite_in_place
+
+    def slow_write(path: Path, text: str) -> None:
+        events.append("write begins")
+        real(path, text)
+        events.append("written")
+
+    class Watching(CountingUpstream):
+        def _echo(self, got: Any) -> Any:
+            events.append("upstream")
+            return super()._echo(got)
+
+    monkeypatch.setattr(mirror_file, "rewrite_in_place", slow_write)
+    fake = Watching(window=16384)
+    with app_client(_settings(tmp_path), httpx.ASGITransport(app=fake)) as client:
+        assert client.post("/v1/chat/completions", json=_body(13)).status_code == 200
+        events.append("answered")
+        text = (tmp_path / "ws" / "LIVE_CONTEXT.json").read_text(encoding="utf-8")
+    assert events.index("upstream") < events.index("written") < events.index("answered")
+    assert [e["id"] for e in json.loads(text)["messages"]][-1] == "tool:call_13"
+
+
+def test_a_forward_cancelled_meanwhile_still_waits_for_its_mirror_to_be_written() -> None:
+    """The client went away while the request was upstream: the mirror's write (under the session's lock) ends
+    before the cancellation goes on, so the lock is never let go with the session's mirror half written."""
+    done: list[str] = []
+
+    async def write() -> None:
+        await asyncio.sleep(0.05)
+        done.append("written")
+
+    async def forward() -> None:
+        async with forward_module._alongside(write):
+            await asyncio.sleep(10)
+
+    async def cancel_it() -> None:
+        task = asyncio.get_running_loop().create_task(forward())
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        done.append("cancelled")
+
+    asyncio.run(cancel_it())
+    assert done == ["written", "cancelled"]

@@ -8,7 +8,9 @@ that ends, or a connection closed, before its first byte): the upstream is asked
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
@@ -111,8 +113,9 @@ class Forwarder:
         """One forward: the answer, its read-ahead first chunk, and the overflow it signals (if any). A stream
         that ends or breaks off before its first byte says nothing of why; the upstream is asked (``_probe``)."""
         try:
-            upstream = await self._open(plan.body)
-            opened, overflow = await self._inspect(upstream, plan)
+            async with _alongside(plan.mirror):
+                upstream = await self._open(plan.body)
+                opened, overflow = await self._inspect(upstream, plan)
         except UpstreamBrokeOff as exc:
             if not self.streamed:
                 raise
@@ -201,6 +204,34 @@ class Forwarder:
         await upstream.aclose()
         return Opened(upstream, b"", plan, rest), Overflow(
             None, "the upstream ended the stream without a byte (llama.cpp's overflow)")
+
+
+@asynccontextmanager
+async def _alongside(step: Callable[[], Awaitable[None]] | None) -> AsyncIterator[None]:
+    """``step`` run while the body runs (the mirror's file written while the request is upstream: the model reads
+    it only once it has answered) and done when the body is, however it ends. A caller cancelled meanwhile still
+    waits for it (it writes the session's state under its lock), then sees the cancellation. A task of its own,
+    not a task group's: a group would cancel it when the body raises, and wrap the body's errors in a group."""
+    if step is None:
+        yield
+        return
+    running = asyncio.ensure_future(step())  # noqa: TID251 -- referenced, and always awaited below
+    try:
+        yield
+    finally:
+        await _done(running)
+
+
+async def _done(running: asyncio.Future[None]) -> None:
+    cancelled = False
+    while not running.done():
+        try:
+            await asyncio.shield(running)
+        except asyncio.CancelledError:
+            cancelled = True
+    running.result()
+    if cancelled:
+        raise asyncio.CancelledError
 
 
 async def _first_chunk(upstream: httpx.Response, rest: AsyncIterator[bytes]) -> bytes:

@@ -13,7 +13,9 @@ in place (issue #13).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import logging
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -24,43 +26,74 @@ from ctxproxy.proxy.engine.context import SessionContext
 from ctxproxy.proxy.tools.mirror import CLOSE, appended_document, mirror_document, mirror_path, same_mirror
 from ctxproxy.store import MirrorShown
 
-__all__ = ["keep_unsent", "rewrite_in_place", "write_mirror"]
+__all__ = ["MirrorWrite", "keep_unsent", "mirror_due", "rewrite_in_place", "write_mirror"]
+
+log = logging.getLogger("ctxproxy")
 
 _CLOSE_BYTES = len(CLOSE.encode())
 
 
-def write_mirror(ctx: SessionContext, settings: Settings, session_id: str, p: Projection) -> Path | None:
-    """When the automatic cuts could not reach the target, write the projection where the model can edit it; the
-    mirror stays on until the context is back under the target. Only while it is of use: the context tools are
-    enabled (``ctx commit`` is the only way an edit is applied). Written only when what it shows changed, and then
-    only what changed when it just grew; a draft of the model's is never overwritten."""
+MirrorWrite = Callable[[], None]
+"""The file's new text rendered and written: what ``mirror_due`` leaves to run while the request is upstream."""
+
+
+def mirror_due(ctx: SessionContext, settings: Settings, session_id: str,
+               p: Projection) -> tuple[Path | None, MirrorWrite | None]:
+    """When the automatic cuts could not reach the target, the projection is written where the model can edit it;
+    the mirror stays on until the context is back under the target. Only while it is of use: the context tools
+    are enabled (``ctx commit`` is the only way an edit is applied). Written only when what it shows changed, and
+    then only what changed when it just grew; a draft of the model's is never overwritten.
+
+    Returns the mirror's path (told to the model) and the write still to do, if any. What the mirror shows is
+    decided here (and journaled with the forward); its text is rendered and written by the write, which the
+    forwarder runs while the request is upstream and waits for before any byte of the answer goes back: the
+    model reads the file only once it has answered (``proxy.engine.forward``)."""
     above = p.report.scaled > p.report.target
     if not settings.tools_enabled:
-        return None
+        return None, None
     if (p.report.elided or p.report.folded) and above:
         ctx.mirror = ctx.mirror or mirror_path(settings, session_id)
     if ctx.mirror is None or not above:
-        return None
-    stat = _stat(ctx.mirror)
-    if _draft_pending(ctx, ctx.mirror, stat):
-        return ctx.mirror  # the model is editing it: its draft waits for ctx commit
+        return None, None
+    path, stat = ctx.mirror, _stat(ctx.mirror)
+    if _draft_pending(ctx, path, stat):
+        return path, None  # the model is editing it: its draft waits for ctx commit
     ids = [mid for mid, out in zip(p.state.ids, p.state.out, strict=True) if out is not None]
     key = (session_id, ctx.mirror_revision, tuple(ids), tuple(p.hashes[: len(ids)]))
     if key == ctx.mirror_key and ctx.mirror_written and ctx.mirror_stat == stat:
-        return ctx.mirror  # what it shows has not changed, nor has the file
+        return path, None  # what it shows has not changed, nor has the file
     kept = _kept_entries(ctx, key, stat)
-    messages = p.messages[: len(ids)]
-    if kept and ctx.mirror_document is not None and stat is not None:
-        document = appended_document(ctx.mirror_document, ids[kept:], messages[kept:], key[3][kept:],
-                                     ctx.mirror_entries)
-        _write_at(ctx.mirror, stat[1] - _CLOSE_BYTES, document[len(ctx.mirror_document) - len(CLOSE):])
-    else:
-        document = mirror_document(session_id, ctx.mirror_revision, ids, messages, key[3], ctx.mirror_entries)
-        rewrite_in_place(ctx.mirror, document)
-    ctx.mirror_written, ctx.mirror_document, ctx.mirror_exact = True, document, True
+    ctx.mirror_written, ctx.mirror_key = True, key
     ctx.mirror_shown = MirrorShown(ctx.mirror_revision, key[2], key[3])
-    ctx.mirror_key, ctx.mirror_stat = key, _stat(ctx.mirror)
-    return ctx.mirror
+    return path, functools.partial(_write, ctx, path, key, p.messages[: len(ids)], kept, stat)
+
+
+def write_mirror(ctx: SessionContext, settings: Settings, session_id: str, p: Projection) -> Path | None:
+    """``mirror_due`` with its write done at once."""
+    path, write = mirror_due(ctx, settings, session_id, p)
+    if write is not None:
+        write()
+    return path
+
+
+def _write(ctx: SessionContext, path: Path, key: tuple[Any, ...], messages: Sequence[dict[str, Any]], kept: int,
+           stat: tuple[int, int, int, int] | None) -> None:
+    """The mirror's text rendered (its new entries only, when it just grew) and written. A file that cannot be
+    written is logged and left for the next request to write whole: the answer is not lost for it."""
+    session_id, revision, ids, hashes = key
+    try:
+        if kept and ctx.mirror_document is not None and stat is not None:
+            document = appended_document(ctx.mirror_document, ids[kept:], messages[kept:], hashes[kept:],
+                                         ctx.mirror_entries)
+            _write_at(path, stat[1] - _CLOSE_BYTES, document[len(ctx.mirror_document) - len(CLOSE):])
+        else:
+            document = mirror_document(session_id, revision, ids, messages, hashes, ctx.mirror_entries)
+            rewrite_in_place(path, document)
+    except OSError as exc:
+        log.error("could not write the live mirror %s, left for the next request: %s", path, exc)
+        ctx.mirror_written, ctx.mirror_key, ctx.mirror_document = False, None, None
+        return
+    ctx.mirror_document, ctx.mirror_exact, ctx.mirror_stat = document, True, _stat(path)
 
 
 def keep_unsent(ctx: SessionContext, p: Projection, sent: Sequence[str]) -> None:
@@ -103,10 +136,11 @@ def _draft_pending(ctx: SessionContext, path: Path, stat: tuple[int, int, int, i
 
 
 def _stat(path: Path) -> tuple[int, int, int, int] | None:
-    """What tells a file rewritten by someone else: its inode, size, modification and change times."""
+    """What tells a file rewritten by someone else: its inode, size, modification and change times; None when
+    there is no file to see (a folder of its path missing, or not a folder)."""
     try:
         st = path.stat()
-    except FileNotFoundError:
+    except OSError:
         return None
     return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, cast
 
@@ -37,7 +37,7 @@ from ctxproxy.proxy.engine.context import ParentState, SessionContext
 from ctxproxy.proxy.engine.decided import decision_rows
 from ctxproxy.proxy.engine.exchange import Tallying, now
 from ctxproxy.proxy.engine.heavy import is_large
-from ctxproxy.proxy.engine.mirror_file import keep_unsent, write_mirror
+from ctxproxy.proxy.engine.mirror_file import MirrorWrite, keep_unsent, mirror_due
 from ctxproxy.proxy.engine.outfiles import outfiles_dir, write_outfiles
 from ctxproxy.proxy.engine.policy import (
     assemble,
@@ -78,6 +78,9 @@ class Plan:
     """This forward's new decisions, by kind."""
     deferred: ForwardRecord | None = None
     """The forward row, when it is to be journaled with its answer."""
+    mirror: Callable[[], Awaitable[None]] | None = None
+    """The mirror's file still to write (``mirror_due``): run while the request is upstream, done before the
+    answer goes back (``proxy.engine.forward``)."""
 
 
 async def plan_forward(app: AppState, writer: JournalWriter, ctx: SessionContext, ask: Ask) -> Plan:
@@ -111,8 +114,9 @@ async def plan_forward(app: AppState, writer: JournalWriter, ctx: SessionContext
                                 incoming.hashes, shaped.estimate, shaped.budgeted)
     ctx.state, ctx.ingest = p.state, _ingest_key(shaped.rules)
     ctx.sent_list = (list_id, shaped.hashes)
+    mirror = None if shaped.mirror is None else functools.partial(app.offload.run, large, shaped.mirror)
     return Plan(shaped.body, shaped.estimate, shaped.rules.k, p, shaped.rules, shaped.offered, tallied,
-                shaped.taken.cuts, deferred)
+                shaped.taken.cuts, deferred, mirror)
 
 
 def _tallied(app: AppState, ctx: SessionContext, t: Taken, messages: list[dict[str, Any]], hashes: Sequence[str],
@@ -177,6 +181,7 @@ class _Shaped:
     taken: Taken
     """What the tally reads of the projection, copied: it is counted once the answer has left."""
     budgeted: int
+    mirror: MirrorWrite | None
 
 
 def _shape(app: AppState, settings: Settings, ctx: SessionContext, ask: Ask, window: int,
@@ -192,7 +197,8 @@ def _shape(app: AppState, settings: Settings, ctx: SessionContext, ask: Ask, win
     may_offer = _schemas_may_go(settings, body, bool(rules.fenced))
     p = _checked_projection(messages, ask.incoming.hashes, ctx.decisions, rules, app.counter, previous,
                             ask.recorded.seen)
-    mirror = None if ask.incognito or ask.splice else write_mirror(ctx, settings, ask.recorded.session_id, p)
+    mirror, write = (None, None) if ask.incognito or ask.splice else mirror_due(ctx, settings,
+                                                                                ask.recorded.session_id, p)
     offered = ask.offer and _full_set_fits(app, rules.budget.budget) and (
         _offered(ctx, settings, body, messages, p, rules)
         or ((ask.compact is not None or ctx.mirror is not None) and settings.tools_enabled))
@@ -210,7 +216,7 @@ def _shape(app: AppState, settings: Settings, ctx: SessionContext, ask: Ask, win
     record = _forward_record(ask.recorded, ask.incoming, ctx, p, ask.attempt, rules.k, sent, hashes, changed,
                              None if ask.splice else estimate)  # a splice's tokens are not in the estimate
     out = _upstream_bytes(app, ask, payload.body, record)
-    return _Shaped(p, rules, offered, estimate, hashes, record, out, taken(p), budgeted)
+    return _Shaped(p, rules, offered, estimate, hashes, record, out, taken(p), budgeted, write)
 
 
 def _upstream_bytes(app: AppState, ask: Ask, body: dict[str, Any], record: ForwardRecord) -> bytes:
