@@ -26,7 +26,7 @@ from ctxproxy.proxy.engine.context import SessionContext
 from ctxproxy.proxy.tools.mirror import CLOSE, appended_document, mirror_document, mirror_path, same_mirror
 from ctxproxy.store import MirrorShown
 
-__all__ = ["MirrorWrite", "keep_unsent", "mirror_due", "rewrite_in_place", "write_mirror"]
+__all__ = ["MirrorWrite", "keep_unsent", "mirror_due", "rewrite_in_place"]
 
 log = logging.getLogger("ctxproxy")
 
@@ -66,14 +66,6 @@ def mirror_due(ctx: SessionContext, settings: Settings, session_id: str,
     ctx.mirror_written, ctx.mirror_key = True, key
     ctx.mirror_shown = MirrorShown(ctx.mirror_revision, key[2], key[3])
     return path, functools.partial(_write, ctx, path, key, p.messages[: len(ids)], kept, stat)
-
-
-def write_mirror(ctx: SessionContext, settings: Settings, session_id: str, p: Projection) -> Path | None:
-    """``mirror_due`` with its write done at once."""
-    path, write = mirror_due(ctx, settings, session_id, p)
-    if write is not None:
-        write()
-    return path
 
 
 def _write(ctx: SessionContext, path: Path, key: tuple[Any, ...], messages: Sequence[dict[str, Any]], kept: int,
