@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import sqlite3
@@ -175,8 +176,10 @@ def cpu_ns(pid: int) -> int:
 
 
 @contextlib.contextmanager
-def proxy_process(upstream_base: str, tmp: Path, window: int, source: Path) -> Iterator[tuple[str, int, Path]]:
-    """``harness.proxy_process``, run from ``source`` (its working directory and PYTHONPATH): URL, PID, data dir."""
+def proxy_process(upstream_base: str, tmp: Path, window: int,
+                  source: Path) -> Iterator[tuple[str, int, Path, Path]]:
+    """``harness.proxy_process``, run from ``source`` (its working directory and PYTHONPATH): URL, PID, data dir,
+    and the file its log goes to."""
     port, data = latency.free_port(), tmp / f"data-{time.monotonic_ns()}"
     command = [sys.executable, "-c", harness.AS_INSTALLED, "serve", "--upstream", upstream_base + "/v1",
                "--host", "127.0.0.1", "--port", str(port), "--data-dir", str(data)]
@@ -190,7 +193,7 @@ def proxy_process(upstream_base: str, tmp: Path, window: int, source: Path) -> I
         httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=30)  # the upstream's connection
         harness.wait_warm(f"http://127.0.0.1:{port}")
         httpx.post(f"http://127.0.0.1:{port}{latency.CHAT_PATH}", json=WARM_UP, timeout=30).raise_for_status()
-        yield f"http://127.0.0.1:{port}", proc.pid, data
+        yield f"http://127.0.0.1:{port}", proc.pid, data, log_path
     finally:
         latency._stop(proc)
 
@@ -204,14 +207,14 @@ def run_window(window: int, requests: list[bytes], tmp: Path, sources: list[Path
     with upstream(tmp) as base, contextlib.ExitStack() as stack:
         proxies = [stack.enter_context(proxy_process(base, tmp, window, source))
                    for source in sources for _ in range(copies)]
-        idle = [harness.rss_mb(pid, "VmRSS") for _, pid, _ in proxies]
+        idle = [harness.rss_mb(pid, "VmRSS") for _, pid, _, _ in proxies]
         started = time.monotonic()
-        rows, cpu = replay([base] * copies, [(url, pid) for url, pid, _ in proxies], requests)
+        rows, cpu = replay([base] * copies, [(url, pid) for url, pid, _, _ in proxies], requests)
         seconds = time.monotonic() - started
-        after = [harness.rss_mb(pid, "VmRSS") for _, pid, _ in proxies]
+        after = [harness.rss_mb(pid, "VmRSS") for _, pid, _, _ in proxies]
     direct = [min(row[:copies]) for row in rows]
     runs = []
-    for k, (source, (_, _, data)) in enumerate(zip([s for s in sources for _ in range(copies)], proxies,
+    for k, (source, (_, _, data, log_path)) in enumerate(zip([s for s in sources for _ in range(copies)], proxies,
                                                   strict=True)):
         added = [(row[copies + k] - d) / 1e6 for row, d in zip(rows, direct, strict=True)]
         if keep is not None:
@@ -222,7 +225,8 @@ def run_window(window: int, requests: list[bytes], tmp: Path, sources: list[Path
                     shutil.copy(data / f"journal.db{suffix}", keep / f"{source.name}-{window}{twin}.db{suffix}")
         runs.append({"source": str(source), "window": window, "requests": len(requests), "seconds": round(seconds, 1),
                      **added_latency(added, fold_requests(data / "journal.db")), **journal_size(data, history),
-                     **spread(added, [c[k] / 1e6 for c in cpu], request_kinds(data / "journal.db")),
+                     **spread(added, [c[k] / 1e6 for c in cpu], request_kinds(data / "journal.db"),
+                              handled_ms(log_path, len(requests))),
                      "idle_rss_mb": round(idle[k], 1), "after_rss_mb": round(after[k], 1),
                      "rss_growth_mb": round(after[k] - idle[k], 1), "trace": trace(data / "journal.db")})
     return runs
@@ -269,10 +273,14 @@ def added_latency(added: list[float], folds: list[int]) -> dict[str, Any]:
             "added_ms": [round(a, 2) for a in added], "fold_requests": folds}
 
 
-def spread(added: list[float], cpu: list[float], kinds: list[str]) -> dict[str, Any]:
-    """Which requests are over twice the median, and why: each one's kind (``request_kinds``) and whether its own
-    CPU was over twice the median CPU too (the proxy's work) or not (it waited: the machine's noise)."""
+def spread(added: list[float], cpu: list[float], kinds: list[str], handled: list[float]) -> dict[str, Any]:
+    """Which requests are over twice the median, and why: each one's kind (``request_kinds``), whether its own
+    CPU was over twice the median CPU too (the proxy's work) or not (it waited: the machine's noise), and whether
+    the proxy's handling of it (``handled_ms``: from its parsed body to its answer's end) was over twice its
+    median, or the time went before or after it (reading and parsing the body, the answer on its way back, a
+    wait for a core)."""
     median, cpu_median = statistics.median(added), statistics.median(cpu)
+    handled_median = statistics.median(handled) if handled else 0.0
     slow = [i for i, a in enumerate(added) if a > 2 * median]
     by_kind: dict[str, int] = {}
     for i in slow:
@@ -280,7 +288,22 @@ def spread(added: list[float], cpu: list[float], kinds: list[str]) -> dict[str, 
     return {"cpu_median_ms": round(cpu_median, 2), "cpu_max_ms": round(max(cpu), 2),
             "cpu_over_2x_median": sum(c > 2 * cpu_median for c in cpu),
             "slow_with_cpu_over_2x": sum(cpu[i] > 2 * cpu_median for i in slow), "slow_by_kind": by_kind,
+            "handled_median_ms": round(handled_median, 2) if handled else None,
+            "slow_with_handled_over_2x": sum(handled[i] > 2 * handled_median for i in slow) if handled else None,
             "cpu_ms": [round(c, 2) for c in cpu], "kinds": kinds}
+
+
+_REQUEST_LINE = re.compile(r"POST /v1/chat/completions \d{3} .*, total ([\d.]+) ms$")
+"""A chat's line in the proxy's log (``proxy.observe.logs.request_line``): its ``total``, the proxy's own time."""
+
+
+def handled_ms(log: Path, requests: int) -> list[float]:
+    """The proxy's own time for each of the run's ``requests`` (the last chats its log tells of: the warm-up
+    chat comes before them), from its log's request lines: from the parsed body to the answer's end. Empty when
+    the log does not tell of that many (another log format)."""
+    totals = [float(m.group(1)) for line in log.read_text(errors="replace").splitlines()
+              if (m := _REQUEST_LINE.search(line))]
+    return totals[-requests:] if len(totals) >= requests else []
 
 
 def request_kinds(journal: Path) -> list[str]:
@@ -416,9 +439,12 @@ def markdown(report: dict[str, Any]) -> str:
     if report["gpu_note"]:
         lines.append(f"\n{report['gpu_note']}")
     lines += ["", "| source | window | proxy CPU per request, median / max (ms) | > 2× median CPU |"
-              " > 2× median added: of them > 2× median CPU | > 2× median added, by kind |", "|---|---|---|---|---|---|"]
+              " > 2× median added: of them > 2× median CPU | proxy's handling, median (ms): of the > 2× added, > 2× it"
+              " | > 2× median added, by kind |", "|---|---|---|---|---|---|---|"]
     lines += [f"| {Path(r['source']).name} | {r['window'] // 1024}k | {r['cpu_median_ms']} / {r['cpu_max_ms']} | "
               f"{r['cpu_over_2x_median']} | {r['over_2x_median']}: {r['slow_with_cpu_over_2x']} | "
+              f"{r['handled_median_ms'] if r['handled_median_ms'] is not None else '—'}: "
+              f"{r['slow_with_handled_over_2x'] if r['slow_with_handled_over_2x'] is not None else '—'} | "
               + ", ".join(f"{k} {n}" for k, n in sorted(r["slow_by_kind"].items(), key=lambda kv: -kv[1])) + " |"
               for r in report["runs"]]
     lines += ["", *by_kind(report["runs"])]

@@ -17,6 +17,7 @@ from types import ModuleType
 import httpx
 
 from ctxproxy.config import load_settings
+from ctxproxy.proxy.observe.logs import request_line
 from tests.conftest import app_client
 from tests.fakes import FakeUpstream
 from tests.test_mirror_writes import _body, _send
@@ -37,9 +38,28 @@ def test_a_slow_request_is_told_apart_as_the_proxy_s_work_or_a_wait() -> None:
     added = [1.0, 1.0, 1.0, 5.0, 5.0, 1.0]
     cpu = [1.0, 1.0, 1.0, 4.0, 1.0, 1.0]  # the fourth worked, the fifth waited
     kinds = ["plain", "plain", "spill", "fold", "plain", "plain"]
-    report = _long_run().spread(added, cpu, kinds)
+    handled = [0.5, 0.5, 0.5, 3.0, 0.5, 0.5]  # the fourth's time went in the proxy's handling, the fifth's outside it
+    report = _long_run().spread(added, cpu, kinds, handled)
     assert report["slow_with_cpu_over_2x"] == 1 and report["cpu_over_2x_median"] == 1
     assert report["slow_by_kind"] == {"fold": 1, "plain": 1}
+    assert report["handled_median_ms"] == 0.5 and report["slow_with_handled_over_2x"] == 1
+    assert _long_run().spread(added, cpu, kinds, [])["slow_with_handled_over_2x"] is None  # a log it cannot read
+
+
+def test_the_proxy_s_own_time_per_request_is_read_from_its_log(tmp_path: Path) -> None:
+    """The lines ``proxy.observe.logs.request_line`` writes, after the startup line, a warm-up chat and a refusal
+    (a 400 has no total): the run's requests are the last chats told of, in order."""
+    def line(total: float, session: str = "s-run") -> str:
+        return request_line({"session": session, "route": "POST /v1/chat/completions", "status": 200,
+                             "outcome": "ok", "tokens_in": 10, "tokens_out": 10, "cuts": {"spill": 1},
+                             "retries": 0, "rounds": 0, "added_ms": 1.0, "total_ms": total})
+    log = tmp_path / "proxy.log"
+    log.write_text("\n".join(["ctxproxy: upstream http://127.0.0.1:1/v1, window 32000 tokens", line(9.0, "s-warm"),
+                              "refused POST /v1/chat/completions 400 invalid_request: `messages` must be ...",
+                              line(2.5), line(12.4), line(3.0)]) + "\n")
+    long_run = _long_run()
+    assert long_run.handled_ms(log, 3) == [2.5, 12.4, 3.0]
+    assert long_run.handled_ms(log, 5) == []  # fewer lines than requests: not this run's log, or not its format
 
 
 def test_each_request_s_kind_is_read_from_the_journal(tmp_path: Path) -> None:
