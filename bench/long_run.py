@@ -290,6 +290,7 @@ def spread(added: list[float], cpu: list[float], kinds: list[str], handled: list
             "slow_with_cpu_over_2x": sum(cpu[i] > 2 * cpu_median for i in slow), "slow_by_kind": by_kind,
             "handled_median_ms": round(handled_median, 2) if handled else None,
             "slow_with_handled_over_2x": sum(handled[i] > 2 * handled_median for i in slow) if handled else None,
+            "handled_ms": handled,
             "cpu_ms": [round(c, 2) for c in cpu], "kinds": kinds}
 
 
@@ -510,6 +511,10 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+PER_REQUEST = ("added_ms", "fold_requests", "cpu_ms", "kinds", "handled_ms")
+"""A run's lists of one value per request: in ``--json``'s file, not in the summary printed."""
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers it started (their finally blocks)
@@ -536,8 +541,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
     print(markdown(report) if args.markdown else json.dumps({**report, "runs": [
-        {k: v for k, v in r.items() if k not in ("added_ms", "fold_requests", "cpu_ms", "kinds")} for r in runs]},
-        indent=1))
+        {k: v for k, v in r.items() if k not in PER_REQUEST} for r in runs]}, indent=1))
     return 0
 
 
