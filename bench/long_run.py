@@ -252,8 +252,23 @@ def twin_runs(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         out.append({"source": first["source"], "window": first["window"], "own_median_ms": round(median, 2),
                     "own_max_ms": round(max(own), 2), "own_over_2x_median": len(slow), "own_slow": slow[:20],
                     "own_slow_ms": [round(own[i], 2) for i in slow[:20]], "own_slow_by_kind": by_kind,
-                    "over_2x_each": [first["over_2x_median"], second["over_2x_median"]], "over_2x_both": len(both)})
+                    "over_2x_each": [first["over_2x_median"], second["over_2x_median"]], "over_2x_both": len(both),
+                    **own_handling(first, second)})
     return out
+
+
+def own_handling(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+    """The twins' handling (``handled_ms``) the same way: each request's the less of the two; its median, which
+    requests took over twice it, and the fold passes' median and most. Nothing when a log could not be read."""
+    if not first.get("handled_ms") or not second.get("handled_ms"):
+        return {}
+    own = [min(a, b) for a, b in zip(first["handled_ms"], second["handled_ms"], strict=True)]
+    median = statistics.median(own)
+    folds = [own[i] for i, kind in enumerate(first["kinds"]) if "fold" in kind.split("+")]
+    return {"own_handled_median_ms": round(median, 2), "own_handled_slow": [i for i, x in enumerate(own)
+                                                                            if x > 2 * median][:20],
+            "fold_handled_median_ms": round(statistics.median(folds), 2) if folds else None,
+            "fold_handled_max_ms": round(max(folds), 2) if folds else None}
 
 
 def added_latency(added: list[float], folds: list[int]) -> dict[str, Any]:
@@ -462,14 +477,23 @@ def markdown(report: dict[str, Any]) -> str:
 
 def twins_table(twins: list[dict[str, Any]]) -> list[str]:
     lines = ["| source | window | own added (the less of twins), median / max (ms) | > 2× median: each twin / both |"
-             " own > 2× own median | of them, by kind (ms) |", "|---|---|---|---|---|---|"]
+             " own > 2× own median | of them, by kind (ms) | own handling, median (ms): over 2× it |"
+             " fold passes' own handling, median / max (ms) |", "|---|---|---|---|---|---|---|---|"]
     for t in twins:
         slow = ", ".join(f"{i} {ms}" for i, ms in zip(t["own_slow"], t["own_slow_ms"], strict=True))
         kinds = ", ".join(f"{k} {n}" for k, n in sorted(t["own_slow_by_kind"].items(), key=lambda kv: -kv[1]))
         lines.append(f"| {Path(t['source']).name} | {t['window'] // 1024}k | {t['own_median_ms']} / {t['own_max_ms']} |"
                      f" {' / '.join(map(str, t['over_2x_each']))} / {t['over_2x_both']} | {t['own_over_2x_median']} |"
-                     f" {kinds}{'; ' + slow if slow else ''} |")
+                     f" {kinds}{'; ' + slow if slow else ''} | {_handling_cells(t)} |")
     return lines
+
+
+def _handling_cells(t: dict[str, Any]) -> str:
+    if "own_handled_median_ms" not in t:
+        return "— | —"
+    slow = ", ".join(map(str, t["own_handled_slow"]))
+    return (f"{t['own_handled_median_ms']}: {len(t['own_handled_slow'])}{' (' + slow + ')' if slow else ''} | "
+            f"{t['fold_handled_median_ms']} / {t['fold_handled_max_ms']}")
 
 
 def by_kind(runs: list[dict[str, Any]]) -> list[str]:

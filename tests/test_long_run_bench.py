@@ -101,6 +101,18 @@ def test_twins_keep_what_both_took_long_for_as_the_proxy_s_own() -> None:
     [twin] = _long_run().twin_runs([first, second])
     assert twin["own_slow"] == [3] and twin["own_slow_ms"] == [5.0] and twin["own_slow_by_kind"] == {"fold": 1}
     assert twin["over_2x_each"] == [2, 1] and twin["over_2x_both"] == 1 and twin["own_median_ms"] == 1.0
+    assert "own_handled_median_ms" not in twin  # no handling read from the logs
+
+
+def test_twins_handling_is_the_less_of_the_two_and_folds_are_told_apart() -> None:
+    """Request 3 (a fold) was handled slowly by both proxies, request 4 by one only."""
+    kinds = ["plain", "plain", "spill", "elide+fold", "plain", "plain"]
+    first = {"handled_ms": [1.0, 1.0, 1.0, 6.0, 7.0, 1.0], "kinds": kinds}
+    second = {"handled_ms": [1.2, 0.9, 1.1, 5.0, 1.0, 1.0], "kinds": kinds}
+    own = _long_run().own_handling(first, second)
+    assert own == {"own_handled_median_ms": 1.0, "own_handled_slow": [3], "fold_handled_median_ms": 5.0,
+                   "fold_handled_max_ms": 5.0}
+    assert _long_run().own_handling(first, {**second, "handled_ms": []}) == {}
 
 
 def test_the_wide_opening_request_is_refused_by_the_proxy_and_journals_nothing(tmp_path: Path) -> None:
