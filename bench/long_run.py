@@ -227,6 +227,7 @@ def run_window(window: int, requests: list[bytes], tmp: Path, sources: list[Path
                      **added_latency(added, fold_requests(data / "journal.db")), **journal_size(data, history),
                      **spread(added, [c[k] / 1e6 for c in cpu], request_kinds(data / "journal.db"),
                               handled_ms(log_path, len(requests))),
+                     "sent_ms": sent_ms(log_path, len(requests)),
                      "idle_rss_mb": round(idle[k], 1), "after_rss_mb": round(after[k], 1),
                      "rss_growth_mb": round(after[k] - idle[k], 1), "trace": trace(data / "journal.db")})
     return runs
@@ -309,17 +310,29 @@ def spread(added: list[float], cpu: list[float], kinds: list[str], handled: list
             "cpu_ms": [round(c, 2) for c in cpu], "kinds": kinds}
 
 
-_REQUEST_LINE = re.compile(r"POST /v1/chat/completions \d{3} .*, total ([\d.]+) ms$")
-"""A chat's line in the proxy's log (``proxy.observe.logs.request_line``): its ``total``, the proxy's own time."""
+_REQUEST_LINE = re.compile(r"POST /v1/chat/completions \d{3} .*, added ([\d.]+|-)(?: ms)?, total ([\d.]+) ms$")
+"""A chat's line in the proxy's log (``proxy.observe.logs.request_line``): its ``added`` (from the parsed body to
+the upstream's request sent) and its ``total``, the proxy's own time."""
 
 
 def handled_ms(log: Path, requests: int) -> list[float]:
     """The proxy's own time for each of the run's ``requests`` (the last chats its log tells of: the warm-up
     chat comes before them), from its log's request lines: from the parsed body to the answer's end. Empty when
     the log does not tell of that many (another log format)."""
-    totals = [float(m.group(1)) for line in log.read_text(errors="replace").splitlines()
-              if (m := _REQUEST_LINE.search(line))]
-    return totals[-requests:] if len(totals) >= requests else []
+    return _logged(log, requests, 2)
+
+
+def sent_ms(log: Path, requests: int) -> list[float]:
+    """Of the same lines, each request's ``added``: the proxy's own time until its forward was sent upstream (what
+    it did before; the rest of ``handled_ms`` is the upstream's answer and what the proxy waited for after it, the
+    mirror's file among them). Empty as ``handled_ms``."""
+    return _logged(log, requests, 1)
+
+
+def _logged(log: Path, requests: int, group: int) -> list[float]:
+    values = [float(m.group(group)) if m.group(group) != "-" else 0.0
+              for line in log.read_text(errors="replace").splitlines() if (m := _REQUEST_LINE.search(line))]
+    return values[-requests:] if len(values) >= requests else []
 
 
 def request_kinds(journal: Path) -> list[str]:
@@ -535,7 +548,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-PER_REQUEST = ("added_ms", "fold_requests", "cpu_ms", "kinds", "handled_ms")
+PER_REQUEST = ("added_ms", "fold_requests", "cpu_ms", "kinds", "handled_ms", "sent_ms")
 """A run's lists of one value per request: in ``--json``'s file, not in the summary printed."""
 
 

@@ -12,6 +12,7 @@ import hashlib
 import importlib
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +26,12 @@ from ctxproxy.config import load_settings
 from ctxproxy.proxy.core import canonical_json, message_hash
 from ctxproxy.proxy.core.identity import content_text
 from ctxproxy.proxy.engine import forward as forward_module
-from ctxproxy.proxy.engine import mirror_file
+from ctxproxy.proxy.engine import mirror_file, planning
 from ctxproxy.proxy.engine.context import SessionContext
 from ctxproxy.proxy.engine.mirror_file import rewrite_in_place
+from ctxproxy.proxy.errors import StorageFull
 from ctxproxy.proxy.tools import mirror as mirror_module
-from ctxproxy.proxy.tools.mirror import CLOSE, appended_document, mirror_document, rendered, same_mirror
+from ctxproxy.proxy.tools.mirror import CLOSE, Entries, appended_document, mirror_document, rendered, same_mirror
 from ctxproxy.store import (
     ForwardRecord,
     Journal,
@@ -158,11 +160,11 @@ def test_a_file_is_judged_against_a_mirror_rendered_from_the_journal_as_json(tmp
     ids = ["tool:c1", "user:1"]
     written = mirror_document("s", 0, ids, messages)
     path = tmp_path / "LIVE_CONTEXT.json"
-    for edit, draft in [(written, False), (written.replace('"out"', '"cut"'), True), ("{not json", True)]:
-        path.write_text(edit, encoding="utf-8")
+    for edit, draft in [(written, False), (written.replace(b'"out"', b'"cut"'), True), (b"{not json", True)]:
+        path.write_bytes(edit)
         ctx = SessionContext(decisions=[], mirror_written=True, mirror_exact=False, mirror_stat=(0, 0, 0, 0),
-                             mirror_document=mirror_document("s", 0, ids, [orjson.loads(canonical_json(m))
-                                                                           for m in messages]))
+                             mirror_document=bytearray(mirror_document("s", 0, ids, [orjson.loads(canonical_json(m))
+                                                                                     for m in messages])))
         assert ctx.mirror_document != written
         assert mirror_file._draft_pending(ctx, path, mirror_file._stat(path)) is draft
         assert ctx.mirror_exact is not draft and (draft or ctx.mirror_document == written)
@@ -174,7 +176,7 @@ def test_a_mirror_read_back_as_text_is_journaled_whole_until_written_again(tmp_p
     journal = Journal(tmp_path / "j.db")
     try:
         session = journal.record_request(incoming([{"role": "user", "content": "task"}])).session_id
-        text = mirror_document(session, 0, ["m0"], [{"role": "user", "content": "task"}])
+        text = mirror_document(session, 0, ["m0"], [{"role": "user", "content": "task"}]).decode()
         ctx = SessionContext(decisions=[])
         ctx.resume(SessionState(mirror="m", mirror_text=text), session)
         ctx.offered_turn = "user:1"
@@ -248,7 +250,7 @@ def test_the_mirror_is_the_json_the_stdlib_writes_indented_by_two() -> None:
         whole = json.dumps({"session": "s", "revision": n, "messages": [
             {"id": mid, **{k: v for k, v in m.items() if k in ("role", "content", "tool_call_id", "tool_calls")}}
             for mid, m in zip(ids[:n], msgs[:n], strict=True)]}, indent=2, ensure_ascii=False)
-        assert mirror_document("s", n, ids[:n], msgs[:n]) == whole
+        assert mirror_document("s", n, ids[:n], msgs[:n]) == whole.encode()
 
 
 JSON_VALUES = st.recursive(
@@ -268,18 +270,18 @@ def test_a_mirror_holds_its_entries_whatever_they_hold_cut_at_the_journals_separ
     back as its entries (keys as JSON makes them), and the journal's separator falls between its entries only."""
     messages = [{"role": "tool", "tool_call_id": f"c{i}", "content": c, "extra": 1} for i, c in enumerate(contents)]
     ids = [f"m{i}" for i in range(len(messages))]
-    text = mirror_document("s", revision, ids, messages)
-    text.encode()  # no lone surrogate in the file
+    text = mirror_document("s", revision, ids, messages).decode()  # UTF-8: no lone surrogate in the file
     expected = {"session": "s", "revision": revision, "messages": [
         {"id": mid, "role": "tool", "tool_call_id": m["tool_call_id"], "content": m["content"]}
         for mid, m in zip(ids, messages, strict=True)]}
     assert json.loads(text) == json.loads(json.dumps(expected))
     assert text.count(MIRROR_SEPARATOR) == max(len(ids) - 1, 0)
-    assert text.endswith("\n    }" + CLOSE) == bool(ids)
-    cache: dict[tuple[str, str], str] = {}
+    assert text.endswith("\n    }" + CLOSE.decode()) == bool(ids)
+    cache: Entries = {}
     hashes = [f"h{i}" for i in ids]
-    assert mirror_document("s", revision, ids, messages, hashes, cache) == text  # written whole, cut for the cache
-    assert mirror_document("s", revision, ids, messages, hashes, cache) == text  # joined from the cache
+    data = text.encode()
+    assert mirror_document("s", revision, ids, messages, hashes, cache) == data  # written whole, cut for the cache
+    assert mirror_document("s", revision, ids, messages, hashes, cache) == data  # joined from the cache
 
 
 def test_a_mirror_rewritten_shorter_in_place_is_exactly_its_new_text(tmp_path: Path) -> None:
@@ -287,7 +289,7 @@ def test_a_mirror_rewritten_shorter_in_place_is_exactly_its_new_text(tmp_path: P
     leaves nothing of the longer one behind, and a missing file (or folder) is created."""
     path = tmp_path / "ws" / "LIVE_CONTEXT.json"
     for text in ["é" * 5000, "x" * 10, "ü" * 300]:
-        rewrite_in_place(path, text)
+        rewrite_in_place(path, text.encode())
         assert path.read_text() == text
 
 
@@ -297,10 +299,10 @@ def test_the_entries_a_draft_is_judged_against_are_read_back_from_the_mirror_wri
     messages = _body(3)["messages"]
     ids = [f"m{i}" for i in range(len(messages))]
     document = mirror_document("s", 0, ids, messages)
-    ctx = SessionContext(decisions=[], mirror_document=document, mirror_written=True)
+    ctx = SessionContext(decisions=[], mirror_document=bytearray(document), mirror_written=True)
     assert ctx.written_entries() == {mid: content_text(m.get("content")) for mid, m in zip(ids, messages,
                                                                                             strict=True)}
-    assert SessionContext(decisions=[], mirror_document=document).written_entries() == {}  # committed: none
+    assert SessionContext(decisions=[], mirror_document=bytearray(document)).written_entries() == {}  # committed
 
 
 _TEXT = st.text(st.characters(codec="utf-8"), max_size=30)
@@ -315,10 +317,12 @@ def test_a_mirror_extended_by_new_entries_is_the_text_written_whole(messages: li
     kept = min(kept, len(messages))
     ids = [f"m{i}" for i in range(len(messages))]
     hashes = [message_hash(m) for m in messages]
-    cache: dict[tuple[str, str], str] = {}
+    cache: Entries = {}
     before = mirror_document("s", revision, ids[:kept], messages[:kept], hashes[:kept], cache)
-    grown = appended_document(before, ids[kept:], messages[kept:], hashes[kept:], cache)
+    grown = bytearray(before)
+    tail = appended_document(grown, ids[kept:], messages[kept:], hashes[kept:], cache)
     assert grown == mirror_document("s", revision, ids, messages)
+    assert grown == before[: len(before) - len(CLOSE)] + tail  # the tail: what the file gets where CLOSE was
     assert mirror_document("s", revision, ids, messages, hashes, cache) == grown  # from the cache alone
     assert set(cache) == set(zip(ids, hashes, strict=True))
 
@@ -335,13 +339,13 @@ def test_a_mirror_assembled_from_cached_entries_is_the_text_written_whole(before
     """Issue #13: a version that changes some entries (a fold, an elision pass) and adds some at the end writes
     those and joins the others' text from the cache the last version left; byte for byte the whole text, whatever
     was changed, dropped, added or repeated where, and the cache holds the current entries only."""
-    def written(version: list[tuple[int, dict[str, Any]]], cache: dict[tuple[str, str], str] | None) -> str:
+    def written(version: list[tuple[int, dict[str, Any]]], cache: Entries | None) -> bytes:
         return mirror_document("s", revision, [f"m{k}" for k, _ in version], [m for _, m in version],
                                [message_hash(m) for _, m in version], cache)
 
     at = min(at, len(before))
     after = [*before[:at], *changed, *before[at + dropped:], *added]
-    cache: dict[tuple[str, str], str] = {}
+    cache: Entries = {}
     assert written(before, cache) == written(before, None)
     assert written(after, cache) == written(after, None)
     assert set(cache) == {(f"m{k}", message_hash(m)) for k, m in after}
@@ -349,7 +353,7 @@ def test_a_mirror_assembled_from_cached_entries_is_the_text_written_whole(before
 
 def test_the_mirror_and_the_journal_cut_it_at_the_same_separator() -> None:
     """The core cannot import the store, nor the store the core: the one layout is written down twice."""
-    assert mirror_module._BETWEEN == MIRROR_SEPARATOR
+    assert MIRROR_SEPARATOR.encode() == mirror_module._BETWEEN
 
 
 def test_a_mirror_that_only_grows_is_written_at_its_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -470,14 +474,15 @@ def test_a_mirror_that_cannot_be_written_costs_no_answer_and_is_written_at_the_n
     assert len(_ids(tmp_path / "ws" / "LIVE_CONTEXT.json")) == len(_body(13)["messages"])
 
 
-def test_the_mirror_is_written_while_the_request_is_upstream_and_before_its_answer(
+def test_the_mirror_is_written_while_the_forward_is_journaled_and_upstream_and_before_its_answer(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue #13: the file the model is told of is written after the request has gone upstream (it reads it only
-    once it has answered), and the answer waits for it: at the client, the file is whole."""
+    """Issue #13: the file the model is told of is written once the projection decided it, beside the forward's
+    journaling and its trip upstream (the model reads it only once it has answered), and the answer waits for it:
+    at the client, the file is whole."""
     events: list[str] = []
     real = mirror_file.rewrite_in_place
 
-    def slow_write(path: Path, text: str) -> None:
+    def slow_write(path: Path, text: bytes) -> None:
         events.append("write begins")
         real(path, text)
         events.append("written")
@@ -493,7 +498,8 @@ def test_the_mirror_is_written_while_the_request_is_upstream_and_before_its_answ
         assert client.post("/v1/chat/completions", json=_body(13)).status_code == 200
         events.append("answered")
         text = (tmp_path / "ws" / "LIVE_CONTEXT.json").read_text(encoding="utf-8")
-    assert events.index("upstream") < events.index("written") < events.index("answered")
+    assert events.index("write begins") < events.index("written") < events.index("answered")
+    assert "upstream" in events
     assert [e["id"] for e in json.loads(text)["messages"]][-1] == "tool:call_13"
 
 
@@ -507,7 +513,7 @@ def test_a_forward_cancelled_meanwhile_still_waits_for_its_mirror_to_be_written(
         done.append("written")
 
     async def forward() -> None:
-        async with forward_module._alongside(write):
+        async with forward_module._alongside(asyncio.ensure_future(write())):  # noqa: TID251 -- awaited by it
             await asyncio.sleep(10)
 
     async def cancel_it() -> None:
@@ -520,3 +526,41 @@ def test_a_forward_cancelled_meanwhile_still_waits_for_its_mirror_to_be_written(
 
     asyncio.run(cancel_it())
     assert done == ["written", "cancelled"]
+
+
+def test_a_forward_the_journal_refuses_waits_for_its_mirror_before_the_error_goes_back(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue #13: the mirror's write starts before the forward is journaled. When the journal then refuses the
+    forward (its disk full), the error reaches the client only once the write has ended, since it writes the
+    session's working context under its lock; nothing went upstream, and the next request is served."""
+    events: list[str] = []
+    real_write, real_journal = mirror_file.rewrite_in_place, SessionContext.journal_forward
+    refuse = [True]
+
+    def slow_write(path: Path, data: bytes) -> None:
+        events.append("write begins")
+        time.sleep(0.2)  # on the worker: the journal refuses meanwhile
+        real_write(path, data)
+        events.append("written")
+
+    async def full(self: SessionContext, *args: Any) -> int:
+        if refuse:
+            refuse.pop()
+            await asyncio.sleep(0)  # the write is under way meanwhile
+            events.append("journal refuses")
+            raise StorageFull("the journal's disk is full")
+        return await real_journal(self, *args)
+
+    monkeypatch.setattr(mirror_file, "rewrite_in_place", slow_write)
+    monkeypatch.setattr(SessionContext, "journal_forward", full)
+    monkeypatch.setattr(planning, "is_large", lambda *_: True)  # its steps on the worker, as a long session's
+    fake = CountingUpstream(window=16384)
+    with app_client(_settings(tmp_path), httpx.ASGITransport(app=fake)) as client:
+        refused = client.post("/v1/chat/completions", json=_body(13))
+        events.append("answered")
+        assert refused.status_code == 507 and fake.counts == []
+        assert sorted(events[:2]) == ["journal refuses", "write begins"]  # the write takes 0.2 s
+        assert events[2:] == ["written", "answered"]
+        assert client.post("/v1/chat/completions", json=_body(13)).status_code == 200
+    assert len(fake.counts) == 1
+    assert _ids(tmp_path / "ws" / "LIVE_CONTEXT.json")[-1] == "tool:call_13"

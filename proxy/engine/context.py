@@ -31,7 +31,7 @@ from ctxproxy.proxy.core.project import absorbed_state
 from ctxproxy.proxy.core.tokens import Calibration
 from ctxproxy.proxy.engine.heavy import heavy_journaling
 from ctxproxy.proxy.engine.tally import Counting
-from ctxproxy.proxy.tools.mirror import rendered, same_mirror
+from ctxproxy.proxy.tools.mirror import Entries, rendered, same_mirror
 from ctxproxy.store import (
     CalibrationInForce,
     ForwardRecord,
@@ -75,15 +75,16 @@ class SessionContext:
     mirror_written: bool = False
     """The mirror was written and not committed or refused since: a file that differs from ``mirror_document`` is
     the model's draft (not overwritten until committed), judged against what it was given (``written_entries``)."""
-    mirror_document: str | None = None
-    """The mirror's text as last written; after a restart, rendered from what the journal says it showed."""
+    mirror_document: bytearray | None = None
+    """The mirror's file (UTF-8) as last written, grown in place; after a restart, rendered from what the journal
+    says it showed."""
     mirror_shown: MirrorShown | None = field(default=None, compare=False)  # what it shows, as journaled
     mirror_exact: bool = field(default=True, compare=False)
     """False while ``mirror_document`` is rendered from the journal (keys sorted): a file is compared as JSON."""
     mirror_key: tuple[Any, ...] | None = field(default=None, compare=False)
     """What the mirror last written showed (session, revision, identities, hashes): unchanged, it is not rewritten."""
-    mirror_entries: dict[tuple[str, str], str] = field(default_factory=dict, compare=False)
-    """The mirror's entries as last written, by (identity, hash): a new version serialises only what is new."""
+    mirror_entries: Entries = field(default_factory=dict, compare=False)
+    """The mirror's entries as last written, by identity: a new version serialises only what is new."""
     mirror_stat: tuple[int, int, int, int] | None = field(default=None, compare=False)
     """The file's inode, size and times just after the proxy wrote it: while they hold, no draft is pending."""
     confirmations: list[str] = field(default_factory=list)
@@ -103,7 +104,8 @@ class SessionContext:
     def working_state(self) -> SessionState:
         """What of this context the decisions do not imply, as the journal keeps it."""
         shown = self.mirror_shown if self.mirror_written else None
-        earlier = self.mirror_document if self.mirror_written and shown is None else None  # a text read back
+        earlier = (self.mirror_document.decode() if self.mirror_written and shown is None and self.mirror_document
+                   is not None else None)  # a text read back
         return SessionState(self.offered_turn, self.reminded_turn, tuple(self.confirmations),
                             None if self.mirror is None else str(self.mirror), earlier, shown)
 
@@ -151,8 +153,9 @@ class SessionContext:
         self.confirmations = list(state.confirmations)
         self.mirror = None if state.mirror is None else Path(state.mirror)
         shown = state.mirror_shown
-        self.mirror_document = state.mirror_text if shown is None else rendered(
+        document = (None if state.mirror_text is None else state.mirror_text.encode()) if shown is None else rendered(
             session_id, shown.revision, shown.ids, shown.hashes, shown.bodies)
+        self.mirror_document = None if document is None else bytearray(document)
         self.mirror_written, self.mirror_exact = self.mirror_document is not None, shown is None
         self.mirror_shown = None if shown is None else replace(shown, bodies={})  # rendered: not kept
         self.journaled = replace(state, mirror_shown=self.mirror_shown)
@@ -167,20 +170,20 @@ def _refresh_mirror(stale: SessionContext, fresh: SessionContext) -> None:
     if path is None or text is None or not fresh.mirror_written or stale.mirror_document is None:
         return
     try:
-        here = path.read_text(encoding="utf-8") if path.exists() else None
+        here = path.read_bytes() if path.exists() else None
     except OSError:
         return
     if here is not None and not fresh.mirror_exact and same_mirror(here, text):
-        fresh.mirror_document = here  # the same mirror, as the file holds it
+        fresh.mirror_document = bytearray(here)  # the same mirror, as the file holds it
     elif here is None or (here != text and here == stale.mirror_document):
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text, encoding="utf-8")
+        path.write_bytes(text)
     else:
         return  # the model's draft
     fresh.mirror_exact = True
 
 
-def _entries(document: str) -> dict[str, str]:
+def _entries(document: bytes | bytearray) -> dict[str, str]:
     """The mirror's entries as it gave them (identity → text), read back from its text (``mirror_document``)."""
     return {str(e["id"]): content_text(e.get("content")) for e in json.loads(document)["messages"]}
 

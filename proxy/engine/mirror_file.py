@@ -8,13 +8,15 @@ and times changing, then told apart from a touch by comparing its text with what
 whole text on every write). After a restart, what was written is rendered from the journal, which keeps what the
 mirror shows, not its text (``store.session_state``): a file is compared with that as JSON. Opened for writing, a
 file is first truncated, which frees its pages for the write to fault back in: 0.86 ms a whole write against 0.52
-in place (issue #13).
+in place (issue #13). The mirror is bytes from its entries to the file (``proxy.tools.mirror``): nothing is encoded
+on the way out.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -30,11 +32,10 @@ __all__ = ["MirrorWrite", "keep_unsent", "mirror_due", "rewrite_in_place"]
 
 log = logging.getLogger("ctxproxy")
 
-_CLOSE_BYTES = len(CLOSE.encode())
-
 
 MirrorWrite = Callable[[], None]
-"""The file's new text rendered and written: what ``mirror_due`` leaves to run while the request is upstream."""
+"""The file's new bytes rendered and written: what ``mirror_due`` leaves to run beside the forward's journaling and
+its trip upstream."""
 
 
 def mirror_due(ctx: SessionContext, settings: Settings, session_id: str,
@@ -45,9 +46,10 @@ def mirror_due(ctx: SessionContext, settings: Settings, session_id: str,
     then only what changed when it just grew; a draft of the model's is never overwritten.
 
     Returns the mirror's path (told to the model) and the write still to do, if any. What the mirror shows is
-    decided here (and journaled with the forward); its text is rendered and written by the write, which the
-    forwarder runs while the request is upstream and waits for before any byte of the answer goes back: the
-    model reads the file only once it has answered (``proxy.engine.forward``)."""
+    decided here (and journaled with the forward); its bytes are rendered and written by the write, which starts
+    as soon as the projection is done and runs while the forward is journaled and upstream; the answer waits for
+    it before any byte of it goes back: the model reads the file only once it has answered
+    (``proxy.engine.planning``, ``proxy.engine.forward``)."""
     above = p.report.scaled > p.report.target
     if not settings.tools_enabled:
         return None, None
@@ -70,22 +72,23 @@ def mirror_due(ctx: SessionContext, settings: Settings, session_id: str,
 
 def _write(ctx: SessionContext, path: Path, key: tuple[Any, ...], messages: Sequence[dict[str, Any]], kept: int,
            stat: tuple[int, int, int, int] | None) -> None:
-    """The mirror's text rendered (its new entries only, when it just grew) and written. A file that cannot be
+    """The mirror's bytes rendered (its new entries only, when it just grew) and written. A file that cannot be
     written is logged and left for the next request to write whole: the answer is not lost for it."""
     session_id, revision, ids, hashes = key
     try:
         if kept and ctx.mirror_document is not None and stat is not None:
-            document = appended_document(ctx.mirror_document, ids[kept:], messages[kept:], hashes[kept:],
-                                         ctx.mirror_entries)
-            _write_at(path, stat[1] - _CLOSE_BYTES, document[len(ctx.mirror_document) - len(CLOSE):])
+            tail = appended_document(ctx.mirror_document, ids[kept:], messages[kept:], hashes[kept:],
+                                     ctx.mirror_entries)
+            _write_at(path, stat[1] - len(CLOSE), tail)
         else:
             document = mirror_document(session_id, revision, ids, messages, hashes, ctx.mirror_entries)
+            ctx.mirror_document = bytearray(document)
             rewrite_in_place(path, document)
     except OSError as exc:
         log.error("could not write the live mirror %s, left for the next request: %s", path, exc)
         ctx.mirror_written, ctx.mirror_key, ctx.mirror_document = False, None, None
         return
-    ctx.mirror_document, ctx.mirror_exact, ctx.mirror_stat = document, True, _stat(path)
+    ctx.mirror_exact, ctx.mirror_stat = True, _stat(path)
 
 
 def keep_unsent(ctx: SessionContext, p: Projection, sent: Sequence[str]) -> None:
@@ -120,10 +123,10 @@ def _draft_pending(ctx: SessionContext, path: Path, stat: tuple[int, int, int, i
         return False
     if stat == ctx.mirror_stat:
         return False
-    text = path.read_text(encoding="utf-8")
-    if text != ctx.mirror_document and (ctx.mirror_exact or not same_mirror(text, ctx.mirror_document or "")):
+    data = bytearray(path.read_bytes())
+    if data != ctx.mirror_document and (ctx.mirror_exact or not same_mirror(data, ctx.mirror_document or b"")):
         return True
-    ctx.mirror_document, ctx.mirror_exact, ctx.mirror_stat = text, True, stat  # touched, not changed
+    ctx.mirror_document, ctx.mirror_exact, ctx.mirror_stat = data, True, stat  # touched, not changed
     return False
 
 
@@ -137,18 +140,34 @@ def _stat(path: Path) -> tuple[int, int, int, int] | None:
     return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
-def rewrite_in_place(path: Path, text: str) -> None:
-    """``path`` holds exactly ``text`` after: written over what it held, the rest cut off (or created, with its
+def rewrite_in_place(path: Path, data: bytes) -> None:
+    """``path`` holds exactly ``data`` after: written over what it held, the rest cut off (or created, with its
     folder)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("r+" if path.exists() else "w", encoding="utf-8") as file:
-        file.write(text)
-        file.truncate()
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o666)
+    except FileNotFoundError:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o666)
+    try:
+        _write_all(fd, data, 0)
+        os.ftruncate(fd, len(data))
+    finally:
+        os.close(fd)
 
 
-def _write_at(path: Path, offset: int, tail: str) -> None:
-    """The file's bytes from ``offset`` on replaced by ``tail`` (UTF-8), the rest cut off."""
-    with path.open("r+b") as file:
-        file.seek(offset)
-        file.write(tail.encode())
-        file.truncate()
+def _write_at(path: Path, offset: int, tail: bytes) -> None:
+    """The file's bytes from ``offset`` on replaced by ``tail``, the rest cut off."""
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        _write_all(fd, tail, offset)
+        os.ftruncate(fd, offset + len(tail))
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, data: bytes, offset: int) -> None:
+    """All of ``data`` at ``offset`` (``os.pwrite`` may write less than it was given)."""
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
