@@ -117,7 +117,7 @@ def test_counting_ahead_waits_for_the_target_and_keeps_to_its_share() -> None:
     assert len(counter.marked) == cuts.PRIMED_PER_REQUEST and state.primed == cuts.PRIMED_PER_REQUEST
 
 
-class _Forgetful(dict[tuple[str, ...], str]):
+class _Forgetful(dict[tuple[str | None, ...], tuple[str, str]]):
     """A marker cache that never finds what it keeps: every marker built afresh."""
 
     def get(self, key: Any, default: Any = None) -> Any:

@@ -158,11 +158,13 @@ def _elide_fenced(state: State, i: int, message: dict[str, Any], rules: Rules, c
         _replace(state, i, {**message, "content": compose(content, result.segments, changed)}, counter)
 
 
-_MARKERS: dict[tuple[str, ...], str] = {}
-"""Elision markers by what makes them: the message (its hash: content and call id), the overflow id, the call's
-tool and arguments, the storage and the outfiles folder. ``prime`` builds each one a request or more before the
-pass that cuts it, which then builds it again: 1.5 ms of a 128k fold request. Cleared whole when full; a plain
-dict, safe on the loop and the worker alike (as ``proxy.core.project._OUT_HASHES``)."""
+_MARKERS: dict[tuple[str | None, ...], tuple[str, str]] = {}
+"""Elision markers and the overflow ids they name, by what makes them: the message (its hash: content and call id),
+the spill's overflow id if it was spilled, the call's tool and arguments, the storage and the outfiles folder.
+``prime`` builds each one a request or more before the pass that cuts it, which then finds it here: building them
+again was 1.5 ms of a 128k fold request, and hashing each result's content for its id again 0.1-0.2 ms more (issue
+#13). Cleared whole when full; a plain dict, safe on the loop and the worker alike (as
+``proxy.core.project._OUT_HASHES``)."""
 _MARKERS_KEPT = 4096
 
 
@@ -181,14 +183,16 @@ def _elision(state: State, i: int, message: dict[str, Any], rules: Rules) -> Dec
     tool, arguments = state.result_calls.get(i, ("?", ""))
     if tool == READ_OVERFLOW:
         return None
-    overflow_id = decided.overflow_id if decided is not None else sha256_text(content)
-    key = (state.hashes[i], overflow_id, tool, arguments, rules.storage, rules.overflow_dir)
-    marker = _MARKERS.get(key)
-    if marker is None:
+    spilled = decided.overflow_id if decided is not None else None
+    key = (state.hashes[i], spilled, tool, arguments, rules.storage, rules.overflow_dir)
+    made = _MARKERS.get(key)
+    if made is None:
         if len(_MARKERS) >= _MARKERS_KEPT:
             _MARKERS.clear()
-        marker = _MARKERS[key] = elision_marker(overflow_id, tool, call_id, rules.storage, content, arguments,
-                                                rules.overflow_dir)
+        overflow_id = spilled or sha256_text(content)
+        made = _MARKERS[key] = overflow_id, elision_marker(overflow_id, tool, call_id, rules.storage, content,
+                                                          arguments, rules.overflow_dir)
+    overflow_id, marker = made
     if len(marker) >= len(str(current.get("content"))):
         return None
     return Decision("elide", state.ids[i], state.hashes[i], marker, overflow_id)
