@@ -49,6 +49,7 @@ def _session(msgs: list[Any], rules: Rules, decisions: list[Decision], primed: b
     with pytest.MonkeyPatch.context() as patch:
         if not primed:
             patch.setattr(project_module, "prime", lambda *_: None)
+            patch.setattr(project_module, "prime_fold", lambda *_: None)
         for end in range(2, len(msgs) + 1):
             p = project(msgs[:end], hashes[:end], decisions, rules, counter, state)
             decisions += p.new
@@ -67,7 +68,7 @@ def test_counting_ahead_changes_nothing_projected(case: tuple[list[Any], set[int
         assert (a.messages, a.hashes, a.new, a.writes, a.report, a.changed) == \
             (b.messages, b.hashes, b.new, b.writes, b.report, b.changed)
         for f in fields(State):
-            if f.name not in ("primed", "fold_sum"):  # fold_sum holds a hash object: compared by what it closes to
+            if f.name not in ("primed", "fold_sum", "fold_ahead"):  # a sum holds a hash object: compared closed
                 assert getattr(a.state, f.name) == getattr(b.state, f.name), f.name
         assert (a.state.fold_sum and a.state.fold_sum.closed()) == (b.state.fold_sum and b.state.fold_sum.closed())
 
@@ -230,3 +231,42 @@ def test_a_full_marker_cache_starts_again_and_gives_the_same_markers() -> None:
         small = _session(msgs, rules, [], True)
         assert len(cuts._MARKERS) <= 1
     assert [(p.messages, p.new) for p in kept] == [(p.messages, p.new) for p in small]
+
+
+def _fold_serialised(counter: list[int]) -> Any:
+    """``folds.fold``, counting the messages it serialises (``canonical_json``) while it runs."""
+    real_fold, real_json = folds.fold, folds.canonical_json
+
+    def counting_json(value: Any) -> bytes:
+        counter[0] += 1
+        return real_json(value)
+
+    def fold(*args: Any, **kwargs: Any) -> None:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(folds, "canonical_json", counting_json)
+            real_fold(*args, **kwargs)
+    return fold
+
+
+def test_a_fold_pass_finds_its_rounds_hashed_ahead() -> None:
+    """Issue #13: a long session past its target folds again and again; with the rounds hashed ahead
+    (``prime_fold``), each later pass serialises only what the requests before it did not reach, and the folds
+    are the same, id for id, as those hashed afresh."""
+    rules = Rules(budget(8192, spill_chars=100_000))
+    msgs = history([f"line {k}\n" + "r" * 3000 for k in range(160)])
+    made: dict[bool, tuple[list[Decision], int, int]] = {}
+    for primed in (True, False):
+        serialised, folded, decisions, state = [0], 0, [], None
+        with pytest.MonkeyPatch.context() as patch:
+            if not primed:
+                patch.setattr(project_module, "prime_fold", lambda *_: None)
+            patch.setattr(project_module, "fold", _fold_serialised(serialised))
+            for request in prefixes(msgs):
+                p = project(request, [message_hash(m) for m in request], decisions, rules, CharCounter(), state)
+                decisions += p.new
+                state = p.state
+                folded += bool(p.report.folded)
+        made[primed] = ([d for d in decisions if d.kind == "fold"], folded, serialised[0])
+    (ahead, passes, few), (afresh, _, many) = made[True], made[False]
+    assert passes >= 3 and ahead == afresh
+    assert few * 3 < many

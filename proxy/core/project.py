@@ -25,7 +25,7 @@ from ctxproxy.proxy.core.budget import MIN_CUT_CHARS, Budget
 from ctxproxy.proxy.core.cuts import elide, prime
 from ctxproxy.proxy.core.decisions import CUTS, Decision, OverflowWrite
 from ctxproxy.proxy.core.fenced import text_of
-from ctxproxy.proxy.core.folds import apply_fold, apply_hides, fold
+from ctxproxy.proxy.core.folds import apply_fold, apply_hides, fold, prime_fold
 from ctxproxy.proxy.core.identity import identity_base, next_identity
 from ctxproxy.proxy.core.identity import message_hash as _hash
 from ctxproxy.proxy.core.resize import recut
@@ -86,6 +86,7 @@ def project(messages: Sequence[dict[str, Any]], hashes: Sequence[str], decisions
         apply_fold(state, state.fold, messages, counter)
     _cut_to_fit(state, messages, rules, counter, new, writes)
     prime(state, messages, rules, counter)
+    prime_fold(state, messages, rules)
     state.absorbed = len(decisions) + len(new)
     return _result(state, messages, rules, new, writes, reused)
 

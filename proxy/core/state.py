@@ -132,6 +132,9 @@ class State:
     fold: Decision | None = None
     fold_sum: FoldSum | None = None
     """The running digest of the latest fold's body (None after a recomputation: the next fold hashes afresh)."""
+    fold_ahead: tuple[FoldSum, ...] = field(default=(), compare=False)
+    """``fold_sum`` carried on over the rounds after it, a round or two a request, one sum at each round's end
+    (``proxy.core.folds.prime_fold``): the next fold takes the one at its end and hashes only the rest."""
     hides: tuple[Decision, ...] = ()
     """Rounds taken out of the projection altogether (the agent's own edits of the mirror, once applied)."""
     hidden: tuple[int, ...] = ()
