@@ -331,6 +331,8 @@ _VERSION = st.lists(st.tuples(st.integers(0, 5), _MESSAGE), max_size=7)
 
 
 @given(_VERSION, _VERSION, st.integers(0, 7), st.integers(0, 7), _VERSION, st.integers(0, 2))
+@example([(0, {"role": "user", "content": ""}), (0, {"role": "user", "content": "0"})], [], 1, 1,
+         [(0, {"role": "user", "content": ""})], 0)  # every entry cached, one of the cache's no longer shown
 def test_a_mirror_assembled_from_cached_entries_is_the_text_written_whole(before: list[tuple[int, dict[str, Any]]],
                                                                         changed: list[tuple[int, dict[str, Any]]],
                                                                         at: int, dropped: int,

@@ -85,9 +85,8 @@ def mirror_document(session: str, revision: int, ids: Sequence[str], messages: S
         for i, piece in zip(new, _inner_pieces(written, whole=False), strict=True):
             pieces[i] = piece
     joined = cast(list[bytes], pieces)
-    if new or len(cache) != len(keys):
-        cache.clear()
-        cache.update(zip(keys, joined, strict=True))
+    cache.clear()
+    cache.update(zip(keys, joined, strict=True))
     head = _json({"session": session, "revision": revision, "messages": []})[: -len(b"[]\n}")] + b"[\n"
     return _between(joined, head + _ENTRY_START, _ENTRY_END + CLOSE)
 
