@@ -20,7 +20,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from ctxproxy.store.ancestry import AncestryMixin
-from ctxproxy.store.deltas import runs
+from ctxproxy.store.deltas import added_json, runs
 from ctxproxy.store.replaced import ReplacedTexts
 from ctxproxy.store.sql import Connection
 
@@ -239,7 +239,7 @@ class CutsMixin(SpansMixin, OpsMixin, AncestryMixin):
         based = rec.base_len > 0 or any(not isinstance(item, str) for item in added)
         return self.conn.insert(
             "INSERT INTO message_lists (base_id, base_len, added, length) VALUES (?, ?, ?, ?)",
-            [rec.base_list_id if based else None, rec.base_len, json.dumps(added), rec.length])
+            [rec.base_list_id if based else None, rec.base_len, added_json(added), rec.length])
 
     # --- reads ------------------------------------------------------------------------------------------------
     def decisions(self, session_id: str) -> list[dict[str, Any]]:

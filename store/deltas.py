@@ -13,7 +13,9 @@ import json
 from collections.abc import Sequence
 from typing import cast
 
-__all__ = ["RUNS_FROM", "rebuild", "runs"]
+import orjson
+
+__all__ = ["RUNS_FROM", "added_json", "rebuild", "runs"]
 
 RUNS_FROM = 8
 """Fewer added hashes are stored as they are: a list that extends its base by a round is not searched for runs."""
@@ -61,6 +63,13 @@ def _agreeing(base: Sequence[str], start: int, added: Sequence[str], k: int) -> 
         else:
             high = middle
     return low
+
+
+def added_json(added: Sequence[str | list[int]]) -> str:
+    """An ``added`` column's text: the JSON array, compact. Written by orjson: the stdlib's ``json.dumps`` of a
+    mirror's first list (~630 hashes) was 0.2 ms of the request that turns the mirror on at 128k, and lists written
+    before, with the stdlib's spaces, read back the same (issue #13)."""
+    return orjson.dumps(added).decode()
 
 
 def rebuild(base: list[str], base_len: int, added: str) -> list[str]:

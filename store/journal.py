@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ctxproxy.store.cuts import CutsMixin, ForwardRecord
+from ctxproxy.store.deltas import added_json
 from ctxproxy.store.inspect import InspectMixin
 from ctxproxy.store.liveness import instance_id
 from ctxproxy.store.migrate import apply
@@ -157,7 +158,7 @@ class Journal(PlacementMixin, ReadsMixin, CutsMixin, InspectMixin, RecoveryMixin
         )
         return self.conn.insert(
             "INSERT INTO message_lists (base_id, base_len, added, length, segment) VALUES (?, ?, ?, ?, ?)",
-            [place.base_list_id if place.common else None, place.common, json.dumps(list(added)), len(req.hashes),
+            [place.base_list_id if place.common else None, place.common, added_json(list(added)), len(req.hashes),
              segment],
         )
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from ctxproxy.store.cuts import ForwardRecord
-from ctxproxy.store.deltas import runs
+from ctxproxy.store.deltas import added_json, runs
 from ctxproxy.store.journal import Journal
 from ctxproxy.store.reads import chain
 
@@ -205,7 +205,7 @@ def _insert_mirror_list(journal: Journal, base_id: int | None, base: list[str], 
     if not same and all(isinstance(item, str) for item in added):
         base_id = None
     list_id = journal.conn.insert("INSERT INTO message_lists (base_id, base_len, added, length) VALUES (?, ?, ?, ?)",
-                                  [base_id, same, json.dumps(added), len(hashes)])
+                                  [base_id, same, added_json(added), len(hashes)])
     return list_id, 1 if base_id is None else depth + 1
 
 
