@@ -49,7 +49,9 @@ def mirror_due(ctx: SessionContext, settings: Settings, session_id: str,
     decided here (and journaled with the forward); its bytes are rendered and written by the write, which starts
     as soon as the projection is done and runs while the forward is journaled and upstream; the answer waits for
     it before any byte of it goes back: the model reads the file only once it has answered
-    (``proxy.engine.planning``, ``proxy.engine.forward``)."""
+    (``proxy.engine.planning``, ``proxy.engine.forward``). A crash between the file and its journal leaves a file
+    the journal does not show, as a crash between the journal and the file did when the file came second: after a
+    restart it is judged against what the journal shows, like a draft of the model's."""
     above = p.report.scaled > p.report.target
     if not settings.tools_enabled:
         return None, None
