@@ -12,7 +12,6 @@ import hashlib
 import importlib
 import json
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +22,10 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from ctxproxy.config import load_settings
-from ctxproxy.proxy.core import canonical_json, message_hash
+from ctxproxy.proxy.core import Rules, canonical_json, message_hash, project
 from ctxproxy.proxy.core.identity import content_text
 from ctxproxy.proxy.engine import forward as forward_module
-from ctxproxy.proxy.engine import mirror_file, planning
+from ctxproxy.proxy.engine import mirror_file
 from ctxproxy.proxy.engine.context import SessionContext
 from ctxproxy.proxy.engine.mirror_file import rewrite_in_place
 from ctxproxy.proxy.errors import StorageFull
@@ -47,6 +46,7 @@ from ctxproxy.store.session_state import MIRROR_SEPARATOR
 from tests.conftest import app_client
 from tests.fakes import CountingUpstream
 from tests.test_journal import incoming
+from tests.test_project import CharCounter, budget, history
 
 TOOLS = [{"type": "function", "function": {"name": "read_file", "parameters": {
     "type": "object", "properties": {"path": {"type": "string"}}}}}]
@@ -476,17 +476,16 @@ def test_a_mirror_that_cannot_be_written_costs_no_answer_and_is_written_at_the_n
     assert len(_ids(tmp_path / "ws" / "LIVE_CONTEXT.json")) == len(_body(13)["messages"])
 
 
-def test_the_mirror_is_written_while_the_forward_is_journaled_and_upstream_and_before_its_answer(
+def test_the_mirror_is_written_while_the_request_is_upstream_and_before_its_answer(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue #13: the file the model is told of is written once the projection decided it, beside the forward's
-    journaling and its trip upstream (the model reads it only once it has answered), and the answer waits for it:
-    at the client, the file is whole."""
+    """Issue #13: the file the model is told of is written after the request has gone upstream (it reads it only
+    once it has answered), and the answer waits for it: at the client, the file is whole."""
     events: list[str] = []
     real = mirror_file.rewrite_in_place
 
-    def slow_write(path: Path, text: bytes) -> None:
+    def slow_write(path: Path, data: bytes) -> None:
         events.append("write begins")
-        real(path, text)
+        real(path, data)
         events.append("written")
 
     class Watching(CountingUpstream):
@@ -500,8 +499,7 @@ def test_the_mirror_is_written_while_the_forward_is_journaled_and_upstream_and_b
         assert client.post("/v1/chat/completions", json=_body(13)).status_code == 200
         events.append("answered")
         text = (tmp_path / "ws" / "LIVE_CONTEXT.json").read_text(encoding="utf-8")
-    assert events.index("write begins") < events.index("written") < events.index("answered")
-    assert "upstream" in events
+    assert events.index("upstream") < events.index("written") < events.index("answered")
     assert [e["id"] for e in json.loads(text)["messages"]][-1] == "tool:call_13"
 
 
@@ -515,7 +513,7 @@ def test_a_forward_cancelled_meanwhile_still_waits_for_its_mirror_to_be_written(
         done.append("written")
 
     async def forward() -> None:
-        async with forward_module._alongside(asyncio.ensure_future(write())):  # noqa: TID251 -- awaited by it
+        async with forward_module._alongside(write):
             await asyncio.sleep(10)
 
     async def cancel_it() -> None:
@@ -530,39 +528,43 @@ def test_a_forward_cancelled_meanwhile_still_waits_for_its_mirror_to_be_written(
     assert done == ["written", "cancelled"]
 
 
-def test_a_forward_the_journal_refuses_waits_for_its_mirror_before_the_error_goes_back(
+def test_a_mirror_whose_forward_the_journal_refuses_is_written_by_the_next_request(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue #13: the mirror's write starts before the forward is journaled. When the journal then refuses the
-    forward (its disk full), the error reaches the client only once the write has ended, since it writes the
-    session's working context under its lock; nothing went upstream, and the next request is served."""
-    events: list[str] = []
-    real_write, real_journal = mirror_file.rewrite_in_place, SessionContext.journal_forward
+    """The request that turns the mirror on decides what it shows, then the journal refuses its forward (its disk
+    full): nothing goes upstream and no file is written. The next request writes the mirror whole, though it shows
+    the same messages: it is not taken for written."""
+    real_journal = SessionContext.journal_forward
     refuse = [True]
-
-    def slow_write(path: Path, data: bytes) -> None:
-        events.append("write begins")
-        time.sleep(0.2)  # on the worker: the journal refuses meanwhile
-        real_write(path, data)
-        events.append("written")
 
     async def full(self: SessionContext, *args: Any) -> int:
         if refuse:
             refuse.pop()
-            await asyncio.sleep(0)  # the write is under way meanwhile
-            events.append("journal refuses")
             raise StorageFull("the journal's disk is full")
         return await real_journal(self, *args)
 
-    monkeypatch.setattr(mirror_file, "rewrite_in_place", slow_write)
     monkeypatch.setattr(SessionContext, "journal_forward", full)
-    monkeypatch.setattr(planning, "is_large", lambda *_: True)  # its steps on the worker, as a long session's
     fake = CountingUpstream(window=16384)
+    mirror = tmp_path / "ws" / "LIVE_CONTEXT.json"
     with app_client(_settings(tmp_path), httpx.ASGITransport(app=fake)) as client:
-        refused = client.post("/v1/chat/completions", json=_body(13))
-        events.append("answered")
-        assert refused.status_code == 507 and fake.counts == []
-        assert sorted(events[:2]) == ["journal refuses", "write begins"]  # the write takes 0.2 s
-        assert events[2:] == ["written", "answered"]
+        assert client.post("/v1/chat/completions", json=_body(13)).status_code == 507
+        assert fake.counts == [] and not mirror.exists()
         assert client.post("/v1/chat/completions", json=_body(13)).status_code == 200
     assert len(fake.counts) == 1
-    assert _ids(tmp_path / "ws" / "LIVE_CONTEXT.json")[-1] == "tool:call_13"
+    assert _ids(mirror)[-1] == "tool:call_13"
+
+
+def test_the_entries_of_a_mirror_not_on_yet_are_rendered_ahead_and_joined_when_it_turns_on() -> None:
+    """Issue #13: while the projection is over its target and the mirror is off, its entries are rendered ahead,
+    ``PRIMED_ENTRIES`` a request, so the request that turns it on (a cut pass already) joins them instead of
+    writing the whole mirror; the bytes are those written whole."""
+    msgs = history([f"line {k}\n" + "r" * 3000 for k in range(60)])
+    p = project(msgs, [message_hash(m) for m in msgs], [], Rules(budget(8192, spill_chars=100_000)), CharCounter())
+    ctx = SessionContext(decisions=[])
+    mirror_file._prime_entries(ctx, p)
+    assert 0 < len(ctx.mirror_entries) <= mirror_file.PRIMED_ENTRIES
+    while ctx.mirror_primed < len(p.state.ids):
+        mirror_file._prime_entries(ctx, p)
+    ids = [mid for mid, out in zip(p.state.ids, p.state.out, strict=True) if out is not None]
+    shown, hashes = p.messages[: len(ids)], p.hashes[: len(ids)]
+    assert set(zip(ids, hashes, strict=True)) <= set(ctx.mirror_entries)
+    assert mirror_document("s", 0, ids, shown, hashes, ctx.mirror_entries) == mirror_document("s", 0, ids, shown)

@@ -85,6 +85,9 @@ class SessionContext:
     """What the mirror last written showed (session, revision, identities, hashes): unchanged, it is not rewritten."""
     mirror_entries: Entries = field(default_factory=dict, compare=False)
     """The mirror's entries as last written, by identity: a new version serialises only what is new."""
+    mirror_primed: int = field(default=0, compare=False)
+    """How far (an index of the projection's messages) the entries of a mirror not on yet were rendered ahead into
+    ``mirror_entries`` (``proxy.engine.mirror_file``)."""
     mirror_stat: tuple[int, int, int, int] | None = field(default=None, compare=False)
     """The file's inode, size and times just after the proxy wrote it: while they hold, no draft is pending."""
     confirmations: list[str] = field(default_factory=list)

@@ -9,7 +9,7 @@ that ends, or a connection closed, before its first byte): the upstream is asked
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
@@ -19,7 +19,7 @@ import orjson
 
 from ctxproxy.proxy.core.pieces import Pieces
 from ctxproxy.proxy.engine.exchange import Exchange, target_of
-from ctxproxy.proxy.engine.planning import Ask, Plan, finished, plan_forward, what_takes_room
+from ctxproxy.proxy.engine.planning import Ask, Plan, plan_forward, what_takes_room
 from ctxproxy.proxy.engine.turn import Forward
 from ctxproxy.proxy.errors import ContextTooLarge, CtxError, UpstreamBrokeOff, UpstreamTimeout
 from ctxproxy.proxy.upstream.endpoint import client_headers
@@ -207,15 +207,31 @@ class Forwarder:
 
 
 @asynccontextmanager
-async def _alongside(running: asyncio.Future[None] | None) -> AsyncIterator[None]:
-    """The body run while ``running`` goes on (the mirror's file written while the forward is journaled and
-    upstream: the model reads it only once it has answered), which is done when the body is, however it ends
-    (``planning.finished``: a caller cancelled meanwhile still waits for it, then sees the cancellation)."""
+async def _alongside(step: Callable[[], Awaitable[None]] | None) -> AsyncIterator[None]:
+    """``step`` run while the body runs (the mirror's file written while the request is upstream: the model reads
+    it only once it has answered) and done when the body is, however it ends. A caller cancelled meanwhile still
+    waits for it (it writes the session's state under its lock), then sees the cancellation. A task of its own,
+    not a task group's: a group would cancel it when the body raises, and wrap the body's errors in a group."""
+    if step is None:
+        yield
+        return
+    running = asyncio.ensure_future(step())  # noqa: TID251 -- referenced, and always awaited below
     try:
         yield
     finally:
-        if running is not None:
-            await finished(running)
+        await _done(running)
+
+
+async def _done(running: asyncio.Future[None]) -> None:
+    cancelled = False
+    while not running.done():
+        try:
+            await asyncio.shield(running)
+        except asyncio.CancelledError:
+            cancelled = True
+    running.result()
+    if cancelled:
+        raise asyncio.CancelledError
 
 
 async def _first_chunk(upstream: httpx.Response, rest: AsyncIterator[bytes]) -> bytes:

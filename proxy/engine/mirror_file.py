@@ -25,17 +25,23 @@ from typing import Any
 from ctxproxy.config import Settings
 from ctxproxy.proxy.core import Projection, canonical_json
 from ctxproxy.proxy.engine.context import SessionContext
-from ctxproxy.proxy.tools.mirror import CLOSE, appended_document, mirror_document, mirror_path, same_mirror
+from ctxproxy.proxy.tools.mirror import (
+    CLOSE,
+    appended_document,
+    cache_entries,
+    mirror_document,
+    mirror_path,
+    same_mirror,
+)
 from ctxproxy.store import MirrorShown
 
-__all__ = ["MirrorWrite", "keep_unsent", "mirror_due", "rewrite_in_place"]
+__all__ = ["PRIMED_ENTRIES", "MirrorWrite", "keep_unsent", "mirror_due", "rewrite_in_place"]
 
 log = logging.getLogger("ctxproxy")
 
 
 MirrorWrite = Callable[[], None]
-"""The file's new bytes rendered and written: what ``mirror_due`` leaves to run beside the forward's journaling and
-its trip upstream."""
+"""The file's new bytes rendered and written: what ``mirror_due`` leaves to run while the request is upstream."""
 
 
 def mirror_due(ctx: SessionContext, settings: Settings, session_id: str,
@@ -46,17 +52,18 @@ def mirror_due(ctx: SessionContext, settings: Settings, session_id: str,
     then only what changed when it just grew; a draft of the model's is never overwritten.
 
     Returns the mirror's path (told to the model) and the write still to do, if any. What the mirror shows is
-    decided here (and journaled with the forward); its bytes are rendered and written by the write, which starts
-    as soon as the projection is done and runs while the forward is journaled and upstream; the answer waits for
-    it before any byte of it goes back: the model reads the file only once it has answered
-    (``proxy.engine.planning``, ``proxy.engine.forward``). A crash between the file and its journal leaves a file
-    the journal does not show, as a crash between the journal and the file did when the file came second: after a
-    restart it is judged against what the journal shows, like a draft of the model's."""
+    decided here (and journaled with the forward); its bytes are rendered and written by the write, which the
+    forwarder runs while the request is upstream and waits for before any byte of the answer goes back: the
+    model reads the file only once it has answered (``proxy.engine.forward``). Behind a model the write is hidden
+    by the model's own time; started before the forward went, it held the GIL the forward needed (a fork after
+    600 rounds at 128k: 2-4 ms later upstream). A forward the journal refuses leaves it to the next request."""
     above = p.report.scaled > p.report.target
     if not settings.tools_enabled:
         return None, None
     if (p.report.elided or p.report.folded) and above:
         ctx.mirror = ctx.mirror or mirror_path(settings, session_id)
+    if ctx.mirror is None and above:
+        _prime_entries(ctx, p)
     if ctx.mirror is None or not above:
         return None, None
     path, stat = ctx.mirror, _stat(ctx.mirror)
@@ -70,6 +77,27 @@ def mirror_due(ctx: SessionContext, settings: Settings, session_id: str,
     ctx.mirror_written, ctx.mirror_key = True, key
     ctx.mirror_shown = MirrorShown(ctx.mirror_revision, key[2], key[3])
     return path, functools.partial(_write, ctx, path, key, p.messages[: len(ids)], kept, stat)
+
+
+PRIMED_ENTRIES = 64
+"""Entries the mirror would show rendered ahead per request (``_prime_entries``): ~0.1 ms."""
+
+
+def _prime_entries(ctx: SessionContext, p: Projection) -> None:
+    """While the projection is over its target and the mirror is off, the entries it would show are rendered
+    ahead, ``PRIMED_ENTRIES`` a request, into the cache its first version is joined from. That version is written
+    whole by the pass that turns the mirror on, an elision or fold pass already the slowest of its neighbours:
+    rendering ~630 entries there took 1.6 ms in process at 128k, the slowest request of a 600-round run (issue #13).
+    An entry whose message is cut before the mirror turns on is rendered again then; the cache is started afresh
+    when it holds twice what the projection has."""
+    state, k = p.state, ctx.mirror_primed
+    if k > len(state.ids) or len(ctx.mirror_entries) > 2 * len(state.ids):
+        ctx.mirror_entries.clear()
+        k = 0
+    chosen = [(i, out) for i in range(k, min(k + PRIMED_ENTRIES, len(state.ids))) if (out := state.out[i]) is not None]
+    cache_entries(ctx.mirror_entries, [state.ids[i] for i, _ in chosen], [out for _, out in chosen],
+                  [state.out_hashes[i] for i, _ in chosen])
+    ctx.mirror_primed = min(k + PRIMED_ENTRIES, len(state.ids))
 
 
 def _write(ctx: SessionContext, path: Path, key: tuple[Any, ...], messages: Sequence[dict[str, Any]], kept: int,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, cast
 
@@ -78,9 +78,9 @@ class Plan:
     """This forward's new decisions, by kind."""
     deferred: ForwardRecord | None = None
     """The forward row, when it is to be journaled with its answer."""
-    mirror: asyncio.Future[None] | None = None
-    """The mirror's file being written (``mirror_due``): started as soon as the projection decided it, so it runs
-    while the forward is journaled and upstream; done before the answer goes back (``proxy.engine.forward``)."""
+    mirror: Callable[[], Awaitable[None]] | None = None
+    """The mirror's file still to write (``mirror_due``): run while the request is upstream, done before the
+    answer goes back (``proxy.engine.forward``)."""
 
 
 async def plan_forward(app: AppState, writer: JournalWriter, ctx: SessionContext, ask: Ask) -> Plan:
@@ -97,13 +97,11 @@ async def plan_forward(app: AppState, writer: JournalWriter, ctx: SessionContext
     ctx.state = None  # consumed by project(); only a journaled projection gives it back
     large = is_large(incoming.body_bytes, len(incoming.hashes))
     shaped = await app.offload.run(large, _shape, app, settings, ctx, ask, window, start)
-    mirror = None if shaped.mirror is None else asyncio.ensure_future(  # noqa: TID251 -- always awaited: finished
-        app.offload.run(large, shaped.mirror))
     try:
         deferred, list_id = await _journaled(writer, ctx, ask, shaped)
     except BaseException:
-        if mirror is not None:
-            await finished(mirror)
+        if shaped.mirror is not None:  # decided, never written: the next request writes it whole
+            ctx.mirror_written, ctx.mirror_key = False, None
         raise
     p = shaped.projection
     ctx.decisions += p.new
@@ -112,6 +110,7 @@ async def plan_forward(app: AppState, writer: JournalWriter, ctx: SessionContext
                                 incoming.hashes, shaped.estimate, shaped.budgeted)
     ctx.state, ctx.ingest = p.state, _ingest_key(shaped.rules)
     ctx.sent_list = (list_id, shaped.hashes)
+    mirror = None if shaped.mirror is None else functools.partial(app.offload.run, large, shaped.mirror)
     return Plan(shaped.body, shaped.estimate, shaped.rules.k, p, shaped.rules, shaped.offered, tallied,
                 shaped.taken.cuts, deferred, mirror)
 
@@ -196,20 +195,6 @@ async def _journaled(writer: JournalWriter, ctx: SessionContext, ask: Ask,
     list_id = await ctx.journal_forward(writer, record, recorded.session_id, recorded.request_id)
     await write_outfiles(shaped.rules.overflow_dir, _outfile_bodies(shaped.rules, p, incoming.bodies))
     return None, list_id
-
-
-async def finished(running: asyncio.Future[None]) -> None:
-    """``running`` (the mirror's write) waited for to its end, even by a caller cancelled meanwhile (it writes the
-    session's working context, under its lock), which then sees the cancellation; its own error raised."""
-    cancelled = False
-    while not running.done():
-        try:
-            await asyncio.shield(running)
-        except asyncio.CancelledError:
-            cancelled = True
-    running.result()
-    if cancelled:
-        raise asyncio.CancelledError
 
 
 def _shape(app: AppState, settings: Settings, ctx: SessionContext, ask: Ask, window: int,

@@ -25,8 +25,8 @@ from ctxproxy.proxy.core.identity import content_text
 from ctxproxy.proxy.core.state import Rules, sha256_text
 from ctxproxy.proxy.core.stubs import full_output, stub_line
 
-__all__ = ["CLOSE", "PARAGRAPH", "Entries", "MirrorPlaces", "Revision", "appended_document", "maintenance_rounds",
-           "mirror_document", "mirror_path", "rendered", "revise", "same_mirror"]
+__all__ = ["CLOSE", "PARAGRAPH", "Entries", "MirrorPlaces", "Revision", "appended_document", "cache_entries",
+           "maintenance_rounds", "mirror_document", "mirror_path", "rendered", "revise", "same_mirror"]
 
 _FILE_TOOL = re.compile(r"read|view|open|cat|edit|write|create|patch|replace|insert", re.I)
 _SHELL_TOOL = re.compile(r"bash|shell|run|exec|terminal|command|python", re.I)
@@ -89,6 +89,15 @@ def mirror_document(session: str, revision: int, ids: Sequence[str], messages: S
     cache.update(zip(keys, joined, strict=True))
     head = _json({"session": session, "revision": revision, "messages": []})[: -len(b"[]\n}")] + b"[\n"
     return _between(joined, head + _ENTRY_START, _ENTRY_END + CLOSE)
+
+
+def cache_entries(cache: Entries, ids: Sequence[str], messages: Sequence[dict[str, Any]],
+                  hashes: Sequence[str]) -> None:
+    """The entries of ``messages`` (shown as ``ids``, with their ``hashes``) rendered into ``cache`` ahead of a
+    mirror that will show them: ``mirror_document`` then joins them rather than write the whole mirror."""
+    if ids:
+        cache.update(zip(zip(ids, hashes, strict=True), _inner_pieces(_written(ids, messages), whole=False),
+                         strict=True))
 
 
 def rendered(session: str, revision: int, ids: Sequence[str], hashes: Sequence[str],
