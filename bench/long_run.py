@@ -260,16 +260,28 @@ def twin_runs(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def own_handling(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
     """The twins' handling (``handled_ms``) the same way: each request's the less of the two; its median, which
-    requests took over twice it, and the fold passes' median and most. Nothing when a log could not be read."""
+    requests took over twice it, and the fold passes' median and most. With the logs' ``sent_ms``, the fold passes'
+    own time to the upstream and after it (the answer, and what it waited for: the mirror's file), each the less of
+    the twins', beside all requests' medians. Nothing when a log could not be read."""
     if not first.get("handled_ms") or not second.get("handled_ms"):
         return {}
     own = [min(a, b) for a, b in zip(first["handled_ms"], second["handled_ms"], strict=True)]
     median = statistics.median(own)
-    folds = [own[i] for i, kind in enumerate(first["kinds"]) if "fold" in kind.split("+")]
-    return {"own_handled_median_ms": round(median, 2), "own_handled_slow": [i for i, x in enumerate(own)
-                                                                            if x > 2 * median][:20],
-            "fold_handled_median_ms": round(statistics.median(folds), 2) if folds else None,
-            "fold_handled_max_ms": round(max(folds), 2) if folds else None}
+    folds = [i for i, kind in enumerate(first["kinds"]) if "fold" in kind.split("+")]
+    out = {"own_handled_median_ms": round(median, 2), "own_handled_slow": [i for i, x in enumerate(own)
+                                                                           if x > 2 * median][:20],
+           "fold_handled_median_ms": round(statistics.median(own[i] for i in folds), 2) if folds else None,
+           "fold_handled_max_ms": round(max(own[i] for i in folds), 2) if folds else None}
+    if first.get("sent_ms") and second.get("sent_ms") and folds:
+        sent = [min(a, b) for a, b in zip(first["sent_ms"], second["sent_ms"], strict=True)]
+        after = [min(h - s for h, s in pair) for pair in zip(
+            zip(first["handled_ms"], first["sent_ms"], strict=True),
+            zip(second["handled_ms"], second["sent_ms"], strict=True), strict=True)]
+        out |= {"own_sent_median_ms": round(statistics.median(sent), 2),
+                "own_after_median_ms": round(statistics.median(after), 2),
+                "fold_sent_median_ms": round(statistics.median(sent[i] for i in folds), 2),
+                "fold_after_median_ms": round(statistics.median(after[i] for i in folds), 2)}
+    return out
 
 
 def added_latency(added: list[float], folds: list[int]) -> dict[str, Any]:
@@ -491,7 +503,8 @@ def markdown(report: dict[str, Any]) -> str:
 def twins_table(twins: list[dict[str, Any]]) -> list[str]:
     lines = ["| source | window | own added (the less of twins), median / max (ms) | > 2× median: each twin / both |"
              " own > 2× own median | of them, by kind (ms) | own handling, median (ms): over 2× it |"
-             " fold passes' own handling, median / max (ms) |", "|---|---|---|---|---|---|---|---|"]
+             " fold passes' own handling, median / max (ms) | to the upstream / after it, median (ms): all, fold"
+             " passes |", "|---|---|---|---|---|---|---|---|---|"]
     for t in twins:
         slow = ", ".join(f"{i} {ms}" for i, ms in zip(t["own_slow"], t["own_slow_ms"], strict=True))
         kinds = ", ".join(f"{k} {n}" for k, n in sorted(t["own_slow_by_kind"].items(), key=lambda kv: -kv[1]))
@@ -503,10 +516,12 @@ def twins_table(twins: list[dict[str, Any]]) -> list[str]:
 
 def _handling_cells(t: dict[str, Any]) -> str:
     if "own_handled_median_ms" not in t:
-        return "— | —"
+        return "— | — | —"
     slow = ", ".join(map(str, t["own_handled_slow"]))
+    split = (f"{t['own_sent_median_ms']} / {t['own_after_median_ms']}; {t['fold_sent_median_ms']} / "
+             f"{t['fold_after_median_ms']}" if "own_sent_median_ms" in t else "—")
     return (f"{t['own_handled_median_ms']}: {len(t['own_handled_slow'])}{' (' + slow + ')' if slow else ''} | "
-            f"{t['fold_handled_median_ms']} / {t['fold_handled_max_ms']}")
+            f"{t['fold_handled_median_ms']} / {t['fold_handled_max_ms']} | {split}")
 
 
 def by_kind(runs: list[dict[str, Any]]) -> list[str]:

@@ -49,17 +49,18 @@ def test_a_slow_request_is_told_apart_as_the_proxy_s_work_or_a_wait() -> None:
 def test_the_proxy_s_own_time_per_request_is_read_from_its_log(tmp_path: Path) -> None:
     """The lines ``proxy.observe.logs.request_line`` writes, after the startup line, a warm-up chat and a refusal
     (a 400 has no total): the run's requests are the last chats told of, in order."""
-    def line(total: float, session: str = "s-run") -> str:
+    def line(total: float, session: str = "s-run", added: float | None = 1.0) -> str:
         return request_line({"session": session, "route": "POST /v1/chat/completions", "status": 200,
                              "outcome": "ok", "tokens_in": 10, "tokens_out": 10, "cuts": {"spill": 1},
-                             "retries": 0, "rounds": 0, "added_ms": 1.0, "total_ms": total})
+                             "retries": 0, "rounds": 0, "added_ms": added, "total_ms": total})
     log = tmp_path / "proxy.log"
     log.write_text("\n".join(["ctxproxy: upstream http://127.0.0.1:1/v1, window 32000 tokens", line(9.0, "s-warm"),
                               "refused POST /v1/chat/completions 400 invalid_request: `messages` must be ...",
-                              line(2.5), line(12.4), line(3.0)]) + "\n")
+                              line(2.5), line(12.4, added=8.25), line(3.0, added=None)]) + "\n")
     long_run = _long_run()
     assert long_run.handled_ms(log, 3) == [2.5, 12.4, 3.0]
-    assert long_run.handled_ms(log, 5) == []  # fewer lines than requests: not this run's log, or not its format
+    assert long_run.sent_ms(log, 3) == [1.0, 8.2, 0.0]  # as the line rounds it; never sent: none of it
+    assert long_run.handled_ms(log, 5) == [] == long_run.sent_ms(log, 5)  # not this run's log, or its format
 
 
 def test_each_request_s_kind_is_read_from_the_journal(tmp_path: Path) -> None:
@@ -113,6 +114,10 @@ def test_twins_handling_is_the_less_of_the_two_and_folds_are_told_apart() -> Non
     assert own == {"own_handled_median_ms": 1.0, "own_handled_slow": [3], "fold_handled_median_ms": 5.0,
                    "fold_handled_max_ms": 5.0}
     assert _long_run().own_handling(first, {**second, "handled_ms": []}) == {}
+    sent = {**first, "sent_ms": [0.5, 0.5, 0.5, 2.0, 0.5, 0.5]}  # the fold's: 2 ms before the upstream
+    split = _long_run().own_handling(sent, {**second, "sent_ms": [0.6, 0.5, 0.5, 3.0, 0.5, 0.5]})
+    assert split["fold_sent_median_ms"] == 2.0 and split["fold_after_median_ms"] == 2.0  # 5.0 - 3.0 (6.0 - 2.0)
+    assert split["own_sent_median_ms"] == 0.5 and split["own_after_median_ms"] == 0.5
 
 
 def test_the_wide_opening_request_is_refused_by_the_proxy_and_journals_nothing(tmp_path: Path) -> None:
