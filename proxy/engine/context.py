@@ -15,7 +15,6 @@ shared until a prune (``JournalWriter.generation``): nothing else ever changes t
 
 from __future__ import annotations
 
-import json
 from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -26,12 +25,11 @@ from typing import Any
 
 from ctxproxy.proxy.core import Decision, State
 from ctxproxy.proxy.core.forked import prefix_state
-from ctxproxy.proxy.core.identity import content_text
 from ctxproxy.proxy.core.project import absorbed_state
 from ctxproxy.proxy.core.tokens import Calibration
 from ctxproxy.proxy.engine.heavy import heavy_journaling
 from ctxproxy.proxy.engine.tally import Counting
-from ctxproxy.proxy.tools.mirror import Entries, rendered, same_mirror
+from ctxproxy.proxy.tools.mirror import Entries, rendered, same_mirror, written_entries
 from ctxproxy.store import (
     CalibrationInForce,
     ForwardRecord,
@@ -76,18 +74,16 @@ class SessionContext:
     """The mirror was written and not committed or refused since: a file that differs from ``mirror_document`` is
     the model's draft (not overwritten until committed), judged against what it was given (``written_entries``)."""
     mirror_document: bytearray | None = None
-    """The mirror's file (UTF-8) as last written, grown in place; after a restart, rendered from what the journal
-    says it showed."""
+    """The mirror's file (UTF-8) as last written, grown in place; after a restart, rendered from the journal."""
     mirror_shown: MirrorShown | None = field(default=None, compare=False)  # what it shows, as journaled
     mirror_exact: bool = field(default=True, compare=False)
     """False while ``mirror_document`` is rendered from the journal (keys sorted): a file is compared as JSON."""
     mirror_key: tuple[Any, ...] | None = field(default=None, compare=False)
-    """What the mirror last written showed (session, revision, identities, hashes): unchanged, it is not rewritten."""
+    """What the mirror's file shows (session, revision, identities, hashes): unchanged, it is not rewritten."""
     mirror_entries: Entries = field(default_factory=dict, compare=False)
-    """The mirror's entries as last written, by identity: a new version serialises only what is new."""
+    """The mirror's entries as last written, by (identity, hash): a new version serialises only what is new."""
     mirror_primed: int = field(default=0, compare=False)
-    """How far (an index of the projection's messages) the entries of a mirror not on yet were rendered ahead into
-    ``mirror_entries`` (``proxy.engine.mirror_file``)."""
+    """How far (a message index) the entries of a mirror not on yet were rendered ahead (``mirror_file``)."""
     mirror_stat: tuple[int, int, int, int] | None = field(default=None, compare=False)
     """The file's inode, size and times just after the proxy wrote it: while they hold, no draft is pending."""
     confirmations: list[str] = field(default_factory=list)
@@ -148,7 +144,7 @@ class SessionContext:
         its text when a commit asks, not kept from each write (~0.7 ms a request of a long session; issue #13)."""
         if not self.mirror_written or self.mirror_document is None:
             return {}
-        return _entries(self.mirror_document)
+        return written_entries(self.mirror_document)
 
     def resume(self, state: SessionState, session_id: str) -> None:
         """Take back the working state the journal kept; the mirror's text rendered from what it shows."""
@@ -184,11 +180,6 @@ def _refresh_mirror(stale: SessionContext, fresh: SessionContext) -> None:
     else:
         return  # the model's draft
     fresh.mirror_exact = True
-
-
-def _entries(document: bytes | bytearray) -> dict[str, str]:
-    """The mirror's entries as it gave them (identity → text), read back from its text (``mirror_document``)."""
-    return {str(e["id"]): content_text(e.get("content")) for e in json.loads(document)["messages"]}
 
 
 @dataclass(frozen=True)

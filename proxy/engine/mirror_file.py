@@ -75,7 +75,7 @@ def mirror_due(ctx: SessionContext, settings: Settings, session_id: str,
     if key == ctx.mirror_key and ctx.mirror_written and ctx.mirror_stat == stat:
         return path, None  # what it shows has not changed, nor has the file
     kept = _kept_entries(ctx, key, stat)
-    ctx.mirror_written, ctx.mirror_key = True, key
+    ctx.mirror_written = True  # journaled as shown with the forward; ``mirror_key`` once the file has it
     ctx.mirror_shown = MirrorShown(ctx.mirror_revision, key[2], key[3])
     return path, functools.partial(_write, ctx, path, key, p.messages[: len(ids)], kept, stat)
 
@@ -119,7 +119,7 @@ def _write(ctx: SessionContext, path: Path, key: tuple[Any, ...], messages: Sequ
         log.error("could not write the live mirror %s, left for the next request: %s", path, exc)
         ctx.mirror_written, ctx.mirror_key, ctx.mirror_document = False, None, None
         return
-    ctx.mirror_exact, ctx.mirror_stat = True, _stat(path)
+    ctx.mirror_key, ctx.mirror_exact, ctx.mirror_stat = key, True, _stat(path)
 
 
 def keep_unsent(ctx: SessionContext, p: Projection, sent: Sequence[str]) -> None:

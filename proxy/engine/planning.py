@@ -97,13 +97,17 @@ async def plan_forward(app: AppState, writer: JournalWriter, ctx: SessionContext
     ctx.state = None  # consumed by project(); only a journaled projection gives it back
     large = is_large(incoming.body_bytes, len(incoming.hashes))
     shaped = await app.offload.run(large, _shape, app, settings, ctx, ask, window, start)
-    try:
-        deferred, list_id = await _journaled(writer, ctx, ask, shaped)
-    except BaseException:
-        if shaped.mirror is not None:  # decided, never written: the next request writes it whole
-            ctx.mirror_written, ctx.mirror_key = False, None
-        raise
-    p = shaped.projection
+    p, record = shaped.projection, shaped.record
+    deferred = None
+    if (record.verbatim or record.own_list) and not record.decisions and not record.overflow:
+        # Nothing of it is new: the request's own row and the stored decisions already say what goes upstream (its
+        # messages as they came; a tool list differs only by what the rules list). The forward row is journaled
+        # with its answer, off the request's path: a replay after a crash sends the same bytes without it.
+        deferred, list_id = record, recorded.list_id
+        await ctx.journal_state(writer, recorded.session_id, recorded.request_id)
+    else:
+        list_id = await ctx.journal_forward(writer, record, recorded.session_id, recorded.request_id)
+        await write_outfiles(shaped.rules.overflow_dir, _outfile_bodies(shaped.rules, p, incoming.bodies))
     ctx.decisions += p.new
     app.metrics.decided([d.kind for d in p.new], {})  # what they freed: once the tally is counted
     tallied = functools.partial(_tallied, app, ctx, shaped.taken, cast(list[dict[str, Any]], ask.body["messages"]),
@@ -178,23 +182,6 @@ class _Shaped:
     """What the tally reads of the projection, copied: it is counted once the answer has left."""
     budgeted: int
     mirror: MirrorWrite | None
-
-
-async def _journaled(writer: JournalWriter, ctx: SessionContext, ask: Ask,
-                     shaped: _Shaped) -> tuple[ForwardRecord | None, int]:
-    """The forward journaled before it goes, with the working state it left (or, when nothing of it is new, left
-    to be journaled with its answer): the forward row deferred, if so, and the id of the list going upstream."""
-    recorded, incoming, record = ask.recorded, ask.incoming, shaped.record
-    p = shaped.projection
-    if (record.verbatim or record.own_list) and not record.decisions and not record.overflow:
-        # Nothing of it is new: the request's own row and the stored decisions already say what goes upstream (its
-        # messages as they came; a tool list differs only by what the rules list). The forward row is journaled
-        # with its answer, off the request's path: a replay after a crash sends the same bytes without it.
-        await ctx.journal_state(writer, recorded.session_id, recorded.request_id)
-        return record, recorded.list_id
-    list_id = await ctx.journal_forward(writer, record, recorded.session_id, recorded.request_id)
-    await write_outfiles(shaped.rules.overflow_dir, _outfile_bodies(shaped.rules, p, incoming.bodies))
-    return None, list_id
 
 
 def _shape(app: AppState, settings: Settings, ctx: SessionContext, ask: Ask, window: int,

@@ -26,7 +26,8 @@ from ctxproxy.proxy.core.state import Rules, sha256_text
 from ctxproxy.proxy.core.stubs import full_output, stub_line
 
 __all__ = ["CLOSE", "PARAGRAPH", "Entries", "MirrorPlaces", "Revision", "appended_document", "cache_entries",
-           "maintenance_rounds", "mirror_document", "mirror_path", "rendered", "revise", "same_mirror"]
+           "maintenance_rounds", "mirror_document", "mirror_path", "rendered", "revise", "same_mirror",
+           "written_entries"]
 
 _FILE_TOOL = re.compile(r"read|view|open|cat|edit|write|create|patch|replace|insert", re.I)
 _SHELL_TOOL = re.compile(r"bash|shell|run|exec|terminal|command|python", re.I)
@@ -117,6 +118,12 @@ def same_mirror(text: str | bytes | bytearray, document: str | bytes | bytearray
         return bool(json.loads(text) == json.loads(document))
     except ValueError:
         return False
+
+
+def written_entries(document: bytes | bytearray) -> dict[str, str]:
+    """A mirror's entries as it gave them (identity → text), read back from its bytes: what a draft is judged
+    against."""
+    return {str(e["id"]): content_text(e.get("content")) for e in json.loads(document)["messages"]}
 
 
 CLOSE = b"\n  ]\n}"
