@@ -162,9 +162,8 @@ _MARKERS: dict[tuple[str | None, ...], tuple[str, str]] = {}
 """Elision markers and the overflow ids they name, by what makes them: the message (its hash: content and call id),
 the spill's overflow id if it was spilled, the call's tool and arguments, the storage and the outfiles folder.
 ``prime`` builds each one a request or more before the pass that cuts it, which then finds it here: building them
-again was 1.5 ms of a 128k fold request, and hashing each result's content for its id again 0.1-0.2 ms more (issue
-#13). Cleared whole when full; a plain dict, safe on the loop and the worker alike (as
-``proxy.core.project._OUT_HASHES``)."""
+again was 1.5 ms of a 128k fold request, and the pass hashed each result's content again for its id (issue #13).
+Cleared whole when full; a plain dict, safe on the loop and the worker alike (as ``proxy.core.project._OUT_HASHES``)."""
 _MARKERS_KEPT = 4096
 
 

@@ -93,12 +93,14 @@ def mirror_document(session: str, revision: int, ids: Sequence[str], messages: S
 
 
 def cache_entries(cache: Entries, ids: Sequence[str], messages: Sequence[dict[str, Any]],
-                  hashes: Sequence[str]) -> None:
-    """The entries of ``messages`` (shown as ``ids``, with their ``hashes``) rendered into ``cache`` ahead of a
-    mirror that will show them: ``mirror_document`` then joins them rather than write the whole mirror."""
-    if ids:
-        cache.update(zip(zip(ids, hashes, strict=True), _inner_pieces(_written(ids, messages), whole=False),
-                         strict=True))
+                  hashes: Sequence[str]) -> bytes:
+    """The entries of ``messages`` (shown as ``ids``, with their ``hashes``) rendered into ``cache``, ahead of a
+    mirror that will show them (``mirror_document`` then joins them) or as a mirror grows; returns them joined."""
+    if not ids:
+        return b""
+    written = _written(ids, messages)
+    cache.update(zip(zip(ids, hashes, strict=True), _inner_pieces(written, whole=False), strict=True))
+    return written
 
 
 def rendered(session: str, revision: int, ids: Sequence[str], hashes: Sequence[str],
@@ -146,9 +148,8 @@ def appended_document(document: bytearray, ids: Sequence[str], messages: Sequenc
     copied either. ``cache`` gains them."""
     if not ids:
         return bytes(CLOSE)
-    written = _written(ids, messages)
-    if cache is not None and len(hashes) == len(ids):
-        cache.update(zip(zip(ids, hashes, strict=True), _inner_pieces(written, whole=False), strict=True))
+    written = (cache_entries(cache, ids, messages, hashes) if cache is not None and len(hashes) == len(ids)
+               else _written(ids, messages))
     tail = b",\n" + written + CLOSE
     document[len(document) - len(CLOSE):] = tail
     return tail
