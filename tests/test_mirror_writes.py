@@ -503,6 +503,42 @@ def test_the_mirror_is_written_while_the_request_is_upstream_and_before_its_answ
     assert [e["id"] for e in json.loads(text)["messages"]][-1] == "tool:call_13"
 
 
+def test_a_forwards_cuts_are_journaled_while_it_is_upstream_and_before_its_answer(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue #13: what the projection decided (its cuts, the list sent) is journaled once the request has gone
+    upstream, the upstream's own time hiding it, and the answer waits for it: at the client, the journal holds the
+    forward and its decisions. The request itself was journaled before anything went upstream."""
+    events: list[str] = []
+    real_forward, real_request = SessionContext.journal_forward, Journal.record_request
+
+    async def watched_forward(self: SessionContext, *args: Any) -> int:
+        events.append("forward journal begins")
+        list_id = await real_forward(self, *args)
+        events.append("forward journaled")
+        return list_id
+
+    def watched_request(self: Journal, *args: Any, **kwargs: Any) -> Any:
+        recorded = real_request(self, *args, **kwargs)
+        events.append("request journaled")
+        return recorded
+
+    class Watching(CountingUpstream):
+        def _echo(self, got: Any) -> Any:
+            events.append("upstream")
+            return super()._echo(got)
+
+    monkeypatch.setattr(SessionContext, "journal_forward", watched_forward)
+    monkeypatch.setattr(Journal, "record_request", watched_request)
+    with app_client(_settings(tmp_path), httpx.ASGITransport(app=Watching(window=16384))) as client:
+        answer = client.post("/v1/chat/completions", json=_body(13))
+        events.append("answered")
+        journal = client.app.state.ctx.journal.journal  # type: ignore[attr-defined]
+        decided = journal.conn.execute("SELECT count(*) FROM decisions WHERE session_id = ?",
+                                       [answer.headers["x-ctx-session"]]).fetchone()
+    assert answer.status_code == 200 and decided[0] > 0
+    assert events == ["request journaled", "upstream", "forward journal begins", "forward journaled", "answered"]
+
+
 def test_a_forward_cancelled_meanwhile_still_waits_for_its_mirror_to_be_written() -> None:
     """The client went away while the request was upstream: the mirror's write (under the session's lock) ends
     before the cancellation goes on, so the lock is never let go with the session's mirror half written."""
@@ -531,8 +567,8 @@ def test_a_forward_cancelled_meanwhile_still_waits_for_its_mirror_to_be_written(
 def test_a_mirror_whose_forward_the_journal_refuses_is_written_by_the_next_request(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The request that turns the mirror on decides what it shows, then the journal refuses its forward (its disk
-    full): nothing goes upstream and no file is written. The next request writes the mirror whole, though it shows
-    the same messages: it is not taken for written."""
+    full) while the request is upstream: the client gets the refusal, not the answer, and no file is written. The
+    next request writes the mirror whole, though it shows the same messages: it is not taken for written."""
     real_journal = SessionContext.journal_forward
     refuse = [True]
 
@@ -547,9 +583,9 @@ def test_a_mirror_whose_forward_the_journal_refuses_is_written_by_the_next_reque
     mirror = tmp_path / "ws" / "LIVE_CONTEXT.json"
     with app_client(_settings(tmp_path), httpx.ASGITransport(app=fake)) as client:
         assert client.post("/v1/chat/completions", json=_body(13)).status_code == 507
-        assert fake.counts == [] and not mirror.exists()
+        assert len(fake.counts) == 1 and not mirror.exists()
         assert client.post("/v1/chat/completions", json=_body(13)).status_code == 200
-    assert len(fake.counts) == 1
+    assert len(fake.counts) == 2
     assert _ids(mirror)[-1] == "tool:call_13"
 
 

@@ -13,7 +13,7 @@ from ctxproxy.config import load_settings
 from ctxproxy.proxy.core.identity import message_hash
 from ctxproxy.proxy.core.project import project
 from ctxproxy.proxy.core.state import Rules
-from ctxproxy.proxy.engine.planning import describe_overflow
+from ctxproxy.proxy.engine.refusals import describe_overflow
 from tests.conftest import app_client
 from tests.fakes import CountingUpstream
 from tests.test_project import CharCounter, budget

@@ -19,7 +19,8 @@ import orjson
 
 from ctxproxy.proxy.core.pieces import Pieces
 from ctxproxy.proxy.engine.exchange import Exchange, target_of
-from ctxproxy.proxy.engine.planning import Ask, Plan, plan_forward, what_takes_room
+from ctxproxy.proxy.engine.planning import Ask, Plan, plan_forward
+from ctxproxy.proxy.engine.refusals import what_takes_room
 from ctxproxy.proxy.engine.turn import Forward
 from ctxproxy.proxy.errors import ContextTooLarge, CtxError, UpstreamBrokeOff, UpstreamTimeout
 from ctxproxy.proxy.upstream.endpoint import client_headers
@@ -112,8 +113,9 @@ class Forwarder:
     async def _attempt(self, plan: Plan) -> tuple[Opened, Overflow | None]:
         """One forward: the answer, its read-ahead first chunk, and the overflow it signals (if any). A stream
         that ends or breaks off before its first byte says nothing of why; the upstream is asked (``_probe``)."""
+        upstream: httpx.Response | None = None
         try:
-            async with _alongside(plan.mirror):
+            async with _alongside(plan.journal):
                 upstream = await self._open(plan.body)
                 opened, overflow = await self._inspect(upstream, plan)
         except UpstreamBrokeOff as exc:
@@ -123,6 +125,10 @@ class Forwarder:
             if probed is None:
                 raise exc from None  # the upstream takes this prompt (or cannot be asked): it failed otherwise
             return Opened(_BROKE_OFF, b"", plan, _nothing()), probed
+        except BaseException:
+            if upstream is not None:  # the journal refused (a full disk): the answer is not the client's
+                await upstream.aclose()
+            raise
         if overflow is not None and overflow.limit is None and self.streamed:
             asked, probed = await self._probe(plan.body)
             if asked and probed is None:
@@ -208,10 +214,11 @@ class Forwarder:
 
 @asynccontextmanager
 async def _alongside(step: Callable[[], Awaitable[None]] | None) -> AsyncIterator[None]:
-    """``step`` run while the body runs (the mirror's file written while the request is upstream: the model reads
-    it only once it has answered) and done when the body is, however it ends. A caller cancelled meanwhile still
-    waits for it (it writes the session's state under its lock), then sees the cancellation. A task of its own,
-    not a task group's: a group would cancel it when the body raises, and wrap the body's errors in a group."""
+    """``step`` run while the body runs (the forward journaled and the mirror's file written while the request is
+    upstream: the agent sees either only through the answer) and done when the body is, however it ends. A caller
+    cancelled meanwhile still waits for it (it writes the session's state under its lock), then sees the
+    cancellation. A task of its own, not a task group's: a group would cancel it when the body raises, and wrap the
+    body's errors in a group."""
     if step is None:
         yield
         return

@@ -1,11 +1,12 @@
 """From a journaled request to the bytes that go upstream: window, budget, projection, invariants, journal.
 
 This is where the pure core meets I/O. ``plan_forward`` resolves the model's settings and window, projects the
-messages with the session's decisions and calibration, checks the invariants, journals the new decisions, the cut
-bodies and the projected list (one transaction, before anything is forwarded), then updates the session's
-working context. A request that cannot fit even after every cut raises ``ContextTooLarge``, which says what
-takes the room. Everything between the awaits is one synchronous step (``_shape``), so that for a large request
-it runs on a worker thread as a whole (``proxy.engine.heavy``) while the event loop serves the other clients.
+messages with the session's decisions and calibration and checks the invariants. What the projection decided (the
+new decisions, the cut bodies, the projected list: one transaction) is journaled while the request is upstream,
+before its answer goes back; then the session's working context moves on (``_journaled``). A request that cannot
+fit even after every cut raises ``ContextTooLarge``, which says what takes the room (``proxy.engine.refusals``).
+Everything between the awaits is one synchronous step (``_shape``), so that for a large request it runs on a
+worker thread as a whole (``proxy.engine.heavy``) while the event loop serves the other clients.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from ctxproxy.proxy.engine.policy import (
     reminder_notice,
     restorable,
 )
+from ctxproxy.proxy.engine.refusals import describe_overflow
 from ctxproxy.proxy.engine.state import AppState
 from ctxproxy.proxy.engine.tally import Taken, Tally, counting, taken
 from ctxproxy.proxy.errors import ContextTooLarge
@@ -76,11 +78,10 @@ class Plan:
     called, once the answer has left (``_tallied``)."""
     cuts: dict[str, int]
     """This forward's new decisions, by kind."""
-    deferred: ForwardRecord | None = None
+    deferred: ForwardRecord | None
     """The forward row, when it is to be journaled with its answer."""
-    mirror: Callable[[], Awaitable[None]] | None = None
-    """The mirror's file still to write (``mirror_due``): run while the request is upstream, done before the
-    answer goes back (``proxy.engine.forward``)."""
+    journal: Callable[[], Awaitable[None]]
+    """What is left to do once the request is upstream, done before the answer goes back (``_journaled``)."""
 
 
 async def plan_forward(app: AppState, writer: JournalWriter, ctx: SessionContext, ask: Ask) -> Plan:
@@ -97,26 +98,44 @@ async def plan_forward(app: AppState, writer: JournalWriter, ctx: SessionContext
     ctx.state = None  # consumed by project(); only a journaled projection gives it back
     large = is_large(incoming.body_bytes, len(incoming.hashes))
     shaped = await app.offload.run(large, _shape, app, settings, ctx, ask, window, start)
-    p, record = shaped.projection, shaped.record
-    deferred = None
-    if (record.verbatim or record.own_list) and not record.decisions and not record.overflow:
-        # Nothing of it is new: the request's own row and the stored decisions already say what goes upstream (its
-        # messages as they came; a tool list differs only by what the rules list). The forward row is journaled
-        # with its answer, off the request's path: a replay after a crash sends the same bytes without it.
-        deferred, list_id = record, recorded.list_id
-        await ctx.journal_state(writer, recorded.session_id, recorded.request_id)
-    else:
-        list_id = await ctx.journal_forward(writer, record, recorded.session_id, recorded.request_id)
-        await write_outfiles(shaped.rules.overflow_dir, _outfile_bodies(shaped.rules, p, incoming.bodies))
-    ctx.decisions += p.new
-    app.metrics.decided([d.kind for d in p.new], {})  # what they freed: once the tally is counted
+    p = shaped.projection
+    # Nothing of it is new: the request's own row and the stored decisions already say what goes upstream (its
+    # messages as they came; a tool list differs only by what the rules list). The forward row is journaled with
+    # its answer, off the request's path: a replay after a crash sends the same bytes without it.
+    deferred = shaped.record() if shaped.as_came and not p.new and not p.writes else None
     tallied = functools.partial(_tallied, app, ctx, shaped.taken, cast(list[dict[str, Any]], ask.body["messages"]),
                                 incoming.hashes, shaped.estimate, shaped.budgeted)
+    return Plan(shaped.body, shaped.estimate, shaped.rules.k, p, shaped.rules, shaped.offered, tallied,
+                shaped.taken.cuts, deferred, functools.partial(_journaled, app, writer, ctx, ask, shaped, large,
+                                                               deferred is not None))
+
+
+async def _journaled(app: AppState, writer: JournalWriter, ctx: SessionContext, ask: Ask, shaped: _Shaped,
+                     large: bool, deferred: bool) -> None:
+    """The forward journaled (its decisions, cut bodies and list; the working state its request left), the cut
+    bodies' files written, the session's working context moved on, then the mirror's file: what the forwarder
+    runs while the request is upstream and waits for before any byte of the answer goes back (``Plan.journal``).
+
+    The request itself was journaled before (``Journal.record_request``); what is journaled here is what the
+    projection decided, which the agent sees only through the answer. A crash before it is done loses an answer
+    the client never had, as a crash before the forward would: the retry is projected again from the journal.
+    Journaled before the forward went, a fold pass at 128k waited ~1.5 ms for it that the upstream's own time
+    now hides (issue #13). A journal that refuses (a full disk) fails the request, as before; the upstream's
+    answer is dropped and the mirror left for the next request."""
+    recorded, p = ask.recorded, shaped.projection
+    if deferred:
+        list_id = recorded.list_id
+        await ctx.journal_state(writer, recorded.session_id, recorded.request_id)
+    else:
+        record = await app.offload.run(large, shaped.record)
+        list_id = await ctx.journal_forward(writer, record, recorded.session_id, recorded.request_id)
+        await write_outfiles(shaped.rules.overflow_dir, _outfile_bodies(shaped.rules, p, ask.incoming.bodies))
+    ctx.decisions += p.new
+    app.metrics.decided([d.kind for d in p.new], {})  # what they freed: once the tally is counted
     ctx.state, ctx.ingest = p.state, _ingest_key(shaped.rules)
     ctx.sent_list = (list_id, shaped.hashes)
-    mirror = None if shaped.mirror is None else functools.partial(app.offload.run, large, shaped.mirror)
-    return Plan(shaped.body, shaped.estimate, shaped.rules.k, p, shaped.rules, shaped.offered, tallied,
-                shaped.taken.cuts, deferred, mirror)
+    if shaped.mirror is not None:
+        await app.offload.run(large, shaped.mirror)
 
 
 def _tallied(app: AppState, ctx: SessionContext, t: Taken, messages: list[dict[str, Any]], hashes: Sequence[str],
@@ -176,7 +195,10 @@ class _Shaped:
     offered: bool
     estimate: int
     hashes: list[str]
-    record: ForwardRecord
+    record: Callable[[], ForwardRecord]
+    """The forward row, built when it is journaled: once the request is upstream (``_journaled``)."""
+    as_came: bool
+    """The messages go upstream as they came (the tool list aside): ``verbatim`` or ``own_list``."""
     body: bytes
     taken: Taken
     """What the tally reads of the projection, copied: it is counted once the answer has left."""
@@ -213,18 +235,20 @@ def _shape(app: AppState, settings: Settings, ctx: SessionContext, ask: Ask, win
     budgeted = _context_tools_cost(app, settings, body, bool(rules.fenced), rules.budget.budget)
     estimate = p.report.estimate - (budgeted - (app.read_tool_tokens() if listed else 0)
                                     if may_offer and not offered else 0)
-    record = _forward_record(ask.recorded, ask.incoming, ctx, p, ask.attempt, rules.k, sent, hashes, changed,
-                             None if ask.splice else estimate)  # a splice's tokens are not in the estimate
-    out = _upstream_bytes(app, ask, payload.body, record)
-    return _Shaped(p, rules, offered, estimate, hashes, record, out, taken(p), budgeted, write)
+    own_list = changed and hashes == list(ask.incoming.hashes)  # the messages as they came: only the tools differ
+    record = functools.partial(_forward_record, ask.recorded, ask.incoming, ctx, p, ask.attempt, rules.k, sent,
+                               hashes, changed, own_list, None if ask.splice else estimate)  # a splice's: not in it
+    out = _upstream_bytes(app, ask, payload.body, not changed, own_list)
+    return _Shaped(p, rules, offered, estimate, hashes, record, not changed or own_list, out, taken(p), budgeted,
+                   write)
 
 
-def _upstream_bytes(app: AppState, ask: Ask, body: dict[str, Any], record: ForwardRecord) -> bytes:
+def _upstream_bytes(app: AppState, ask: Ask, body: dict[str, Any], verbatim: bool, own_list: bool) -> bytes:
     """The body as it came if nothing changed. If only fields beside the messages did (the context tools listed),
     the messages' bytes as they came, not serialised again (0.30 → 0.065 ms for 630 KB of messages)."""
-    if record.verbatim:
+    if verbatim:
         return bytes(ask.raw)
-    as_came = app.hasher.prefixes.messages_as_came(ask.raw, ask.body) if record.own_list else None
+    as_came = app.hasher.prefixes.messages_as_came(ask.raw, ask.body) if own_list else None
     return orjson.dumps(body if as_came is None else {**body, "messages": orjson.Fragment(as_came)})
 
 
@@ -335,7 +359,7 @@ def _broken(messages: list[Any], p: Projection) -> bool:
 
 def _forward_record(recorded: RecordedRequest, incoming: IncomingRequest, ctx: SessionContext, p: Projection,
                     attempt: int, k: float, sent: list[dict[str, Any]], hashes: list[str],
-                    changed: bool, estimate: int | None) -> ForwardRecord:
+                    changed: bool, own_list: bool, estimate: int | None) -> ForwardRecord:
     record = ForwardRecord(recorded.request_id, attempt, recorded.session_id, now(), incoming.params_hash,
                            verbatim=not changed, estimate=estimate, k=k,
                            samples=ctx.calibration(incoming.model).samples, request_list_id=recorded.list_id,
@@ -344,7 +368,7 @@ def _forward_record(recorded: RecordedRequest, incoming: IncomingRequest, ctx: S
                                      for w in p.writes])
     if not changed:
         return record
-    if hashes == list(incoming.hashes):  # the messages went as they came: only the tool list differs
+    if own_list:
         return replace(record, own_list=True)
     base_id, base = ctx.sent_list or (recorded.list_id, list(incoming.hashes))
     same = next((i for i, (a, b) in enumerate(zip(base, hashes, strict=False)) if a != b), min(len(base), len(hashes)))
@@ -354,47 +378,3 @@ def _forward_record(recorded: RecordedRequest, incoming: IncomingRequest, ctx: S
                    base_hashes=base,
                    added_bodies=[None if h in stored else canonical_json(m) for h, m in zip(hashes[same:],
                                                                                          sent[same:], strict=True)])
-
-
-def describe_overflow(p: Projection, messages: list[Any], rules: Rules) -> str:
-    """Why a request cannot fit: the numbers, and the biggest items still in it, all in the model's tokens (the
-    calibrated ratio applied to the total and to every item alike, so that the items add up to the total); and the
-    fixed part (system prompt, tool definitions) when that alone is over the budget, since no cut can help then."""
-    report = p.report
-    unit = "tokens" if rules.k == 1 else f"tokens as the model counts them (ctxproxy's count × {rules.k:.2f})"
-    return (f"This conversation does not fit the context budget even after ctxproxy cut everything it may: about "
-            f"{report.scaled} {unit} against a budget of {report.budget} (window {report.window}). What takes the "
-            f"room: {what_takes_room(report.largest, messages, p.state.ids, rules.scaled)}."
-            f"{fixed_part(p.state.counts, messages, rules)} System messages, the person's messages, pinned items and "
-            "the newest result are never cut. Raise ctx_window or context_budget, lower context_reserve, or start a "
-            "new session.")
-
-
-def fixed_part(counts: Sequence[int], messages: list[Any], rules: Rules) -> str:
-    """The sentence naming what no cut can touch, when that alone exceeds the budget ("" otherwise)."""
-    system = sum(n for n, m in zip(counts, messages, strict=False) if m.get("role") in ("system", "developer"))
-    fixed = rules.scaled(system + rules.tools_tokens)
-    if fixed <= rules.budget.budget:
-        return ""
-    parts = [f"the system prompt ({rules.scaled(system)} tokens)" if system else "",
-             f"the tool definitions ({rules.scaled(rules.tools_tokens)} tokens)" if rules.tools_tokens else ""]
-    named = " and ".join(x for x in parts if x)
-    return (f" The fixed part alone, {named}, is {fixed} tokens, over the budget of {rules.budget.budget}: no cut "
-            "can make room; shorten it or give the model a larger window.")
-
-
-def what_takes_room(largest: Sequence[tuple[str, int]], messages: list[Any], ids: list[str],
-                    scaled: Callable[[int], int]) -> str:
-    """The biggest items, each in the same unit as the total the refusal states (``scaled``: ctxproxy's count
-    times the calibrated ratio)."""
-    where = {mid: i for i, mid in enumerate(ids)}
-    items = []
-    for mid, tokens in largest:
-        if mid == "tools":
-            items.append(f"the tool definitions ({scaled(tokens)} tokens)")
-            continue
-        i = where.get(mid, -1)
-        role = messages[i].get("role", "?") if i >= 0 else "?"
-        items.append(f"message {i} ({role}, {mid}: {scaled(tokens)} tokens)")
-    return "; ".join(items)
-
