@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ctxproxy.proxy.core import canonical_json, content_hash
-from ctxproxy.proxy.engine.hashing import MessageHasher, _common_prefix
+from ctxproxy.proxy.engine.hashing import MessageHasher, common_start
 
 message = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "tool"]),
                                  "content": st.one_of(st.none(), st.text(max_size=20))})
@@ -94,9 +94,9 @@ def test_the_shared_prefix_is_found_wherever_the_lists_part() -> None:
     base = [{"role": "user", "content": str(i)} for i in range(6)]
     for cut in range(7):
         other = [*base[:cut], *({"role": "user", "content": f"new {i}"} for i in range(cut, 6))]
-        assert _common_prefix(base, other) == cut
-        assert _common_prefix(base, other[:-1]) == min(cut, 5)
-    assert _common_prefix([], base) == 0
+        assert common_start(base, other) == cut
+        assert common_start(base, other[:-1]) == min(cut, 5)
+    assert common_start([], base) == 0
 
 
 class Compared(dict[str, Any]):

@@ -24,7 +24,7 @@ from typing import Any, overload
 from ctxproxy.proxy.core import canonical_json, content_hash
 from ctxproxy.proxy.core.prefix import Prefixes
 
-__all__ = ["Bodies", "HashedMessages", "MessageHasher"]
+__all__ = ["Bodies", "HashedMessages", "MessageHasher", "common_start"]
 
 
 @dataclass(frozen=True)
@@ -145,10 +145,10 @@ def _shared(kept: Sequence[HashedMessages], messages: Sequence[Any]) -> list[int
     best, most = None, 0
     for entry in kept:
         if best is None:
-            n = _common_prefix(entry.messages, messages)
+            n = common_start(entry.messages, messages)
         else:
-            common = _common_prefix(best.hashes, entry.hashes)  # hashes: compared in C, 64 characters each
-            n = min(common, most) if common != most else most + _common_prefix(entry.messages[most:],
+            common = common_start(best.hashes, entry.hashes)  # hashes: compared in C, 64 characters each
+            n = min(common, most) if common != most else most + common_start(entry.messages[most:],
                                                                                  messages[most:])
         shared.append(n)
         if best is None or n > most:
@@ -160,7 +160,8 @@ _CHUNK = 64
 """Messages compared at once in C, by slices: where two lists part, only that slice is walked in Python."""
 
 
-def _common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
+def common_start(a: Sequence[Any], b: Sequence[Any]) -> int:
+    """How many items ``a`` and ``b`` share from the start."""
     n = min(len(a), len(b))
     for start in range(0, n, _CHUNK):
         end = min(start + _CHUNK, n)

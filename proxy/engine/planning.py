@@ -37,6 +37,7 @@ from ctxproxy.proxy.core.tokens import MessageCounter
 from ctxproxy.proxy.engine.context import ParentState, SessionContext
 from ctxproxy.proxy.engine.decided import decision_rows
 from ctxproxy.proxy.engine.exchange import Tallying, now
+from ctxproxy.proxy.engine.hashing import common_start
 from ctxproxy.proxy.engine.heavy import is_large
 from ctxproxy.proxy.engine.mirror_file import MirrorWrite, keep_unsent, mirror_due
 from ctxproxy.proxy.engine.outfiles import outfiles_dir, write_outfiles
@@ -371,7 +372,7 @@ def _forward_record(recorded: RecordedRequest, incoming: IncomingRequest, ctx: S
     if own_list:
         return replace(record, own_list=True)
     base_id, base = ctx.sent_list or (recorded.list_id, list(incoming.hashes))
-    same = next((i for i, (a, b) in enumerate(zip(base, hashes, strict=False)) if a != b), min(len(base), len(hashes)))
+    same = common_start(base, hashes)
     # the request's messages are journaled with it, the base's with the forward before: their bodies are stored
     stored = set(incoming.hashes).union(base)
     return replace(record, length=len(hashes), base_list_id=base_id, base_len=same, added_hashes=hashes[same:],
