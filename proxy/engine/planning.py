@@ -81,8 +81,9 @@ class Plan:
     """This forward's new decisions, by kind."""
     deferred: ForwardRecord | None
     """The forward row, when it is to be journaled with its answer."""
-    journal: Callable[[], Awaitable[None]]
-    """What is left to do once the request is upstream, done before the answer goes back (``_journaled``)."""
+    journal: Callable[[], Awaitable[None]] | None
+    """What is left to do once the request is upstream, done before the answer goes back (``_journaled``); None
+    when it was done already (a forward journaled with its answer, no mirror to write)."""
 
 
 async def plan_forward(app: AppState, writer: JournalWriter, ctx: SessionContext, ask: Ask) -> Plan:
@@ -106,9 +107,12 @@ async def plan_forward(app: AppState, writer: JournalWriter, ctx: SessionContext
     deferred = shaped.record() if shaped.as_came and not p.new and not p.writes else None
     tallied = functools.partial(_tallied, app, ctx, shaped.taken, cast(list[dict[str, Any]], ask.body["messages"]),
                                 incoming.hashes, shaped.estimate, shaped.budgeted)
+    journal = functools.partial(_journaled, app, writer, ctx, ask, shaped, large, deferred is not None)
+    done_here = deferred is not None and shaped.mirror is None  # at most the working state: not worth a task
+    if done_here:
+        await journal()
     return Plan(shaped.body, shaped.estimate, shaped.rules.k, p, shaped.rules, shaped.offered, tallied,
-                shaped.taken.cuts, deferred, functools.partial(_journaled, app, writer, ctx, ask, shaped, large,
-                                                               deferred is not None))
+                shaped.taken.cuts, deferred, None if done_here else journal)
 
 
 async def _journaled(app: AppState, writer: JournalWriter, ctx: SessionContext, ask: Ask, shaped: _Shaped,
