@@ -3,6 +3,7 @@ shape, a closed pipe, a malformed replay file, an unknown variable, a port in us
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import socket
@@ -14,6 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
+import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -22,6 +24,7 @@ from starlette.routing import Route
 from ctxproxy.config import load_settings
 from ctxproxy.config.settings import unknown_environment
 from ctxproxy.proxy.commands.cli import main
+from ctxproxy.store import failures
 from tests.conftest import app_client
 from tests.fakes import FakeUpstream, serve_in_thread
 from tests.test_metrics import with_result
@@ -110,6 +113,23 @@ def test_a_port_in_use_is_one_clear_line(tmp_path: Path, capsys: pytest.CaptureF
         code = main(["serve", "--port", str(port), "--data-dir", str(tmp_path)])
     err = capsys.readouterr().err
     assert code == 1 and err.count("\n") == 1 and f"port {port} on 127.0.0.1 is already in use" in err
+
+
+def test_serve_reads_the_journal_whole_once_a_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``PRAGMA quick_check`` reads the whole file (seconds for a journal of gigabytes): ``ctxproxy serve`` checks
+    the journal before the server starts, and the server's start does not check it again."""
+    checked: list[object] = []
+    real = failures._check
+    monkeypatch.setattr(failures, "_check", lambda journal: (checked.append(journal.location), real(journal))[1])
+    started: list[bool] = []
+
+    async def start_and_stop(app: Any) -> None:
+        async with app.router.lifespan_context(app):
+            started.append(True)
+
+    monkeypatch.setattr(uvicorn, "run", lambda app, **options: asyncio.run(start_and_stop(app)))
+    assert main(["serve", "--port", "0", "--data-dir", str(tmp_path), "--upstream", "http://127.0.0.1:9/v1"]) == 0
+    assert started == [True] and len(checked) == 1
 
 
 def test_help_is_plain_text(capsys: pytest.CaptureFixture[str]) -> None:

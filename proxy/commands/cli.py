@@ -149,8 +149,8 @@ def _serve(settings: Settings, args: argparse.Namespace) -> int:
         print(f"ctxproxy: {taken}", file=sys.stderr)
         return 1
     configure_logging(settings)
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level,
-                **uvicorn_options(settings))
+    app = create_app(settings, journal_checked=True)  # checked just above: not read whole a second time
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, **uvicorn_options(settings))
     return 0
 
 
