@@ -116,7 +116,7 @@ def test_a_port_in_use_is_one_clear_line(tmp_path: Path, capsys: pytest.CaptureF
 
 
 def test_serve_reads_the_journal_whole_once_a_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``PRAGMA quick_check`` reads the whole file (seconds for a journal of gigabytes): ``ctxproxy serve`` checks
+    """``PRAGMA quick_check`` reads the whole file (7.5 ms for 11 MB): ``ctxproxy serve`` checks
     the journal before the server starts, and the server's start does not check it again."""
     checked: list[object] = []
     real = failures._check

@@ -135,7 +135,7 @@ def _lifespan(settings: Settings, transport: httpx.AsyncBaseTransport | None, ch
               ) -> Callable[[Starlette], AbstractAsyncContextManager[None]]:
     """``check``: the journal is checked whole and writable before the server takes a request (``open_journal``);
     False when the caller has just checked it (``ctxproxy serve``): ``PRAGMA quick_check`` reads the whole file,
-    7 ms for a 600-round session's 11 MB and seconds for a journal of gigabytes, once a start is enough."""
+    7.5 ms for a 600-round session's 11 MB, growing with the file: once a start is enough."""
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         journal = JournalWriter(open_journal(settings.journal_location, settings.journal_sync, check=check),
