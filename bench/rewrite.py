@@ -41,7 +41,8 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from ctxproxy.config import load_settings  # noqa: E402
 from ctxproxy.proxy.commands.replay import replay, summarize  # noqa: E402
-from ctxproxy.proxy.core import Rules, project, violations  # noqa: E402
+from ctxproxy.proxy.core import Rules, violations  # noqa: E402
+from ctxproxy.proxy.core.project import project  # noqa: E402
 from ctxproxy.proxy.core.tokens import MessageCounter  # noqa: E402
 from ctxproxy.proxy.edge.app import create_app  # noqa: E402
 from ctxproxy.proxy.engine.budgets import budget_for  # noqa: E402

@@ -18,8 +18,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ctxproxy.config import load_settings
-from ctxproxy.proxy.core import Rules, canonical_json, fold_body, folds, message_hash, project
+from ctxproxy.proxy.core import Rules, canonical_json, fold_body, folds, message_hash
 from ctxproxy.proxy.core.invariants import broken_pairs
+from ctxproxy.proxy.core.project import project
 from ctxproxy.proxy.core.state import FoldSum, sha256_text
 from ctxproxy.proxy.core.stubs import fold_stub, fold_stub_of
 from ctxproxy.store import Journal, OverflowBody

@@ -48,9 +48,27 @@ def test_ctxproxy_version_answers_without_loading_the_server() -> None:
 
 def test_the_app_module_leaves_the_engine_and_the_tokenizer_to_the_warmup() -> None:
     loaded = modules_after("import uvicorn\nfrom ctxproxy.proxy.edge.app import create_app")
-    turn_engine = {f"ctxproxy.proxy.engine.{m}" for m in ("driver", "turn", "forward", "planning", "exchange")}
-    assert loaded & {"ctxproxy.proxy.edge.chat", *turn_engine, "aiohttp", "tiktoken", "fastapi",
+    turn_engine = {f"ctxproxy.proxy.engine.{m}" for m in ("driver", "turn", "forward", "planning", "exchange",
+                                                          "context", "hashing", "tally")}
+    projection = {f"ctxproxy.proxy.core.{m}" for m in ("project", "cuts", "state", "tokens", "fenced")}
+    assert loaded & {"ctxproxy.proxy.edge.chat", *turn_engine, *projection, "aiohttp", "tiktoken", "fastapi",
                      "prometheus_client"} == set()
+
+
+def test_the_engine_s_parts_of_the_app_state_are_built_once_when_first_read() -> None:
+    """``AppState.contexts`` and ``hasher`` are built on first use (their modules are the engine's); threads that
+    read at once (the operator API's) all get the one that was built."""
+    code = ("import sys, threading\nfrom ctxproxy.proxy.engine.state import AppState\n"
+            "print('ctxproxy.proxy.engine.context' in sys.modules)\n"
+            "state = AppState.__new__(AppState)\nseen = []\n"
+            "read = lambda: seen.append((state.contexts, state.hasher))\n"
+            "threads = [threading.Thread(target=read) for _ in range(8)]\n"
+            "[t.start() for t in threads]; [t.join() for t in threads]\n"
+            "print(len({id(c) for c, _ in seen}), len({id(h) for _, h in seen}), type(seen[0][0]).__name__,"
+            " type(seen[0][1]).__name__)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          check=True)
+    assert done.stdout.split() == ["False", "1", "1", "SessionContexts", "MessageHasher"]
 
 
 def test_the_text_protocols_patterns_are_compiled_by_the_warmup_not_by_importing_the_app() -> None:

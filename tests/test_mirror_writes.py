@@ -22,8 +22,9 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from ctxproxy.config import load_settings
-from ctxproxy.proxy.core import Rules, canonical_json, message_hash, project
+from ctxproxy.proxy.core import Rules, canonical_json, message_hash
 from ctxproxy.proxy.core.identity import content_text
+from ctxproxy.proxy.core.project import project
 from ctxproxy.proxy.engine import forward as forward_module
 from ctxproxy.proxy.engine import mirror_file
 from ctxproxy.proxy.engine.context import SessionContext

@@ -18,7 +18,7 @@ from ctxproxy.proxy.core.project import Projection, project
 from ctxproxy.proxy.core.state import Rules, State
 from tests.test_project import CharCounter, argued_histories, budget, fenced_history, fenced_rules, history, prefixes
 
-project_module = sys.modules["ctxproxy.proxy.core.project"]  # the package names its function `project` too
+project_module = sys.modules["ctxproxy.proxy.core.project"]
 
 
 class CachingCounter(CharCounter):

@@ -348,8 +348,9 @@ def test_cline_sends_its_blocks_as_text_parts_and_they_are_recognised_and_cut_to
     """Over an OpenAI-compatible API, Cline and Roo Code send a results message as a list of text parts (their
     api/transform/openai-format.ts): the "[tool] Result:" line, the output, the environment details."""
     from ctxproxy.config import load_settings
-    from ctxproxy.proxy.core import Rules, message_hash, project, violations
+    from ctxproxy.proxy.core import Rules, message_hash, violations
     from ctxproxy.proxy.core.fenced import builtin_presets, route_of
+    from ctxproxy.proxy.core.project import project
     from ctxproxy.proxy.core.tokens import MessageCounter
     from ctxproxy.proxy.engine.budgets import budget_for
 

@@ -15,8 +15,9 @@ import pytest
 from bench.gen_fenced import build
 from ctxproxy.config import load_settings
 from ctxproxy.proxy.commands.replay import replay, summarize
-from ctxproxy.proxy.core import Rules, message_hash, project, violations
+from ctxproxy.proxy.core import Rules, message_hash, violations
 from ctxproxy.proxy.core.fenced import builtin_presets, find_results
+from ctxproxy.proxy.core.project import project
 from ctxproxy.proxy.core.tokens import MessageCounter
 from ctxproxy.proxy.engine.budgets import budget_for
 

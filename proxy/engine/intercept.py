@@ -12,8 +12,8 @@ from dataclasses import asdict
 from datetime import UTC, datetime
 from typing import Any
 
-from ctxproxy.proxy.core import project
 from ctxproxy.proxy.core.folds import hide_decision, rounds
+from ctxproxy.proxy.core.project import project
 from ctxproxy.proxy.core.state import Rules
 from ctxproxy.proxy.engine.context import SessionContext
 from ctxproxy.proxy.engine.heavy import is_large

@@ -27,12 +27,12 @@ from ctxproxy.proxy.core import (
     Rules,
     State,
     canonical_json,
-    project,
     violations,
     violations_since,
 )
 from ctxproxy.proxy.core.fenced import presets_for, route_of
 from ctxproxy.proxy.core.pieces import Pieces
+from ctxproxy.proxy.core.project import project
 from ctxproxy.proxy.core.tokens import MessageCounter
 from ctxproxy.proxy.engine.context import ParentState, SessionContext
 from ctxproxy.proxy.engine.decided import decision_rows

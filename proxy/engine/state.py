@@ -13,15 +13,10 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from ctxproxy.config import Settings
-from ctxproxy.proxy.core import canonical_json
-from ctxproxy.proxy.core.budget import Budget
-from ctxproxy.proxy.core.fenced import builtin_presets
-from ctxproxy.proxy.core.tokens import MessageCounter
-from ctxproxy.proxy.engine.budgets import budget_for
-from ctxproxy.proxy.engine.context import SessionContexts
-from ctxproxy.proxy.engine.hashing import MessageHasher
+from ctxproxy.proxy.core.identity import canonical_json
 from ctxproxy.proxy.engine.heavy import Offload
 from ctxproxy.proxy.errors import StorageError, storage_error
 from ctxproxy.proxy.observe.events import EventBus
@@ -31,6 +26,12 @@ from ctxproxy.proxy.tools.schemas import CONTEXT_TOOLS, READ_TOOL
 from ctxproxy.proxy.upstream.endpoint import Upstream
 from ctxproxy.proxy.upstream.window import WindowDetector
 from ctxproxy.store import JournalWriter, LocalLocks, LockUnavailable, MemoryJournal, SessionLocking
+
+if TYPE_CHECKING:
+    from ctxproxy.proxy.core.budget import Budget
+    from ctxproxy.proxy.core.tokens import MessageCounter
+    from ctxproxy.proxy.engine.context import SessionContexts
+    from ctxproxy.proxy.engine.hashing import MessageHasher
 
 __all__ = ["AppState", "SessionLocks", "Warmup", "give_back_freed_memory", "one_malloc_arena"]
 
@@ -81,6 +82,9 @@ class Warmup:
 
 def _warm(future: Future[MessageCounter], modules: Sequence[str]) -> None:
     try:
+        from ctxproxy.proxy.core.fenced import builtin_presets
+        from ctxproxy.proxy.core.tokens import MessageCounter
+
         for module in modules:  # whoever needs one first meanwhile waits for this import to finish, not twice
             importlib.import_module(module)
         builtin_presets()  # the text protocols' expressions, compiled here rather than on the first chat's path
@@ -164,6 +168,46 @@ class SessionLocks:
         return len(self._backend)
 
 
+Built = TypeVar("Built")
+
+
+class BuiltOnFirstUse(Generic[Built]):
+    """An attribute of the request engine's, built the first time it is read (under a lock: the operator API reads
+    from worker threads), then an instance attribute like any other.
+
+    Its module is imported then, not when the server starts: the first chat reads it after the warm-up has imported
+    the engine (``Warmup``), so it is there already (issue #13: start to ready).
+    """
+
+    _lock = threading.Lock()
+
+    def __init__(self, make: Callable[[], Built]) -> None:
+        self._make = make
+        self._name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+
+    def __get__(self, instance: object, owner: type | None = None) -> Built:
+        with self._lock:
+            built: Built | None = instance.__dict__.get(self._name)
+            if built is None:
+                built = instance.__dict__[self._name] = self._make()
+        return built
+
+
+def _new_hasher() -> MessageHasher:
+    from ctxproxy.proxy.engine.hashing import MessageHasher
+
+    return MessageHasher()
+
+
+def _new_contexts() -> SessionContexts:
+    from ctxproxy.proxy.engine.context import SessionContexts
+
+    return SessionContexts()
+
+
 @dataclass
 class AppState:
     settings: Settings
@@ -171,9 +215,7 @@ class AppState:
     journal: JournalWriter
     windows: WindowDetector
     locks: SessionLocks = field(default_factory=SessionLocks)
-    hasher: MessageHasher = field(default_factory=MessageHasher)
     warmup: Warmup = field(default_factory=Warmup.start)
-    contexts: SessionContexts = field(default_factory=SessionContexts)
     events: EventBus = field(default_factory=EventBus)
     metrics: Metrics = field(default_factory=Metrics)
     offload: Offload = field(default_factory=Offload)
@@ -182,6 +224,10 @@ class AppState:
     _budgets: dict[tuple[str | None, int], Budget] = field(default_factory=dict)
     _incognito: JournalWriter | None = None
     _incognito_lock: threading.Lock = field(default_factory=threading.Lock)
+    hasher = BuiltOnFirstUse(_new_hasher)
+    """Message identities and the prefixes of the lists seen (``proxy.engine.hashing``)."""
+    contexts = BuiltOnFirstUse(_new_contexts)
+    """Each session's cuts, state and calibration, loaded from the journal when needed (``proxy.engine.context``)."""
 
     @property
     def incognito_journal(self) -> JournalWriter:
@@ -232,6 +278,8 @@ class AppState:
         if budget is None:
             if len(self._budgets) >= BUDGETS_KEPT:
                 self._budgets.clear()
+            from ctxproxy.proxy.engine.budgets import budget_for
+
             budget = self._budgets[key] = budget_for(self.settings.for_model(model), window)
         return budget
 

@@ -13,8 +13,8 @@ from typing import Any
 from starlette.requests import Request
 
 from ctxproxy.config import Settings
-from ctxproxy.proxy.core import project
 from ctxproxy.proxy.core.decisions import Decision
+from ctxproxy.proxy.core.project import project
 from ctxproxy.proxy.core.state import Rules
 from ctxproxy.proxy.core.tokens import Calibration
 from ctxproxy.proxy.edge.callers import credential_tag, requested_session
