@@ -51,8 +51,9 @@ def test_the_app_module_leaves_the_engine_and_the_tokenizer_to_the_warmup() -> N
     turn_engine = {f"ctxproxy.proxy.engine.{m}" for m in ("driver", "turn", "forward", "planning", "exchange",
                                                           "context", "hashing", "tally")}
     projection = {f"ctxproxy.proxy.core.{m}" for m in ("project", "cuts", "state", "tokens", "fenced")}
-    assert loaded & {"ctxproxy.proxy.edge.chat", *turn_engine, *projection, "aiohttp", "tiktoken", "fastapi",
-                     "prometheus_client"} == set()
+    upstream_client = {"httpx", "ctxproxy.proxy.upstream.endpoint", "ctxproxy.proxy.upstream.transport"}
+    assert loaded & {"ctxproxy.proxy.edge.chat", *turn_engine, *projection, *upstream_client, "aiohttp", "tiktoken",
+                     "fastapi", "prometheus_client"} == set()
 
 
 def test_the_engine_s_parts_of_the_app_state_are_built_once_when_first_read() -> None:

@@ -16,20 +16,17 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, cast
 
-import httpx
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, RedirectResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
 from starlette.types import Receive, Scope, Send
 
 from ctxproxy.config import Settings
 from ctxproxy.proxy import __version__
-from ctxproxy.proxy.edge.body import read_body
 from ctxproxy.proxy.edge.callers import bearer_matches, require_admin, require_metrics
 from ctxproxy.proxy.edge.direct import CHAT_PATH, ProxyApp
-from ctxproxy.proxy.engine.responses import FinallyResponse
 from ctxproxy.proxy.engine.state import AppState, SessionLocks, Warmup, give_back_freed_memory
 from ctxproxy.proxy.errors import (
     BadRequest,
@@ -41,13 +38,10 @@ from ctxproxy.proxy.errors import (
     storage_error,
 )
 from ctxproxy.proxy.observe.logs import note_refusal, startup_line
-from ctxproxy.proxy.upstream.endpoint import Upstream, client_headers, response_headers, with_headers
-from ctxproxy.proxy.upstream.loop import VIA_HEADER, refuse_loop
-from ctxproxy.proxy.upstream.transport import Http1Transport
-from ctxproxy.proxy.upstream.window import WindowDetector
 from ctxproxy.store import Journal, JournalWriter, open_journal, session_locks
 
 if TYPE_CHECKING:
+    import httpx
     from fastapi import FastAPI
 
 __all__ = ["create_app"]
@@ -70,7 +64,8 @@ def create_app(settings: Settings, upstream_transport: httpx.AsyncBaseTransport 
         Route("/v1/messages/count_tokens", _engine_route(f"{EDGE}.fronts.anthropic.count", "count_tokens"),
               methods=["POST"]),
         Route("/v1/responses", _engine_route(f"{EDGE}.fronts.responses.front", "responses"), methods=["POST"]),
-        Route("/v1/{path:path}", passthrough, methods=["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]),
+        Route("/v1/{path:path}", _engine_route(f"{EDGE}.passthrough", "passthrough", counts=False),
+              methods=["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]),
         Route("/", home, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
@@ -146,16 +141,12 @@ def _lifespan(settings: Settings, transport: httpx.AsyncBaseTransport | None, ch
             marked = await journal.call(Journal.mark_interrupted, datetime.now(UTC).isoformat(timespec="milliseconds"))
             if marked:
                 log.warning("%d requests were in flight when ctxproxy last stopped: journaled as interrupted", marked)
-        upstream = Upstream(settings.upstream, transport or Http1Transport(), settings.upstream_connect_timeout,
-                            settings.upstream_timeout)
-        windows = WindowDetector(upstream, ctx_window=0)  # a configured window is applied per model, in planning
         # On a thread, while the server takes connections. Started last: begun with the lifespan, its imports took
         # the GIL from the journal's opening, and a start was ready later by as much (issue #13).
         warmup = Warmup.start(WARM)
         locks = session_locks(settings.store)
         locks.start()  # a shared store's liveness lock, held before this process journals a request
-        app.state.ctx = AppState(settings, upstream, journal, windows, warmup=warmup,
-                                 locks=SessionLocks(locks),
+        app.state.ctx = AppState(settings, journal, transport, warmup=warmup, locks=SessionLocks(locks),
                                  own_headers=frozenset({settings.session_header.lower()}))
         try:
             async with asyncio.TaskGroup() as background:
@@ -165,7 +156,7 @@ def _lifespan(settings: Settings, transport: httpx.AsyncBaseTransport | None, ch
                 finally:
                     trimmer.cancel()
         finally:
-            await upstream.aclose()
+            await app.state.ctx.close_upstream()
             app.state.ctx.locks.close()
             journal.close()
             app.state.ctx.close_incognito()
@@ -198,48 +189,28 @@ async def _trim_when_quiet(state: AppState) -> None:
 
 
 EDGE = "ctxproxy.proxy.edge"
-WARM = ("ctxproxy.proxy.edge.chat", "ctxproxy.proxy.edge.fronts.anthropic.front",
-        "ctxproxy.proxy.edge.fronts.anthropic.count", "ctxproxy.proxy.edge.fronts.responses.front",
-        "anyio._backends._asyncio")
-"""What the warm-up thread imports before it loads the tokenizer: the request engine (``proxy.edge.chat``,
-``proxy.engine``: 70 ms) and the fronts around it, which the server does not need to take connections, and anyio's
+WARM = (f"{EDGE}.passthrough", f"{EDGE}.chat", f"{EDGE}.fronts.anthropic.front", f"{EDGE}.fronts.anthropic.count",
+        f"{EDGE}.fronts.responses.front", "anyio._backends._asyncio")
+"""What the warm-up thread imports before it loads the tokenizer: the upstream client (``proxy.upstream``, on httpx:
+~25 ms) with the route that only relays (``proxy.edge.passthrough``), the request engine (``proxy.edge.chat``,
+``proxy.engine``: 70 ms) and the fronts around it, none of which the server needs to take connections, and anyio's
 asyncio backend, which the first cancel scope or Starlette route imports on the loop (8 ms of the first chat
-in process; on a server, whichever request comes first). The upstream client (``proxy.upstream.transport``) is not
-among them: it is httptools, which uvicorn has loaded already."""
+in process; on a server, whichever request comes first)."""
 
 
-def _engine_route(module: str, name: str) -> Callable[[Request], Awaitable[Response]]:
-    """A route of the request engine, once the warm-up is done (only the first requests after a start wait)."""
+def _engine_route(module: str, name: str, *, counts: bool = True) -> Callable[[Request], Awaitable[Response]]:
+    """A route in a module the warm-up imports. ``counts``: it counts tokens, so it waits for the warm-up to be done
+    (only the first requests after a start wait); else its first request imports the module itself if the warm-up
+    has not yet (waiting for the warm-up's own import of it to finish, not importing it twice)."""
 
     async def route(request: Request) -> Response:
-        await request.app.state.ctx.warmup.ready()
+        if counts:
+            await request.app.state.ctx.warmup.ready()
         handler = getattr(importlib.import_module(module), name)  # imported by the warm-up: a sys.modules lookup
         return cast(Response, await handler(request))
 
     route.__name__ = name
     return route
-
-
-async def passthrough(request: Request) -> Response:
-    """Every other ``/v1/*`` route (models, embeddings, completions, responses…): relayed as it is."""
-    state: AppState = request.app.state.ctx
-    refuse_loop(request.headers, state.upstream.instance)
-    body = await read_body(request, state.settings.max_body_bytes, state.settings.client_body_timeout)
-    path = request.scope.get("raw_path", b"").decode("latin-1") or request.url.path  # keep %2F as the client sent it
-    upstream = await state.upstream.send(request.method, path, request.url.query,
-                                         client_headers(request.headers.raw, state.own_headers), body,
-                                         via=request.headers.get(VIA_HEADER, ""))
-    inner = StreamingResponse(_relayed(upstream), upstream.status_code)
-    return FinallyResponse(with_headers(inner, response_headers(upstream)), upstream.aclose)
-
-
-async def _relayed(upstream: httpx.Response) -> AsyncIterator[bytes]:
-    """The upstream's bytes as they come; a body that breaks off ends the relay (the status is already sent)."""
-    try:
-        async for chunk in upstream.aiter_raw():
-            yield chunk
-    except httpx.TransportError as exc:
-        log.warning("upstream answer to a passthrough request broke off: %s", exc or type(exc).__name__)
 
 
 async def metrics(request: Request) -> Response:

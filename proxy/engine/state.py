@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from ctxproxy.config import Settings
 from ctxproxy.proxy.core.identity import canonical_json
@@ -23,15 +23,17 @@ from ctxproxy.proxy.observe.events import EventBus
 from ctxproxy.proxy.observe.metrics import Metrics
 from ctxproxy.proxy.tools.blocks import NOTE
 from ctxproxy.proxy.tools.schemas import CONTEXT_TOOLS, READ_TOOL
-from ctxproxy.proxy.upstream.endpoint import Upstream
-from ctxproxy.proxy.upstream.window import WindowDetector
 from ctxproxy.store import JournalWriter, LocalLocks, LockUnavailable, MemoryJournal, SessionLocking
 
 if TYPE_CHECKING:
+    import httpx
+
     from ctxproxy.proxy.core.budget import Budget
     from ctxproxy.proxy.core.tokens import MessageCounter
     from ctxproxy.proxy.engine.context import SessionContexts
     from ctxproxy.proxy.engine.hashing import MessageHasher
+    from ctxproxy.proxy.upstream.endpoint import Upstream
+    from ctxproxy.proxy.upstream.window import WindowDetector
 
 __all__ = ["AppState", "SessionLocks", "Warmup", "give_back_freed_memory", "one_malloc_arena"]
 
@@ -172,16 +174,16 @@ Built = TypeVar("Built")
 
 
 class BuiltOnFirstUse(Generic[Built]):
-    """An attribute of the request engine's, built the first time it is read (under a lock: the operator API reads
-    from worker threads), then an instance attribute like any other.
+    """An attribute built from its instance the first time it is read (under a lock: the operator API reads from
+    worker threads; reentrant, as one part is built from another), then an instance attribute like any other.
 
     Its module is imported then, not when the server starts: the first chat reads it after the warm-up has imported
-    the engine (``Warmup``), so it is there already (issue #13: start to ready).
+    the engine and the upstream client (``Warmup``), so it is there already (issue #13: start to ready).
     """
 
-    _lock = threading.Lock()
+    _lock = threading.RLock()
 
-    def __init__(self, make: Callable[[], Built]) -> None:
+    def __init__(self, make: Callable[[Any], Built]) -> None:
         self._make = make
         self._name = ""
 
@@ -192,28 +194,44 @@ class BuiltOnFirstUse(Generic[Built]):
         with self._lock:
             built: Built | None = instance.__dict__.get(self._name)
             if built is None:
-                built = instance.__dict__[self._name] = self._make()
+                built = instance.__dict__[self._name] = self._make(instance)
         return built
 
 
-def _new_hasher() -> MessageHasher:
+def _new_hasher(state: AppState) -> MessageHasher:
     from ctxproxy.proxy.engine.hashing import MessageHasher
 
     return MessageHasher()
 
 
-def _new_contexts() -> SessionContexts:
+def _new_contexts(state: AppState) -> SessionContexts:
     from ctxproxy.proxy.engine.context import SessionContexts
 
     return SessionContexts()
 
 
+def _new_upstream(state: AppState) -> Upstream:
+    """httpx and the proxy's client on it take ~25 ms to import: neither is needed to take connections."""
+    from ctxproxy.proxy.upstream.endpoint import Upstream
+    from ctxproxy.proxy.upstream.transport import Http1Transport
+
+    settings = state.settings
+    return Upstream(settings.upstream, state.transport or Http1Transport(), settings.upstream_connect_timeout,
+                    settings.upstream_timeout)
+
+
+def _new_windows(state: AppState) -> WindowDetector:
+    from ctxproxy.proxy.upstream.window import WindowDetector
+
+    return WindowDetector(state.upstream, ctx_window=0)  # a configured window is applied per model, in planning
+
+
 @dataclass
 class AppState:
     settings: Settings
-    upstream: Upstream
     journal: JournalWriter
-    windows: WindowDetector
+    transport: httpx.AsyncBaseTransport | None = None
+    """What the upstream is reached through; None: ``proxy.upstream.transport.Http1Transport``."""
     locks: SessionLocks = field(default_factory=SessionLocks)
     warmup: Warmup = field(default_factory=Warmup.start)
     events: EventBus = field(default_factory=EventBus)
@@ -228,6 +246,16 @@ class AppState:
     """Message identities and the prefixes of the lists seen (``proxy.engine.hashing``)."""
     contexts = BuiltOnFirstUse(_new_contexts)
     """Each session's cuts, state and calibration, loaded from the journal when needed (``proxy.engine.context``)."""
+    upstream = BuiltOnFirstUse(_new_upstream)
+    """The upstream endpoint and its connection pool (``proxy.upstream.endpoint``)."""
+    windows = BuiltOnFirstUse(_new_windows)
+    """Each model's context window, asked of the upstream once (``proxy.upstream.window``)."""
+
+    async def close_upstream(self) -> None:
+        """Close the upstream's connections, if it was ever asked for."""
+        upstream = self.__dict__.get("upstream")
+        if upstream is not None:
+            await upstream.aclose()
 
     @property
     def incognito_journal(self) -> JournalWriter:
