@@ -31,6 +31,13 @@ def modules_after(code: str) -> set[str]:
     return set(json.loads(done.stdout.splitlines()[-1]))
 
 
+def printed(code: str) -> list[str]:
+    """The words a fresh interpreter prints running ``code`` (in this checkout)."""
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          check=True)
+    return done.stdout.split()
+
+
 def test_importing_the_cli_loads_no_heavy_module() -> None:
     assert modules_after("import ctxproxy.proxy.commands.cli") & HEAVY == set()
 
@@ -67,9 +74,7 @@ def test_the_engine_s_parts_of_the_app_state_are_built_once_when_first_read() ->
             "[t.start() for t in threads]; [t.join() for t in threads]\n"
             "print(len({id(c) for c, _ in seen}), len({id(h) for _, h in seen}), type(seen[0][0]).__name__,"
             " type(seen[0][1]).__name__)")
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          check=True)
-    assert done.stdout.split() == ["False", "1", "1", "SessionContexts", "MessageHasher"]
+    assert printed(code) == ["False", "1", "1", "SessionContexts", "MessageHasher"]
 
 
 def test_the_text_protocols_patterns_are_compiled_by_the_warmup_not_by_importing_the_app() -> None:
@@ -77,9 +82,7 @@ def test_the_text_protocols_patterns_are_compiled_by_the_warmup_not_by_importing
     code = ("from ctxproxy.proxy.edge.app import create_app\nfrom ctxproxy.proxy.core.fenced import builtin_presets\n"
             "print(builtin_presets.cache_info().currsize)\nfrom ctxproxy.proxy.engine.state import Warmup\n"
             "Warmup.start().counter\nprint(builtin_presets.cache_info().currsize)")
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          check=True)
-    assert done.stdout.split() == ["0", "1"]
+    assert printed(code) == ["0", "1"]
 
 
 def test_the_warmup_loads_the_first_chat_s_cancel_scope_and_leaves_the_start_out_of_full_collections() -> None:
@@ -91,9 +94,7 @@ def test_the_warmup_loads_the_first_chat_s_cancel_scope_and_leaves_the_start_out
             "print(gc.get_freeze_count(), 'anyio._backends._asyncio' in sys.modules)\n"
             "Warmup.start(WARM).counter\n"
             "print(gc.get_freeze_count() > 10_000, 'anyio._backends._asyncio' in sys.modules)")
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          check=True)
-    assert done.stdout.split() == ["0", "False", "True", "True"]
+    assert printed(code) == ["0", "False", "True", "True"]
 
 
 SERVE_OVER_LOOPBACK = """
