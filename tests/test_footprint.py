@@ -65,16 +65,17 @@ def test_the_app_module_leaves_the_engine_and_the_tokenizer_to_the_warmup() -> N
 
 def test_the_engine_s_parts_of_the_app_state_are_built_once_when_first_read() -> None:
     """``AppState.contexts`` and ``hasher`` are built on first use (their modules are the engine's); threads that
-    read at once (the operator API's) all get the one that was built."""
+    read at once (the operator API's) all get the one that was built. Read on the class, the attribute is the
+    descriptor (what ``inspect`` and documentation tools see)."""
     code = ("import sys, threading\nfrom ctxproxy.proxy.engine.state import AppState\n"
-            "print('ctxproxy.proxy.engine.context' in sys.modules)\n"
+            "print('ctxproxy.proxy.engine.context' in sys.modules, type(AppState.contexts).__name__)\n"
             "state = AppState.__new__(AppState)\nseen = []\n"
             "read = lambda: seen.append((state.contexts, state.hasher))\n"
             "threads = [threading.Thread(target=read) for _ in range(8)]\n"
             "[t.start() for t in threads]; [t.join() for t in threads]\n"
             "print(len({id(c) for c, _ in seen}), len({id(h) for _, h in seen}), type(seen[0][0]).__name__,"
             " type(seen[0][1]).__name__)")
-    assert printed(code) == ["False", "1", "1", "SessionContexts", "MessageHasher"]
+    assert printed(code) == ["False", "BuiltOnFirstUse", "1", "1", "SessionContexts", "MessageHasher"]
 
 
 def test_the_text_protocols_patterns_are_compiled_by_the_warmup_not_by_importing_the_app() -> None:

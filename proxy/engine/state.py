@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
 from ctxproxy.config import Settings
 from ctxproxy.proxy.core.identity import canonical_json
@@ -190,7 +190,15 @@ class BuiltOnFirstUse(Generic[Built]):
     def __set_name__(self, owner: type, name: str) -> None:
         self._name = name
 
-    def __get__(self, instance: object, owner: type | None = None) -> Built:
+    @overload
+    def __get__(self, instance: None, owner: type | None = None) -> BuiltOnFirstUse[Built]: ...
+
+    @overload
+    def __get__(self, instance: object, owner: type | None = None) -> Built: ...
+
+    def __get__(self, instance: object | None, owner: type | None = None) -> Built | BuiltOnFirstUse[Built]:
+        if instance is None:  # read on the class (``inspect``, documentation tools): the descriptor itself
+            return self
         with self._lock:
             built: Built | None = instance.__dict__.get(self._name)
             if built is None:
