@@ -179,6 +179,7 @@ class BuiltOnFirstUse(Generic[Built]):
 
     Its module is imported then, not when the server starts: the first chat reads it after the warm-up has imported
     the engine and the upstream client (``Warmup``), so it is there already (issue #13: start to ready).
+    Not ``functools.cached_property``: from Python 3.12 it takes no lock, and two threads could each build one.
     """
 
     _lock = threading.RLock()
