@@ -18,9 +18,9 @@ from every row, a third of a new run's time on the journal's thread after a thou
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ctxproxy.store.liveness import is_dead
 from ctxproxy.store.prefixes import DigestRows, PrefixDigests, common_prefix, holder, list_digest
@@ -31,9 +31,9 @@ from ctxproxy.store.sql import Connection
 __all__ = ["Head", "Placement", "PlacementMixin"]
 
 
-@dataclass(frozen=True)
-class Head:
-    """A session as placement sees it: its last message list (the head) and whether that can be continued."""
+class Head(NamedTuple):
+    """A session as placement sees it: its last message list (the head) and whether that can be continued. A named
+    tuple: a new run builds ~9 from rows, which cost 2 µs each as a frozen dataclass (issue #13)."""
 
     id: str
     list_id: int | None
@@ -357,4 +357,4 @@ def _ended(conn: Connection, instance: str, head: Head) -> Head:
     if row is None or row[1] is None or row[1] == instance or not is_dead(conn, str(row[1])):
         return head
     conn.execute(MARK_ABANDONED, [datetime.now(UTC).isoformat(timespec="milliseconds"), int(row[0])])
-    return replace(head, pending=0)
+    return head._replace(pending=0)

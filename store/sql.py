@@ -133,6 +133,15 @@ class Connection(ABC):
         """Begin a transaction if it will not wait for another connection (SQLite's below); ``end`` ends it."""
         return False
 
+    def rest_without_waits(self) -> None:
+        """From now on a statement does not wait for another connection's lock unless inside ``waiting`` (SQLite's
+        below; elsewhere nothing changes)."""
+        return None
+
+    def waiting(self) -> Any:
+        """Around calls that may wait for another connection's lock, on a connection ``rest_without_waits``."""
+        return _nothing()
+
     def check_held(self) -> None:
         """Raise if the transaction ``begin_if_free`` began has ended under it (SQLite's below)."""
         return None
@@ -192,6 +201,8 @@ class SqliteConnection(Connection):
         self.raw.execute("PRAGMA foreign_keys=ON")
         self._waits_ms = int(self.raw.execute("PRAGMA busy_timeout").fetchone()[0])
         """How long a statement waits for another connection's write lock (``timeout`` above)."""
+        self._rests_waiting = True
+        """Whether a statement waits ``_waits_ms`` outside ``waiting`` (until ``rest_without_waits``)."""
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> Cursor:
         return self.raw.execute(sql, params)
@@ -240,16 +251,43 @@ class SqliteConnection(Connection):
 
     def begin_if_free(self) -> bool:
         """Begin a transaction holding the write lock if no other connection holds it now, without waiting for it
-        (the busy timeout is lifted for that one statement); ``end`` ends it. False: the lock is held elsewhere (a
-        ``ctxproxy prune``), or the file cannot be written; nothing was begun."""
+        (the busy timeout lifted for that one statement, unless the connection rests without it); ``end`` ends it.
+        False: the lock is held elsewhere (a ``ctxproxy prune``), or the file cannot be written; nothing was
+        begun."""
+        if not self._rests_waiting:
+            return self._began_at_once()
         self.raw.execute("PRAGMA busy_timeout = 0")
+        try:
+            return self._began_at_once()
+        finally:
+            self.raw.execute(f"PRAGMA busy_timeout = {self._waits_ms}")
+
+    def _began_at_once(self) -> bool:
         try:
             self._open(exclusive=True)
         except sqlite3.Error:
             return False
-        finally:
-            self.raw.execute(f"PRAGMA busy_timeout = {self._waits_ms}")
         return True
+
+    def rest_without_waits(self) -> None:
+        """The busy timeout lifted but inside ``waiting``: for a connection whose transactions mostly begin with
+        ``begin_if_free`` (``store.writer``'s on a file), which set it to 0 and back around each ``BEGIN``: two
+        statements of each transaction, four of a small chat request (issue #13). Once the write lock is held, no
+        statement of the transaction waits for another connection in WAL mode: readers never block it, and a
+        commit's own checkpoint skips what a reader holds."""
+        self.raw.execute("PRAGMA busy_timeout = 0")
+        self._rests_waiting = False
+
+    @contextmanager
+    def waiting(self) -> Iterator[None]:
+        if self._rests_waiting:
+            yield
+            return
+        self.raw.execute(f"PRAGMA busy_timeout = {self._waits_ms}")
+        try:
+            yield
+        finally:
+            self.raw.execute("PRAGMA busy_timeout = 0")
 
     def _begin(self, exclusive: bool, lock: str | None) -> None:
         self.raw.execute("BEGIN IMMEDIATE" if exclusive or lock is not None else "BEGIN")

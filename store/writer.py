@@ -86,6 +86,8 @@ class JournalWriter:
         """A SQLite file's checkpoints, off the requests' path (``store.checkpoints``)."""
         self._here = threads == 1 and journal.path is not None and journal.sync != "full"
         """A SQLite file written without a sync at each commit: a call may run on the caller's thread."""
+        if self._here:  # its calls there take the lock at once or not at all; the thread's wait (``_guarded``)
+            journal.conn.rest_without_waits()
         self._running = threading.Lock()
         """Held while a call uses the SQLite connection, on the writer thread or on the caller's."""
         self._data_version: int | None = None
@@ -145,7 +147,7 @@ class JournalWriter:
         locked = journal.conn.dialect == "sqlite" and journal.path is not None
         if not self._here:
             return self._checked(journal, method, args, locked=locked)
-        with self._running:
+        with self._running, journal.conn.waiting():
             return self._checked(journal, method, args, locked=locked)
 
     def _checked(self, journal: Journal, method: Callable[..., T], args: tuple[object, ...], held: bool = False,
@@ -194,6 +196,14 @@ class JournalWriter:
                 _forget_reads(journal)
             self._data_version = version
 
+    def _write_left(self) -> None:
+        """At close: the answers still kept in memory, waiting for the lock as the thread's calls do."""
+        if not self._unwritten:
+            return
+        journal = self._own()
+        with journal.conn.waiting():
+            self._write_unwritten(journal)
+
     def _write_unwritten(self, journal: Journal) -> None:
         if not self._unwritten:
             return
@@ -208,7 +218,7 @@ class JournalWriter:
                 self._unwritten.popleft()
 
     def close(self) -> None:
-        self._threads.run_blocking(lambda: self._write_unwritten(self._own()))
+        self._threads.run_blocking(self._write_left)
         self._threads.stop()
         if self._checkpoints is not None:
             self._checkpoints.close()
