@@ -46,9 +46,9 @@ class BufferedSink:
         if self.exchange.body.get("stream") or upstream.status_code >= 400:
             self.event = Failed()
             return
-        if upstream.status_code < 300:
-            parse_completion(content)  # an answer the proxy cannot read is a 502 here, not a 500 below
-        self.event, self.stripped = answered(content, bool(self.rules.fenced), self.exchange.agent_tools())
+        # an answer the proxy cannot read is a 502 here, not a 500 below; parsed once for both
+        parsed = parse_completion(content) if upstream.status_code < 300 else None
+        self.event, self.stripped = answered(content, bool(self.rules.fenced), self.exchange.agent_tools(), parsed)
         return
         yield b""
 
@@ -93,8 +93,9 @@ class BufferedSink:
         if self.compact is not None and upstream.status_code < 400:
             content = with_report(content, compaction_report(self.runner.all_events))
         outcome = "ok" if upstream.status_code < 400 else "upstream_error"
-        x.add_usage(usage_of(content))
+        usage = usage_of(content)
+        x.add_usage(usage)
         response = with_headers(Response(content, upstream.status_code, headers=x.headers), response_headers(upstream))
-        usage = usage_of(content) if outcome == "ok" else None
+        usage = usage if outcome == "ok" else None
         self.ending = (outcome, upstream.status_code, content, usage)
         return FinallyResponse(response, lambda: x.finish(outcome, upstream.status_code, content, usage))

@@ -21,20 +21,25 @@ from ctxproxy.proxy.wire import ChatBody
 __all__ = ["answered", "compact_request", "compaction_report", "strip_calls", "usage_of", "with_report"]
 
 
-def answered(content: bytes, fenced: bool, agent_tools: frozenset[str]) -> tuple[Answered, bytes]:
-    """The engine's event for a buffered answer, and the answer as the agent gets it (without context calls)."""
+def answered(content: bytes, fenced: bool, agent_tools: frozenset[str],
+             parsed: dict[str, Any] | None = None) -> tuple[Answered, bytes]:
+    """The engine's event for a buffered answer, and the answer as the agent gets it (without context calls).
+    ``parsed``: ``content`` as the caller parsed it already, not parsed again."""
     if fenced:
         answer, calls, said = _fenced_calls(content)
         acts = bool(calls) and has_command(_message(answer).get("content") or "")
         event = Answered(tuple(calls), acts, said, fenced=True)
     else:
-        answer, calls = _context_calls(content, agent_tools)
+        answer, calls = _context_calls(content, agent_tools, parsed)
         acts = bool(calls) and bool(_message(answer).get("tool_calls"))
         event = Answered(tuple(calls), acts, _message(answer).get("content") if calls else None)
     return event, orjson.dumps(answer) if calls else content
 
 
-def _context_calls(content: bytes, agent_tools: frozenset[str]) -> tuple[dict[str, Any], list[Any]]:
+def _context_calls(content: bytes, agent_tools: frozenset[str],
+                   parsed: dict[str, Any] | None) -> tuple[dict[str, Any], list[Any]]:
+    if parsed is not None:
+        return strip_calls(parsed, agent_tools)
     try:
         answer = orjson.loads(content)
     except orjson.JSONDecodeError:
