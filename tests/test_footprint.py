@@ -4,7 +4,6 @@ lighter, and memory that levels off under sessions that keep coming."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import pytest
 
 from ctxproxy.proxy.core.tokens import OFFLINE_ENCODING, MessageCounter, TiktokenCounter, load_encoding
 from ctxproxy.proxy.engine.state import Warmup
+from tests.benches import bench_module
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = {"tiktoken", "prometheus_client", "sqlite_utils", "fastapi", "fastapi.openapi.models", "pydantic",
@@ -215,12 +215,7 @@ def test_the_memory_a_burst_freed_goes_back_to_the_system() -> None:
 
 
 def _footprint_bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("footprint_bench", ROOT / "bench" / "footprint.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
+    return bench_module("footprint")
 
 
 @pytest.mark.e2e

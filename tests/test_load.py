@@ -3,29 +3,15 @@ no leak, and each check does fail on what it is there to catch."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+from tests.benches import bench_module
 
-
-def _load_bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("load_bench", BENCH / "load.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-load = _load_bench()
+load = bench_module("load")
 
 
 @pytest.mark.e2e

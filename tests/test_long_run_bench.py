@@ -5,7 +5,6 @@ proxy's own CPU for it, so a request over twice the median is told apart as the 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import sqlite3
 import subprocess
@@ -18,6 +17,7 @@ import httpx
 
 from ctxproxy.config import load_settings
 from ctxproxy.proxy.observe.logs import request_line
+from tests.benches import bench_module
 from tests.conftest import app_client
 from tests.fakes import FakeUpstream
 from tests.test_mirror_writes import _body, _send
@@ -26,12 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _long_run() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("long_run_bench", ROOT / "bench" / "long_run.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return bench_module("long_run")
 
 
 def test_a_slow_request_is_told_apart_as_the_proxy_s_work_or_a_wait() -> None:

@@ -2,22 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
 
+from tests.benches import bench_module
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _stages() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("stages_bench", ROOT / "bench" / "stages.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return bench_module("stages")
 
 
 def test_each_stage_is_told_by_its_median_start_and_span_and_a_repeat_by_its_number() -> None:
