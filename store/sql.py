@@ -254,19 +254,15 @@ class SqliteConnection(Connection):
         (the busy timeout lifted for that one statement, unless the connection rests without it); ``end`` ends it.
         False: the lock is held elsewhere (a ``ctxproxy prune``), or the file cannot be written; nothing was
         begun."""
-        if not self._rests_waiting:
-            return self._began_at_once()
-        self.raw.execute("PRAGMA busy_timeout = 0")
-        try:
-            return self._began_at_once()
-        finally:
-            self.raw.execute(f"PRAGMA busy_timeout = {self._waits_ms}")
-
-    def _began_at_once(self) -> bool:
+        if self._rests_waiting:
+            self.raw.execute("PRAGMA busy_timeout = 0")
         try:
             self._open(exclusive=True)
         except sqlite3.Error:
             return False
+        finally:
+            if self._rests_waiting:
+                self.raw.execute(f"PRAGMA busy_timeout = {self._waits_ms}")
         return True
 
     def rest_without_waits(self) -> None:

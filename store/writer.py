@@ -196,34 +196,38 @@ class JournalWriter:
                 _forget_reads(journal)
             self._data_version = version
 
-    def _write_left(self) -> None:
-        """At close: the answers still kept in memory, waiting for the lock as the thread's calls do."""
-        if not self._unwritten:
-            return
-        journal = self._own()
-        with journal.conn.waiting():
-            self._write_unwritten(journal)
-
     def _write_unwritten(self, journal: Journal) -> None:
-        if not self._unwritten:
-            return
-        with self._lock:
-            while self._unwritten:
-                try:
-                    Journal.record_response(journal, *self._unwritten[0])  # type: ignore[arg-type]
-                except journal.conn.IntegrityError:
-                    pass  # written after all (or its request is gone): nothing left to do for it
-                except journal.conn.Error:
-                    return  # still no room: kept for the next call
-                self._unwritten.popleft()
+        if self._unwritten:
+            with self._lock:
+                _write_kept(journal, self._unwritten)
 
     def close(self) -> None:
-        self._threads.run_blocking(self._write_left)
+        self._threads.run_blocking(lambda: _write_left(self))
         self._threads.stop()
         if self._checkpoints is not None:
             self._checkpoints.close()
         for journal in self._journals:
             journal.close()
+
+
+def _write_left(writer: JournalWriter) -> None:
+    """At close, on the thread: the answers still kept in memory, waiting for the lock as the thread's calls do."""
+    if writer._unwritten:
+        journal = writer._own()
+        with journal.conn.waiting():
+            writer._write_unwritten(journal)
+
+
+def _write_kept(journal: Journal, unwritten: deque[tuple[object, ...]]) -> None:
+    """The answers kept in memory (``JournalWriter._unwritten``) journaled, oldest first, until one fails."""
+    while unwritten:
+        try:
+            Journal.record_response(journal, *unwritten[0])  # type: ignore[arg-type]
+        except journal.conn.IntegrityError:
+            pass  # written after all (or its request is gone): nothing left to do for it
+        except journal.conn.Error:
+            return  # still no room: kept for the next call
+        unwritten.popleft()
 
 
 def _forget_reads(journal: Journal) -> None:

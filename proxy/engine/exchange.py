@@ -66,8 +66,7 @@ class Exchange:
         self.deferred: ForwardRecord | None = None
         """The current attempt's forward row, when it is journaled with its answer."""
         self._ending: tuple[str, int, dict[str, object] | None, float] | None = None
-        """The journaled answer's outcome, status, usage and total time, counted in the metrics and told in the log
-        line once the answer has left (``_write_line``)."""
+        """The journaled answer's outcome, status, usage and time, for the metrics and the line (``_write_line``)."""
         self._locked = False
         self._finished = False
 
@@ -157,14 +156,6 @@ class Exchange:
         self.tallies.append(tally)
         self.cuts = {kind: self.cuts.get(kind, 0) + cuts.get(kind, 0) for kind in self.cuts | cuts}
 
-    def _fields(self, outcome: str, status: int, total_ms: float) -> dict[str, object]:
-        """The request's one line at info: who, where, what happened, the tokens, the cuts, the time."""
-        return {"event": "request", "session": self.recorded.session_id, "request_id": self.recorded.request_id,
-                  "route": f"{self.request.method} {target_of(self.request)[0]}", "status": status, "outcome": outcome,
-                  "tokens_in": None, "tokens_out": None, "cuts": self.cuts,  # once the tally is known
-                  "retries": self.retries, "rounds": self.internal_rounds, "added_ms": self.sent_ms,
-                  "total_ms": total_ms}
-
     async def _write_line(self) -> None:
         """The journaled answer counted in the metrics, and the request's line written (none if the answer could
         not be journaled: the client got an error, or the answer waits in memory for the disk)."""
@@ -174,7 +165,7 @@ class Exchange:
             outcome, status, usage, total_ms = ending
             self.state.metrics.answered(outcome, usage)
             self.state.metrics.timed(self.sent_ms, self.upstream_ms)
-            fields = self._fields(outcome, status, total_ms)
+            fields = _line_fields(self, outcome, status, total_ms)
         tallies, self.tallies = self.tallies, []
         tally = await counted(tallies)  # for the metrics as well, line or not
         if fields is not None:
@@ -195,6 +186,14 @@ class Exchange:
 
     def elapsed(self) -> float:
         return round((time.perf_counter() - self.started) * 1000, 3)
+
+
+def _line_fields(x: Exchange, outcome: str, status: int, total_ms: float) -> dict[str, object]:
+    """The request's one line at info: who, where, what happened, the tokens, the cuts, the time."""
+    return {"event": "request", "session": x.recorded.session_id, "request_id": x.recorded.request_id,
+            "route": f"{x.request.method} {target_of(x.request)[0]}", "status": status, "outcome": outcome,
+            "tokens_in": None, "tokens_out": None, "cuts": x.cuts,  # once the tally is known
+            "retries": x.retries, "rounds": x.internal_rounds, "added_ms": x.sent_ms, "total_ms": total_ms}
 
 
 Tallying = Callable[[], "Tally | asyncio.Future[Tally]"]
