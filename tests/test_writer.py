@@ -21,7 +21,15 @@ import pytest
 from ctxproxy.config import load_settings
 from ctxproxy.proxy.engine.heavy import OFFLOAD_BYTES, OFFLOAD_MESSAGES, WHOLE_MIRROR_CHARS, heavy_journaling
 from ctxproxy.proxy.errors import StorageError, StorageFull, storage_error
-from ctxproxy.store import Journal, JournalWriter, MirrorShown, SessionState, StateChange, checkpoints
+from ctxproxy.store import (
+    Journal,
+    JournalWriter,
+    MirrorShown,
+    ResponseRecord,
+    SessionState,
+    StateChange,
+    checkpoints,
+)
 from ctxproxy.store.claims import claim
 from tests.conftest import app_client
 from tests.fakes import FakeUpstream
@@ -110,6 +118,24 @@ def test_a_write_lock_held_elsewhere_sends_the_call_to_the_thread_and_the_loop_r
         other.close()
         writer.close()
     assert placed_on == ["ctxproxy-journal_0"] and _requests(tmp_path / "journal.db") == 1
+
+
+def test_an_answer_kept_in_memory_is_written_at_close_once_a_lock_held_elsewhere_goes(tmp_path: Path) -> None:
+    """The writer's connection rests without a busy timeout (the loop's calls take the lock at once or go to the
+    thread): at close, an answer still kept in memory waits for a ``ctxproxy prune``'s lock, as the thread's calls
+    do, rather than failing at once and being lost with the process."""
+    writer = JournalWriter(Journal(tmp_path / "journal.db"))
+    recorded = asyncio.run(writer.call(Journal.record_request, incoming(run(2)[-1])))
+    writer._unwritten.append((ResponseRecord(recorded.request_id, 0, "ok", 200, "{}", None, None, 1.0, "now"),))
+    other = sqlite3.connect(tmp_path / "journal.db", isolation_level=None, check_same_thread=False)
+    other.execute("BEGIN IMMEDIATE")
+    threading.Timer(0.3, lambda: other.execute("ROLLBACK")).start()
+    try:
+        writer.close()
+    finally:
+        other.close()
+    with sqlite3.connect(tmp_path / "journal.db") as check:
+        assert check.execute("SELECT COUNT(*) FROM responses").fetchone()[0] == 1
 
 
 def test_a_journal_synced_at_each_commit_is_written_on_its_thread(tmp_path: Path, placed_on: list[str]) -> None:
