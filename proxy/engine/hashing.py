@@ -115,7 +115,7 @@ class MessageHasher:
             ends.append(total)
         result = HashedMessages(messages, Bodies(messages, same, tail), hashes, ends, users)
         earlier = [entry for entry, n in zip(kept, shared, strict=True) if n < len(entry.messages)]  # not extended
-        kept_now = HashedMessages(messages, (), hashes, ends, users)  # ``dataclasses.replace``: 3 µs a request
+        kept_now = HashedMessages(messages, (), hashes, ends, users)  # built directly: ``replace`` took 3 µs
         self._keep(key, [kept_now, *earlier][: self._per_conversation])
         return result
 
