@@ -22,6 +22,8 @@ order alternates), and reports:
 The upstream is ``fake_upstream.py``'s fixed answer without ``usage`` (its constant ``prompt_tokens`` would
 calibrate the proxy's token estimate to the clamp), in its own process. ``--source DIR`` runs the proxy from
 another checkout (``git archive main | tar -x -C DIR``) to measure the code before a change with the same bench.
+``--twins`` (two proxies of each tree side by side) and ``--passes N`` (the whole run N times, one after the other)
+tell the proxy's own cost of each request from the machine's waits: the least of its runs (``twin_runs``).
 
 Run: ``.venv/bin/python bench/long_run.py --markdown --gpu-model PEERS/gpu``
 """
@@ -234,49 +236,55 @@ def run_window(window: int, requests: list[bytes], tmp: Path, sources: list[Path
 
 
 def twin_runs(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each source's two runs of ``--twins`` (same tree, same requests, side by side) as one: a request's own
-    cost is the less of its two added latencies, each against the less of its two direct times.
+    """Each source's runs of one window (``--twins``: two side by side; ``--passes``: one after the other; or both)
+    as one: a request's own cost is the least of its added latencies, each against the less of its run's two
+    direct times.
 
     Why: on a machine of two cores shared by the bench's client, the upstream and the proxies, a request waits
-    now and then for a core, and a wait only adds time. Two proxies of the same tree do the same work for each
-    request, so what both took long for is the proxy's own; what one of them alone did is the machine's (in ten
-    such runs, 0-7 of each twin's 4-17 requests over twice the median were over in both)."""
-    out = []
-    for first, second in zip(runs[::2], runs[1::2], strict=True):
-        own = [min(a, b) for a, b in zip(first["added_ms"], second["added_ms"], strict=True)]
-        median = statistics.median(own)
-        slow = [i for i, x in enumerate(own) if x > 2 * median]
-        by_kind: dict[str, int] = {}
-        for i in slow:
-            by_kind[first["kinds"][i]] = by_kind.get(first["kinds"][i], 0) + 1
-        both = [i for i in range(len(own)) if all(r["added_ms"][i] > 2 * r["added_median_ms"] for r in (first, second))]
-        out.append({"source": first["source"], "window": first["window"], "own_median_ms": round(median, 2),
-                    "own_max_ms": round(max(own), 2), "own_over_2x_median": len(slow), "own_slow": slow[:20],
-                    "own_slow_ms": [round(own[i], 2) for i in slow[:20]], "own_slow_by_kind": by_kind,
-                    "over_2x_each": [first["over_2x_median"], second["over_2x_median"]], "over_2x_both": len(both),
-                    **own_handling(first, second)})
-    return out
+    now and then for a core, and a wait only adds time. Proxies of the same tree do the same work for each
+    request, so what all took long for is the proxy's own; what one of them alone did is the machine's (in ten
+    runs of twins, 0-7 of each twin's 4-17 requests over twice the median were over in both). Twins side by side
+    share the machine's moment: a stall of a few milliseconds (another process, a sync) and each twin's work after
+    its answer (a spilled result counted on a thread) meet both. Passes are minutes apart."""
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for run in runs:
+        groups.setdefault((run["source"], run["window"]), []).append(run)
+    return [_least_of(group) for group in groups.values() if len(group) > 1]
 
 
-def own_handling(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
-    """The twins' handling (``handled_ms``) the same way: each request's the less of the two; its median, which
-    requests took over twice it, and the fold passes' median and most. With the logs' ``sent_ms``, the fold passes'
-    own time to the upstream and after it (the answer, and what it waited for: the mirror's file), each the less of
-    the twins', beside all requests' medians. Nothing when a log could not be read."""
-    if not first.get("handled_ms") or not second.get("handled_ms"):
-        return {}
-    own = [min(a, b) for a, b in zip(first["handled_ms"], second["handled_ms"], strict=True)]
+def _least_of(group: list[dict[str, Any]]) -> dict[str, Any]:
+    first = group[0]
+    own = [min(added) for added in zip(*(r["added_ms"] for r in group), strict=True)]
     median = statistics.median(own)
-    folds = [i for i, kind in enumerate(first["kinds"]) if "fold" in kind.split("+")]
+    slow = [i for i, x in enumerate(own) if x > 2 * median]
+    by_kind: dict[str, int] = {}
+    for i in slow:
+        by_kind[first["kinds"][i]] = by_kind.get(first["kinds"][i], 0) + 1
+    every = [i for i in range(len(own)) if all(r["added_ms"][i] > 2 * r["added_median_ms"] for r in group)]
+    return {"source": first["source"], "window": first["window"], "runs": len(group),
+            "own_median_ms": round(median, 2), "own_max_ms": round(max(own), 2), "own_over_2x_median": len(slow),
+            "own_slow": slow[:20], "own_slow_ms": [round(own[i], 2) for i in slow[:20]], "own_slow_by_kind": by_kind,
+            "over_2x_each": [r["over_2x_median"] for r in group], "over_2x_all": len(every), **own_handling(group)}
+
+
+def own_handling(group: list[dict[str, Any]]) -> dict[str, Any]:
+    """The runs' handling (``handled_ms``) the same way: each request's the least of the runs'; its median, which
+    requests took over twice it, and the fold passes' median and most. With the logs' ``sent_ms``, the fold passes'
+    own time to the upstream and after it (the answer, and what it waited for: the mirror's file), each the least
+    of the runs', beside all requests' medians. Nothing when a log could not be read."""
+    if not all(r.get("handled_ms") for r in group):
+        return {}
+    own = [min(handled) for handled in zip(*(r["handled_ms"] for r in group), strict=True)]
+    median = statistics.median(own)
+    folds = [i for i, kind in enumerate(group[0]["kinds"]) if "fold" in kind.split("+")]
     out = {"own_handled_median_ms": round(median, 2), "own_handled_slow": [i for i, x in enumerate(own)
                                                                            if x > 2 * median][:20],
            "fold_handled_median_ms": round(statistics.median(own[i] for i in folds), 2) if folds else None,
            "fold_handled_max_ms": round(max(own[i] for i in folds), 2) if folds else None}
-    if first.get("sent_ms") and second.get("sent_ms") and folds:
-        sent = [min(a, b) for a, b in zip(first["sent_ms"], second["sent_ms"], strict=True)]
-        after = [min(h - s for h, s in pair) for pair in zip(
-            zip(first["handled_ms"], first["sent_ms"], strict=True),
-            zip(second["handled_ms"], second["sent_ms"], strict=True), strict=True)]
+    if all(r.get("sent_ms") for r in group) and folds:
+        sent = [min(times) for times in zip(*(r["sent_ms"] for r in group), strict=True)]
+        after = [min(times) for times in zip(*([h - s for h, s in zip(r["handled_ms"], r["sent_ms"], strict=True)]
+                                                for r in group), strict=True)]
         out |= {"own_sent_median_ms": round(statistics.median(sent), 2),
                 "own_after_median_ms": round(statistics.median(after), 2),
                 "fold_sent_median_ms": round(statistics.median(sent[i] for i in folds), 2),
@@ -501,15 +509,17 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def twins_table(twins: list[dict[str, Any]]) -> list[str]:
-    lines = ["| source | window | own added (the less of twins), median / max (ms) | > 2× median: each twin / both |"
+    lines = ["| source | window | runs | own added (the least of its runs), median / max (ms) |"
+             " > 2× median: each run / all |"
              " own > 2× own median | of them, by kind (ms) | own handling, median (ms): over 2× it |"
              " fold passes' own handling, median / max (ms) | to the upstream / after it, median (ms): all, fold"
-             " passes |", "|---|---|---|---|---|---|---|---|---|"]
+             " passes |", "|---|---|---|---|---|---|---|---|---|---|"]
     for t in twins:
         slow = ", ".join(f"{i} {ms}" for i, ms in zip(t["own_slow"], t["own_slow_ms"], strict=True))
         kinds = ", ".join(f"{k} {n}" for k, n in sorted(t["own_slow_by_kind"].items(), key=lambda kv: -kv[1]))
-        lines.append(f"| {Path(t['source']).name} | {t['window'] // 1024}k | {t['own_median_ms']} / {t['own_max_ms']} |"
-                     f" {' / '.join(map(str, t['over_2x_each']))} / {t['over_2x_both']} | {t['own_over_2x_median']} |"
+        lines.append(f"| {Path(t['source']).name} | {t['window'] // 1024}k | {t['runs']} |"
+                     f" {t['own_median_ms']} / {t['own_max_ms']} |"
+                     f" {' / '.join(map(str, t['over_2x_each']))} / {t['over_2x_all']} | {t['own_over_2x_median']} |"
                      f" {kinds}{'; ' + slow if slow else ''} | {_handling_cells(t)} |")
     return lines
 
@@ -553,10 +563,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--breakdown", action="store_true", help="with --markdown: the journal's bytes by table")
     parser.add_argument("--keep", type=Path, help="copy each run's journal here (SOURCE-WINDOW.db; with --twins "
-                        "SOURCE-WINDOW-0.db and -1.db), for "
-                        "bench/journal_reads.py")
+                        "SOURCE-WINDOW-0.db and -1.db; with --passes, in pass-N/), for bench/journal_reads.py")
     parser.add_argument("--twins", action="store_true", help="run each source twice side by side, and each request "
                         "direct twice: a request's own cost is the less of the two (twin_runs)")
+    parser.add_argument("--passes", type=int, default=1, help="run each window this many times, one after the "
+                        "other, each with fresh proxies: a request's own cost is the least of its runs (twin_runs)")
     parser.add_argument("--upstream-ms", type=float, default=0.0, help="the upstream answers each chat after this "
                         "long (a model's time to its answer; 0, the default, is the peers' method: at once)")
     parser.add_argument("--serve-upstream", type=int, help=argparse.SUPPRESS)
@@ -580,16 +591,18 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for window in (int(w) for w in args.windows.split(",")):
-            folder = Path(tmp) / str(window)
-            folder.mkdir()
-            for run in run_window(window, requests, folder, [p.resolve() for p in args.source or [ROOT]], args.keep,
-                                  args.twins):
-                run["gpu"] = gpu_seconds(args.gpu_model, run.pop("trace"), folder)
-                runs.append(run)
-            print(f"  {window}: {len(requests)} requests in {runs[-1]['seconds']} s", file=sys.stderr)
+            for n in range(args.passes):
+                folder = Path(tmp) / str(window) / str(n)
+                folder.mkdir(parents=True)
+                keep = args.keep / f"pass-{n}" if args.keep and args.passes > 1 else args.keep
+                for run in run_window(window, requests, folder, [p.resolve() for p in args.source or [ROOT]], keep,
+                                      args.twins):
+                    run["gpu"] = gpu_seconds(args.gpu_model, run.pop("trace"), folder)
+                    runs.append(run)
+                print(f"  {window}: {len(requests)} requests in {runs[-1]['seconds']} s", file=sys.stderr)
     report = {"command": " ".join(["bench/long_run.py", *(argv if argv is not None else sys.argv[1:])]),
               "rounds": args.rounds, "gpu_note": note, "runs": runs, "breakdown": args.breakdown,
-              "twins": twin_runs(runs) if args.twins else []}
+              "twins": twin_runs(runs)}
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
     print(markdown(report) if args.markdown else json.dumps({**report, "runs": [

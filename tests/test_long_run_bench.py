@@ -96,8 +96,28 @@ def test_twins_keep_what_both_took_long_for_as_the_proxy_s_own() -> None:
     second = {**first, "added_ms": [1.2, 0.9, 1.1, 5.0, 1.0, 1.0], "over_2x_median": 1}
     [twin] = _long_run().twin_runs([first, second])
     assert twin["own_slow"] == [3] and twin["own_slow_ms"] == [5.0] and twin["own_slow_by_kind"] == {"fold": 1}
-    assert twin["over_2x_each"] == [2, 1] and twin["over_2x_both"] == 1 and twin["own_median_ms"] == 1.0
+    assert twin["over_2x_each"] == [2, 1] and twin["over_2x_all"] == 1 and twin["own_median_ms"] == 1.0
     assert "own_handled_median_ms" not in twin  # no handling read from the logs
+
+
+def test_passes_and_twins_of_a_tree_are_one_account_each_request_the_least_of_its_runs() -> None:
+    """Two trees, two passes of twins: the runs come window by window, pass by pass, each pass's twins side by
+    side. Each tree's four runs are one account: request 2 was slow in three of them (a wait that met both twins
+    of a pass, and one twin of the other), request 4 in all four (the proxy's own)."""
+    kinds = ["plain"] * 6
+
+    def run(source: str, added: list[float]) -> dict[str, object]:
+        return {"source": source, "window": 32768, "added_ms": added, "added_median_ms": 1.0, "kinds": kinds,
+                "over_2x_median": sum(a > 2 for a in added)}
+    a = [run("/t/a", [1.0, 1.0, 5.0, 1.0, 5.0, 1.0]), run("/t/a", [1.0, 1.1, 6.0, 1.0, 4.0, 1.0]),
+         run("/t/a", [1.0, 1.0, 1.2, 0.9, 6.0, 1.0]), run("/t/a", [1.1, 1.0, 5.0, 1.0, 4.5, 1.0])]
+    b = [run("/t/b", [1.0] * 6) for _ in range(4)]
+    runs = [a[0], a[1], b[0], b[1], a[2], a[3], b[2], b[3]]  # pass 1's twins of each tree, then pass 2's
+    first, second = _long_run().twin_runs(runs)
+    assert (first["source"], first["runs"], second["source"], second["runs"]) == ("/t/a", 4, "/t/b", 4)
+    assert first["own_slow"] == [4] and first["own_slow_ms"] == [4.0] and first["over_2x_all"] == 1
+    assert first["over_2x_each"] == [2, 2, 1, 2] and second["own_over_2x_median"] == 0
+    assert _long_run().twin_runs([a[0], b[0]]) == []  # one run of each tree: nothing to take the least of
 
 
 def test_twins_handling_is_the_less_of_the_two_and_folds_are_told_apart() -> None:
@@ -105,12 +125,12 @@ def test_twins_handling_is_the_less_of_the_two_and_folds_are_told_apart() -> Non
     kinds = ["plain", "plain", "spill", "elide+fold", "plain", "plain"]
     first = {"handled_ms": [1.0, 1.0, 1.0, 6.0, 7.0, 1.0], "kinds": kinds}
     second = {"handled_ms": [1.2, 0.9, 1.1, 5.0, 1.0, 1.0], "kinds": kinds}
-    own = _long_run().own_handling(first, second)
+    own = _long_run().own_handling([first, second])
     assert own == {"own_handled_median_ms": 1.0, "own_handled_slow": [3], "fold_handled_median_ms": 5.0,
                    "fold_handled_max_ms": 5.0}
-    assert _long_run().own_handling(first, {**second, "handled_ms": []}) == {}
+    assert _long_run().own_handling([first, {**second, "handled_ms": []}]) == {}
     sent = {**first, "sent_ms": [0.5, 0.5, 0.5, 2.0, 0.5, 0.5]}  # the fold's: 2 ms before the upstream
-    split = _long_run().own_handling(sent, {**second, "sent_ms": [0.6, 0.5, 0.5, 3.0, 0.5, 0.5]})
+    split = _long_run().own_handling([sent, {**second, "sent_ms": [0.6, 0.5, 0.5, 3.0, 0.5, 0.5]}])
     assert split["fold_sent_median_ms"] == 2.0 and split["fold_after_median_ms"] == 2.0  # 5.0 - 3.0 (6.0 - 2.0)
     assert split["own_sent_median_ms"] == 0.5 and split["own_after_median_ms"] == 0.5
 
