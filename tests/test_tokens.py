@@ -434,19 +434,17 @@ def test_a_50_mb_message_is_counted_without_encoding_it() -> None:
     assert encoding.encoded == []
 
 
-@given(st.lists(st.tuples(st.sampled_from("abcdefgh"), st.text(max_size=20)), max_size=12),
-       st.lists(st.tuples(st.sampled_from("abcdefgh"), st.text(max_size=20)), max_size=12), st.integers(1, 6))
-def test_counting_all_at_once_is_counting_each_in_turn(first: list[tuple[str, str]], then: list[tuple[str, str]],
-                                                       capacity: int) -> None:
-    """``count_all`` (the tally's lookups under one lock) gives each message's keyed count, a key seen twice the
-    first one's, and leaves the cache and its hit and miss counts as counting them one by one does; a small
-    capacity still holds."""
-    one, batch = MessageCounter(load_encoding()), MessageCounter(load_encoding())
-    small = MessageCounter(load_encoding(), capacity)
-    for messages in (first, then):
-        bodies = [{"role": "user", "content": text} for _, text in messages]
-        keys = [key for key, _ in messages]
-        expected = [one.count(body, key) for body, key in zip(bodies, keys, strict=True)]
-        assert batch.count_all(bodies, keys) == expected
-        assert (batch.hits, batch.misses) == (one.hits, one.misses) and dict(batch._cache) == dict(one._cache)
-        assert len(small.count_all(bodies, keys)) == len(keys) and len(small._cache) <= capacity
+@given(st.text(max_size=400), st.lists(st.text(max_size=40), max_size=3), st.booleans())
+def test_a_message_s_estimate_is_its_count_with_each_text_estimated_from_its_characters(
+        content: str, arguments: list[str], named: bool) -> None:
+    """``estimate`` counts a message as ``count`` does (the overhead, the content, each call's name and
+    arguments, ``name``), each text ``CharEstimate``'s way, and tokenises nothing: not the counter's tokenizer, and
+    nothing cached."""
+    message: dict[str, Any] = {"role": "tool" if named else "assistant", "content": content,
+                               "tool_calls": [{"function": {"name": "run", "arguments": a}} for a in arguments]}
+    if named:
+        message["name"] = "run_shell"
+    counter, encoding = recording_counter()
+    messages = MessageCounter(counter)
+    assert messages.estimate(message) == MessageCounter(CharEstimate()).count(message)
+    assert encoding.encoded == [] and messages.cached(message_hash(message)) is None

@@ -8,7 +8,6 @@ the session's lock, whatever path the request took (an answer, an error, a clien
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -119,7 +118,7 @@ class Exchange:
         left): formatting and writing the line was 5% of a small request's time before the client had its answer,
         the metrics' counts and the line's fields ~30 µs more."""
         if self._finished:
-            await self._write_line()
+            self._write_line()
             return
         self._finished = True
         try:  # the row first: what is learnt from the answer after, so that nothing in it can cost the row
@@ -130,7 +129,7 @@ class Exchange:
             self._calibrate(usage)  # before the lock goes: the session's next request projects with it
             self._ending = (outcome, status, usage, self.elapsed())
             if not log_later:
-                await self._write_line()
+                self._write_line()
         finally:
             if self._locked:
                 self.state.locks.release(self.recorded.session_id)
@@ -156,7 +155,7 @@ class Exchange:
         self.tallies.append(tally)
         self.cuts = {kind: self.cuts.get(kind, 0) + cuts.get(kind, 0) for kind in self.cuts | cuts}
 
-    async def _write_line(self) -> None:
+    def _write_line(self) -> None:
         """The journaled answer counted in the metrics, and the request's line written (none if the answer could
         not be journaled: the client got an error, or the answer waits in memory for the disk)."""
         ending, self._ending = self._ending, None
@@ -167,7 +166,7 @@ class Exchange:
             self.state.metrics.timed(self.sent_ms, self.upstream_ms)
             fields = _line_fields(self, outcome, status, total_ms)
         tallies, self.tallies = self.tallies, []
-        tally = await counted(tallies)  # for the metrics as well, line or not
+        tally = counted(tallies)  # for the metrics as well, line or not
         if fields is not None:
             fields |= {"tokens_in": tally.tokens_in, "tokens_out": tally.tokens_out} if tally else {}
             log.info(request_line(fields), extra={"ctx": fields})
@@ -196,16 +195,16 @@ def _line_fields(x: Exchange, outcome: str, status: int, total_ms: float) -> dic
             "retries": x.retries, "rounds": x.internal_rounds, "added_ms": x.sent_ms, "total_ms": total_ms}
 
 
-Tallying = Callable[[], "Tally | asyncio.Future[Tally]"]
+Tallying = Callable[[], "Tally"]
 """A forward's tally, counted when called (``proxy.engine.planning._tallied``)."""
 
 
-async def counted(tallies: list[Tallying]) -> Tally | None:
+def counted(tallies: list[Tallying]) -> Tally | None:
     """Each forward's tally counted (each gives the metrics what its cuts freed); the latest one, whose tokens (in,
     out) the request's log line gives."""
     latest = None
-    for tally in [count() for count in tallies]:
-        latest = await tally if isinstance(tally, asyncio.Future) else tally
+    for count in tallies:
+        latest = count()
     return latest
 
 

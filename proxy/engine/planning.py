@@ -11,7 +11,6 @@ worker thread as a whole (``proxy.engine.heavy``) while the event loop serves th
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
@@ -144,24 +143,14 @@ async def _journaled(app: AppState, writer: JournalWriter, ctx: SessionContext, 
 
 
 def _tallied(app: AppState, ctx: SessionContext, t: Taken, messages: list[dict[str, Any]], hashes: Sequence[str],
-             sent: int, budgeted: int) -> Tally | asyncio.Future[Tally]:
-    """The forward's tally, called by the request's log line (``Exchange``), once the answer has left: at once when
-    the counter knew every original it cut; else a future of the rest counted on a thread (tiktoken lets go of the
-    GIL: a 16 KB result spilled as it came takes 4 ms). The metrics count what the new cuts freed once it is
-    known, and a request that ends before that still has it counted."""
-    count = ctx.tallied = counting(t, messages, hashes, app.counter, sent, budgeted, ctx.tallied)
-    if count.complete:
-        known = count.finish(app.counter)
-        app.metrics.decided((), known.freed)
-        return known
-    counted = asyncio.get_running_loop().run_in_executor(None, count.finish, app.counter)
-    counted.add_done_callback(lambda done: _count_freed(app, done))
-    return counted
-
-
-def _count_freed(app: AppState, done: asyncio.Future[Tally]) -> None:
-    if not done.cancelled() and done.exception() is None:
-        app.metrics.decided((), done.result().freed)
+             sent: int, budgeted: int) -> Tally:
+    """The forward's tally, called by the request's log line (``Exchange``), once the answer has left: at once, the
+    originals the counter never tokenised estimated (``proxy.engine.tally``). The metrics count what the new cuts
+    freed."""
+    count = ctx.tallied = counting(t, messages, hashes, app.counter, sent, budgeted, ctx.tallied).known(app.counter)
+    known = count.finish(app.counter)
+    app.metrics.decided((), known.freed)
+    return known
 
 
 def _outfile_bodies(rules: Rules, p: Projection, bodies: Sequence[bytes]) -> list[tuple[str, str]]:

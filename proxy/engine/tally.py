@@ -4,17 +4,20 @@ of new cut freed. The metrics count it (``ctxproxy_tokens_freed_total{by=…}``)
 Counted with the session's own ``MessageCounter`` (ctxproxy's count, before the calibrated ratio), keyed by each
 message's identity hash, so a message counted once is not counted again: only a cut message's original is counted
 here, and the projection counted most of those already when they came in. Not all: a large result spilled as it
-arrived was never counted whole (the spill is decided by its size), and tokenising 16 KB takes about 4 ms. Those
-only feed the metrics and the log line, which is written once the answer has left: so the request's path only
-copies what the tally reads of the projection (``Taken``, a few list copies), and ``counting`` runs then, with
-``Counting.finish`` counting the rest on a thread (``proxy.engine.planning``). Looking up a 128k projection's ~800
-cut messages in the counter's cache took 0.7 ms of every request of a long session, before the forward went.
+arrived was never tokenised (the spill is decided by its size). Such an original is estimated from its characters
+(``MessageCounter.estimate``), not tokenised for the tally: these figures only feed the metrics and the log line,
+and tokenising 16 KB takes about 4 ms. Counted on a thread after the answer, that work met the session's next
+request whenever the agent sent it at once: in the 600-round run behind an instant upstream it was 12-16% of the
+proxy's CPU, and the requests after the largest spills took over twice the median (issue #13). The request's path
+only copies what the tally reads of the projection (``Taken``, a few list copies); ``counting`` and
+``Counting.finish`` run once the answer has left. Looking up a 128k projection's ~800 cut messages in the
+counter's cache took 0.7 ms of every request of a long session, before the forward went.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 from ctxproxy.proxy.core import Decision, Projection
@@ -38,7 +41,7 @@ class Tally:
 
 @dataclass(frozen=True)
 class Counting:
-    """A request's tally as far as the counter already knew it; ``finish`` counts the cut originals it did not.
+    """A request's tally as far as the counter already knew it; ``known`` estimates the cut originals it did not.
     Holds copies, not the projection's state: the session's next request extends that state in place."""
 
     agent: int
@@ -50,9 +53,9 @@ class Counting:
     stubs: list[int]
     """What each of them counts as it goes upstream (a fold's covered messages: 0, or the stub's)."""
     originals: list[int | None]
-    """Each one's original, as the counter had it; None: not counted yet."""
+    """Each one's original, as the counter had it (or ``known`` estimated it); None: not known yet."""
     pending: Sequence[tuple[Mapping[str, Any], str]]
-    """The originals not counted yet, and their keys, in the order of the Nones after ``settled_cuts``."""
+    """The originals not known yet, and their keys, in the order of the Nones after ``settled_cuts``."""
     new: tuple[Decision, ...]
     where: dict[str, int]
     """The index of each message id a new decision targets."""
@@ -66,14 +69,25 @@ class Counting:
     def complete(self) -> bool:
         return not self.pending
 
-    def finish(self, counter: MessageCounter) -> Tally:
-        """The tally, every original counted (those not counted yet, now: thread-safe, cached for next time)."""
-        counted = iter(counter.count_all([m for m, _ in self.pending], [k for _, k in self.pending]))
+    def known(self, counter: MessageCounter) -> Counting:
+        """This tally with every original known: those the counter never tokenised estimated from their characters
+        (a few µs each, where tokenising a 16 KB result took 4 ms). Kept as the session's last tally, so the next
+        one settles them as they are and never estimates them again."""
+        if not self.pending:
+            return self
+        estimates = iter([counter.estimate(message) for message, _ in self.pending])
         k = self.settled_cuts
-        removed = {i: (next(counted) if original is None else original) - stub  # a fold's stub: less than 0
-                   for i, stub, original in zip(self.cut[k:], self.stubs[k:], self.originals[k:], strict=True)}
-        return Tally(self.agent + self.settled + sum(removed.values()), self.sent,
-                     _freed(self.new, self.where, removed), self.cuts)
+        originals = self.originals[:k] + [next(estimates) if o is None else o for o in self.originals[k:]]
+        return replace(self, originals=originals, pending=())
+
+    def finish(self, counter: MessageCounter) -> Tally:
+        """The tally, every original known (``known``)."""
+        done = self.known(counter)
+        k = done.settled_cuts
+        removed = {i: cast(int, original) - stub  # a fold's stub: less than 0
+                   for i, stub, original in zip(done.cut[k:], done.stubs[k:], done.originals[k:], strict=True)}
+        return Tally(done.agent + done.settled + sum(removed.values()), done.sent,
+                     _freed(done.new, done.where, removed), done.cuts)
 
 
 @dataclass(frozen=True)
