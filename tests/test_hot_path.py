@@ -131,8 +131,8 @@ def test_a_forward_s_tally_is_counted_once_its_answer_has_left_not_before_it_goe
     messages = history(20)
     with app_client(settings, httpx.ASGITransport(app=fake)) as client:
         counter = client.app.state.ctx.counter  # type: ignore[attr-defined]
-        looked_up = counter.cached_all
-        counter.cached_all = lambda keys: (seen.append("tally"), looked_up(keys))[1]
+        looked_up = counter.known_all
+        counter.known_all = lambda keys: (seen.append("tally"), looked_up(keys))[1]
         for k in range(1, 21):
             _send(client, messages[:2 + 2 * k])
         freed = client.get("/metrics").text

@@ -102,6 +102,7 @@ def test_a_tally_estimates_only_what_the_counter_had_not_counted(sizes: list[int
     assert partly.misses == misses and all(partly.cached(hashes[i]) is None for i in unknown)  # nothing tokenised
     kept = later.known(partly)
     assert kept.complete and kept.finish(MessageCounter()) == got
+    assert partly.known_all([hashes[i] for i in unknown]) == [partly.estimate(messages[i]) for i in unknown]
 
 
 def test_a_tally_counted_after_the_session_moved_on_is_the_one_its_forward_planned() -> None:

@@ -438,13 +438,19 @@ def test_a_50_mb_message_is_counted_without_encoding_it() -> None:
 def test_a_message_s_estimate_is_its_count_with_each_text_estimated_from_its_characters(
         content: str, arguments: list[str], named: bool) -> None:
     """``estimate`` counts a message as ``count`` does (the overhead, the content, each call's name and
-    arguments, ``name``), each text ``CharEstimate``'s way, and tokenises nothing: not the counter's tokenizer, and
-    nothing cached."""
+    arguments, ``name``), each text ``CharEstimate``'s way, and tokenises nothing. Kept under its key apart from the
+    counts: a tally finds it (``known_all``), the projection never takes it for a count (``cached``), and a count
+    made later wins."""
     message: dict[str, Any] = {"role": "tool" if named else "assistant", "content": content,
                                "tool_calls": [{"function": {"name": "run", "arguments": a}} for a in arguments]}
     if named:
         message["name"] = "run_shell"
     counter, encoding = recording_counter()
     messages = MessageCounter(counter)
-    assert messages.estimate(message) == MessageCounter(CharEstimate()).count(message)
-    assert encoding.encoded == [] and messages.cached(message_hash(message)) is None
+    key = message_hash(message)
+    estimated = MessageCounter(CharEstimate()).count(message)
+    assert messages.estimate(message, key) == estimated == messages.estimate({"role": "user"}, key)  # kept
+    assert encoding.encoded == [] and messages.cached(key) is None and messages.known_all([key, "other"]) == [
+        estimated, None]
+    counted = messages.count(message, key)
+    assert messages.known_all([key]) == [counted]  # counted since: the count

@@ -220,6 +220,8 @@ class MessageCounter:
         self.hits = 0
         self.misses = 0
         self._cache: OrderedDict[str, int] = OrderedDict()
+        self._estimates: OrderedDict[str, int] = OrderedDict()
+        """Messages never counted, estimated for a tally (``estimate``), apart from the counts."""
         self._lock = threading.Lock()
         """The cache is shared by the event loop and the worker that projects large requests
         (``proxy.engine.heavy``)."""
@@ -243,28 +245,37 @@ class MessageCounter:
                 self._cache.popitem(last=False)
         return tokens
 
-    def estimate(self, message: Mapping[str, Any]) -> int:
-        """Tokens of one message estimated from its characters (``CharEstimate``: 3.5 a token), not tokenised and
-        not cached: what a tally takes for an original the counter never counted (a result spilled as it came,
-        ``proxy.engine.tally``), where tokenising a 16 KB result takes about 4 ms."""
-        return _ESTIMATES._count_message(message)
+    def estimate(self, message: Mapping[str, Any], key: str | None = None) -> int:
+        """Tokens of one message estimated from its characters (``CharEstimate``: 3.5 a token), not tokenised: what
+        a tally takes for an original the counter never counted (a result spilled as it came, ``proxy.engine.tally``),
+        where tokenising a 16 KB result takes about 4 ms. Kept under ``key`` apart from the counts (the projection
+        never takes an estimate for a count), so each original is estimated once: a fold pass walks every cut of the
+        session again, hundreds of them spilled results at 600 rounds."""
+        if key is not None:
+            with self._lock:
+                kept = self._estimates.get(key)
+            if kept is not None:
+                return kept
+        tokens = _ESTIMATES._count_message(message)
+        if key is not None:
+            with self._lock:
+                self._estimates[key] = tokens
+                if len(self._estimates) > self.capacity:
+                    self._estimates.popitem(last=False)
+        return tokens
 
-    def cached_all(self, keys: Sequence[str]) -> list[int | None]:
-        """The count cached under each key, None where there is none, without counting: what a tally takes of
-        the counter (it estimates the Nones, ``estimate``)."""
-        found = self._found(keys)
-        with self._lock:
-            self.hits += sum(cached is not None for cached in found)
-        return found
-
-    def _found(self, keys: Sequence[str]) -> list[int | None]:
-        """Each key's cached count or None, looked up under one lock; those found become the most recent."""
+    def known_all(self, keys: Sequence[str]) -> list[int | None]:
+        """Each key's count, or its estimate (``estimate``) where it was never counted, None where neither is
+        kept, without counting, under one lock: what a tally takes of the counter (it estimates the Nones). Those
+        counted become the most recent."""
         with self._lock:
             found = [self._cache.get(key) for key in keys]
             for key, cached in zip(keys, found, strict=True):
                 if cached is not None:
                     self._cache.move_to_end(key)
-        return found
+            self.hits += sum(cached is not None for cached in found)
+            return [self._estimates.get(key) if cached is None else cached
+                    for key, cached in zip(keys, found, strict=True)]
 
     def cached(self, key: str) -> int | None:
         """The count cached under ``key``, if any, without counting (the inspector skips reading known bodies)."""
