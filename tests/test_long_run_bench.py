@@ -5,6 +5,7 @@ proxy's own CPU for it, so a request over twice the median is told apart as the 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sqlite3
 import subprocess
@@ -14,6 +15,7 @@ from pathlib import Path
 from types import ModuleType
 
 import httpx
+import pytest
 
 from ctxproxy.config import load_settings
 from ctxproxy.proxy.observe.logs import request_line
@@ -118,6 +120,24 @@ def test_passes_and_twins_of_a_tree_are_one_account_each_request_the_least_of_it
     assert first["own_slow"] == [4] and first["own_slow_ms"] == [4.0] and first["over_2x_all"] == 1
     assert first["over_2x_each"] == [2, 2, 1, 2] and second["own_over_2x_median"] == 0
     assert _long_run().twin_runs([a[0], b[0]]) == []  # one run of each tree: nothing to take the least of
+
+
+@pytest.mark.e2e
+def test_passes_run_the_whole_replay_again_with_fresh_proxies(tmp_path: Path) -> None:
+    """``--passes 2`` through the real CLI: a short run twice, one after the other, each with a proxy (and a
+    journal) of its own, and one account of the two in the report, each request's least."""
+    out = tmp_path / "run.json"
+    subprocess.run([sys.executable, str(ROOT / "bench" / "long_run.py"), "--rounds", "12", "--windows", "16000",
+                    "--passes", "2", "--json", str(out), "--keep", str(tmp_path / "kept")],
+                   capture_output=True, text=True, timeout=300, check=True)
+    report = json.loads(out.read_text())
+    first, second = report["runs"]
+    assert first["window"] == second["window"] == 16000 and first["requests"] == second["requests"] == 12
+    [both] = report["twins"]
+    assert both["runs"] == 2 and len(both["over_2x_each"]) == 2
+    assert both["own_median_ms"] <= min(first["added_median_ms"], second["added_median_ms"]) + 1e-9
+    kept = sorted(p.relative_to(tmp_path / "kept").parts[0] for p in (tmp_path / "kept").rglob("*.db"))
+    assert kept == ["pass-0", "pass-1"]  # each pass's journal, apart
 
 
 def test_twins_handling_is_the_less_of_the_two_and_folds_are_told_apart() -> None:
