@@ -7,8 +7,8 @@ here, and the projection counted most of those already when they came in. Not al
 arrived was never tokenised (the spill is decided by its size). Such an original is estimated from its characters
 (``MessageCounter.estimate``), not tokenised for the tally: these figures only feed the metrics and the log line,
 and tokenising 16 KB takes about 4 ms. Counted on a thread after the answer, that work met the session's next
-request whenever the agent sent it at once: in the 600-round run behind an instant upstream it was 12-16% of the
-proxy's CPU, and the requests after the largest spills took over twice the median (issue #13). The request's path
+request whenever the agent sent it at once: in the 600-round run behind an instant upstream it was about a fifth
+of the proxy's CPU, and the requests after the largest spills took over twice the median (issue #13). The request's path
 only copies what the tally reads of the projection (``Taken``, a few list copies); ``counting`` and
 ``Counting.finish`` run once the answer has left. Looking up a 128k projection's ~800 cut messages in the
 counter's cache took 0.7 ms of every request of a long session, before the forward went.
@@ -176,8 +176,8 @@ def _standing(last: Counting | None, t: Taken) -> int:
 
 def _settle(last: Counting, unknown: list[int], found: list[int | None]) -> tuple[int, int, list[int | None]]:
     """``last``'s settled sum carried on over all its cuts once every original of them is known (``found``: those
-    of its cuts at ``unknown`` it did not know, looked up again; the thread that counted them cached them), and its
-    originals as known now."""
+    of its cuts at ``unknown`` it did not know, looked up again: counted since, or estimated by its ``known``), and
+    its originals as known now."""
     originals = list(last.originals)
     for j, original in zip(unknown, found, strict=True):
         originals[j] = original
