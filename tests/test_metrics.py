@@ -75,6 +75,7 @@ def tallied(messages: list[dict[str, Any]], rules: Rules) -> tuple[Projection, T
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.integers(1, 400), min_size=1, max_size=24), st.sets(st.integers(0, 60)), st.integers(0, 2))
 @example(sizes=[42, 43, 1, 1, 10, 2, 42, 42, 42, 75], warm={0, 1, 3}, pick=0)  # estimates over and under, one kind
+@example(sizes=[1, 1, 1, 1, 1, 1, 42, 42, 42, 42, 62, 69], warm=set(), pick=0)  # a result spilled, then elided
 def test_a_tally_estimates_only_what_the_counter_had_not_counted(sizes: list[int], warm: set[int], pick: int) -> None:
     """What the counter had not counted (a result spilled as it came) is estimated from its characters, never
     tokenised for the tally: the tally is the one a counter that knew every original gives, less what each such

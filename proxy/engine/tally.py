@@ -194,18 +194,20 @@ def tally(p: Projection, messages: Sequence[dict[str, Any]], hashes: Sequence[st
 
 
 def _freed(new: Sequence[Decision], where: Mapping[str, int], removed: Mapping[int, int]) -> dict[str, int]:
-    """What each new cut took out: the tokens its message lost; a fold, every message of its span (a result elided
-    and folded by the same request counts once, for the fold), so that the kinds add up to what was freed."""
+    """What each new cut took out: the tokens its message lost; a fold, every message of its span. A message cut
+    twice by the same request counts once, for the cut that went upstream (a result elided and folded: the fold; a
+    result spilled and then elided: the elision), so that the kinds add up to what was freed."""
     if not new:
         return {}
     spans = {d.target: (where[d.target], where[d.target] + d.count) for d in new
              if d.kind == "fold" and d.target in where}
     claimed = {i for start, end in spans.values() for i in range(start, end)}
     freed: dict[str, int] = {}
-    for d in new:
+    for d in reversed(new):  # the last cut of a message is the one upstream
         i = where.get(d.target)
         if i is None or d.kind not in CUTS | {"fold"} or (d.kind != "fold" and i in claimed):
             continue
+        claimed.add(i)
         start, end = spans.get(d.target, (i, i + 1)) if d.kind == "fold" else (i, i + 1)
         freed[d.kind] = freed.get(d.kind, 0) + sum(removed.get(j, 0) for j in range(start, end))
     return {kind: max(0, tokens) for kind, tokens in freed.items()}
