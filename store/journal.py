@@ -19,6 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import orjson
+
 from ctxproxy.store.cuts import CutsMixin, ForwardRecord
 from ctxproxy.store.deltas import added_json
 from ctxproxy.store.inspect import InspectMixin
@@ -167,7 +169,7 @@ class Journal(PlacementMixin, ReadsMixin, CutsMixin, InspectMixin, RecoveryMixin
             "INSERT INTO requests (session_id, received_at, path, model, stream, list_id, params_hash, headers,"
             " body_bytes, turn, instance) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             [session_id, req.received_at, req.path, req.model, int(req.stream), list_id, req.params_hash,
-             json.dumps(dict(req.headers)), req.body_bytes, req.turn, self.instance],
+             orjson.dumps(dict(req.headers)).decode(), req.body_bytes, req.turn, self.instance],  # 0.4 µs, not 4
         )
 
 

@@ -147,9 +147,9 @@ class PlacementMixin(SiblingsMixin):
         first, nothing is read for the other 7; before, ~12 lookups of the prefix index on every new run)."""
         if _extends(digests, head):
             return head.length
-        if head.list_id is None:
-            return at_least
         most = head.length - 1 if head.length <= len(digests) else head.length
+        if head.list_id is None or min(most, len(digests)) <= at_least:  # the peers' new runs: 7 of their 8
+            return at_least
         return common_prefix(self.conn, head.list_id, most, digests, self.message_hashes, at_least,
                              self.digest_rows if self.conn.dialect == "sqlite" else None)
 

@@ -246,6 +246,22 @@ def test_the_tool_list_is_counted_once_while_it_repeats(counter: MessageCounter)
     assert fresh.count_tools(None) == fresh.count_tools([]) == 0
 
 
+def test_the_same_tool_list_is_not_serialised_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A body parsed from a kept one's bytes holds that body's own ``tools`` list: counted without its JSON."""
+    import ctxproxy.proxy.core.tokens as tokens_module
+
+    serialised: list[object] = []
+    real = tokens_module.canonical_json
+    monkeypatch.setattr(tokens_module, "canonical_json", lambda value: serialised.append(value) or real(value))
+    tools = [{"type": "function", "function": {"name": "read_file", "parameters": {"type": "object"}}}]
+    counter = MessageCounter(CharEstimate())
+    first = counter.count_tools(tools)
+    assert counter.count_tools(tools) == first and len(serialised) == 1
+    equal = json.loads(json.dumps(tools))
+    assert counter.count_tools(equal) == first and len(serialised) == 2  # equal, not the same: compared by its JSON
+    assert counter.count_tools(equal) == first and len(serialised) == 2  # and then remembered as the last list
+
+
 messages = st.fixed_dictionaries(
     {"role": st.sampled_from(["system", "user", "assistant", "tool"])},
     optional={"content": st.one_of(st.none(), st.text(), st.lists(st.fixed_dictionaries(
