@@ -135,7 +135,8 @@ def test_passes_run_the_whole_replay_again_with_fresh_proxies(tmp_path: Path) ->
     assert first["window"] == second["window"] == 16000 and first["requests"] == second["requests"] == 12
     [both] = report["twins"]
     assert both["runs"] == 2 and len(both["over_2x_each"]) == 2
-    assert both["own_median_ms"] <= min(first["added_median_ms"], second["added_median_ms"]) + 1e-9
+    # the median of each request's least is no more than either run's median, up to the report's rounding to 0.01
+    assert both["own_median_ms"] <= min(first["added_median_ms"], second["added_median_ms"]) + 0.01 + 1e-9
     kept = sorted(p.relative_to(tmp_path / "kept").parts[0] for p in (tmp_path / "kept").rglob("*.db"))
     assert kept == ["pass-0", "pass-1"]  # each pass's journal, apart
 

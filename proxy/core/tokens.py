@@ -225,8 +225,7 @@ class MessageCounter:
         self._lock = threading.Lock()
         """The cache is shared by the event loop and the worker that projects large requests
         (``proxy.engine.heavy``)."""
-        self._last_tools: tuple[bytes, int, list[Any]] | None = None
-        """The last ``tools``: canonical JSON, tokens, the list itself."""
+        self._last_tools: tuple[bytes, int, list[Any]] | None = None  # canonical JSON, tokens, the list
 
     def count(self, message: Mapping[str, Any], key: str | None = None) -> int:
         """Tokens of one message; ``key`` (e.g. its sha256) caches the result, ``None`` counts without caching."""
@@ -288,19 +287,15 @@ class MessageCounter:
         return self.text_counter.count(text)
 
     def count_tools(self, tools: list[Any] | None) -> int:
-        """Tokens of the canonical JSON of a request's ``tools``; the last list is remembered (it repeats). The same
-        list object is not serialised again: a body parsed from a kept one's bytes (``proxy.core.prefix``) holds
-        that body's own ``tools``, which nothing changes (4 µs a request for OpenHands' 8 KB of schemas)."""
+        """Tokens of ``tools``' canonical JSON. The last list is remembered (it repeats), and that very list object
+        (a body parsed from a kept one holds its ``tools``: ``proxy.core.prefix``) is not serialised again."""
         if not tools:
             return 0
         last = self._last_tools
-        if last is not None and last[2] is tools:
+        body = b"" if last is not None and last[2] is tools else canonical_json(tools)  # JSON is never empty
+        if last is not None and (not body or last[0] == body):
             self.hits += 1
-            return last[1]
-        body = canonical_json(tools)
-        if last is not None and last[0] == body:
-            self.hits += 1
-            self._last_tools = (body, last[1], tools)
+            self._last_tools = (last[0], last[1], tools)
             return last[1]
         self.misses += 1
         tokens = self.text_counter.count(body.decode())
