@@ -115,7 +115,8 @@ def test_nothing_is_counted_ahead_while_the_window_is_not_known(tmp_path: Path) 
         assert text.threads(result(1, 5000)) not in ([], first)
 
 
-def _sent_and_estimated(path: Path, precounting: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[bytes], list[Any]]:
+def _sent_and_estimated(path: Path, precounting: bool,
+                        monkeypatch: pytest.MonkeyPatch) -> tuple[list[bytes], list[Any]]:
     fake = FakeUpstream()
     with monkeypatch.context() as patch:
         if not precounting:

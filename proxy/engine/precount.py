@@ -40,15 +40,14 @@ TAIL = 8
 
 def precount(app: AppState, body: ChatBody, hashes: Sequence[str]) -> asyncio.Future[None] | None:
     """Start counting the request's new, unspilled large results on a thread; None if there is none to count."""
-    if not app.warmup.done:
-        return None
-    spill = _spill_chars(app, body.get("model"))
+    messages = body["messages"]
+    tail = range(len(messages) - min(TAIL, len(messages), len(hashes)), len(messages))
+    long = [i for i in tail if _long_result(messages[i])]
+    spill = _spill_chars(app, body.get("model")) if long and app.warmup.done else None
     if spill is None:
         return None
     counter = app.counter
-    messages = body["messages"]
-    tail = len(messages) - min(TAIL, len(messages), len(hashes))
-    chosen = [(messages[i], hashes[i]) for i in range(tail, len(messages))
+    chosen = [(messages[i], hashes[i]) for i in long
               if _counted_as_it_came(messages[i], spill) and counter.cached(hashes[i]) is None]
     if not chosen:
         return None
@@ -71,13 +70,16 @@ def _spill_chars(app: AppState, model: str | None) -> int | None:
     return app.budget(model, window).spill_chars
 
 
-def _counted_as_it_came(message: Any, spill: int) -> bool:
-    """A long tool result the projection will count whole: one ``proxy.core.project._should_spill`` keeps."""
-    if not isinstance(message, dict) or message.get("role") != "tool":
-        return False
-    content = message.get("content")
-    if not isinstance(content, str) or len(content) < PRECOUNT_CHARS:
-        return False
+def _long_result(message: Any) -> bool:
+    """A tool result whose text is ``PRECOUNT_CHARS`` long or more."""
+    return (isinstance(message, dict) and message.get("role") == "tool" and isinstance(message.get("content"), str)
+            and len(message["content"]) >= PRECOUNT_CHARS)
+
+
+def _counted_as_it_came(message: ChatMessage, spill: int) -> bool:
+    """A long result the projection will count whole: one ``proxy.core.project._should_spill`` keeps."""
+    content = message["content"]
+    assert isinstance(content, str)  # ``_long_result``
     return len(content) < MIN_CUT_CHARS or (len(content) < spill and not looks_binary(content))
 
 
