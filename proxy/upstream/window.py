@@ -138,13 +138,6 @@ class WindowDetector:
                 known = self._cache[model] = await self._detect(model)
             return known
 
-    def known(self, model: str | None) -> int | None:
-        """The window ``window_for`` would give now without asking the upstream, if it would not ask; else None."""
-        if self._configured:
-            return self._configured
-        known = self._cache.get(model)
-        return None if known is None or self._due(model) else known.tokens
-
     def forget(self, model: str | None) -> None:
         """Drop the cached answer for ``model``; the next caller detects again."""
         self._cache.pop(model, None)
