@@ -6,10 +6,12 @@ from __future__ import annotations
 from typing import Any
 
 import orjson
+import pytest
 from hypothesis import given
 from hypothesis import settings as examples
 from hypothesis import strategies as st
 
+import ctxproxy.proxy.core.arrival as arrival_module
 from ctxproxy.proxy.core.arrival import Arrival
 from ctxproxy.proxy.core.pieces import Pieces
 from ctxproxy.proxy.core.prefix import Match, Prefixes
@@ -167,6 +169,32 @@ def test_a_growing_session_s_bodies_stay_few_spans_and_whole() -> None:
     [[kept]] = prefixes._entries.values()
     assert bytes(kept.raw) == raw and prefixes.retained_bytes == kept.raw.weight() < 2 * len(raw)
     assert joined < 8 * len(raw)  # every body joined: 100 times
+
+
+def test_spans_are_merged_up_to_the_bound_and_no_further(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The carry that reached a long session's top span copied the whole body into fresh memory (page faults on
+    a few MB, the same requests slow in every run): merged spans stay within ``MERGE_BYTES``, and the spans of
+    a body stay about its size over half the bound, plus the few still merging."""
+    monkeypatch.setattr(arrival_module, "MERGE_BYTES", 16_000)
+    prefixes = Prefixes(min_bytes=0)
+    messages = history(30)
+    known: dict[int, bytes] = {}
+    largest = 0
+    for n in range(300):
+        messages = [*messages, {"role": "assistant" if n % 2 else "user", "content": f"round {n} " * 30}]
+        raw = orjson.dumps({"model": "m", "messages": messages})
+        sent = [raw[at:at + 3000] for at in range(0, len(raw), 3000)]
+        arrival = Arrival(prefixes)
+        for piece in sent:
+            arrival.feed(piece)
+        pieces, match = arrival.finish()
+        assert bytes(pieces) == raw and parse_chat_body(pieces, prefixes, match) == orjson.loads(raw)
+        merged = [len(data) for data, _, _ in pieces.spans if id(data) not in known and n > 0]
+        largest = max([largest, *merged])
+        assert len(pieces.spans) <= len(raw) // 8_000 + 12
+        known.update((id(piece), piece) for piece in sent)
+        known.update((id(data), data) for data, _, _ in pieces.spans)
+    assert 8_000 < largest <= 16_000 < len(raw) // 4
 
 
 def test_kept_bodies_are_bounded_by_the_objects_they_keep_alive() -> None:
