@@ -3,6 +3,7 @@ copied; and ``Pieces``, the bytes it is held as, behaves as the ``bytes`` it sta
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import orjson
@@ -145,42 +146,13 @@ def test_what_a_fork_repeats_is_the_kept_body_s_bytes_not_a_copy() -> None:
     assert parse_chat_body(pieces, prefixes, match) == orjson.loads(fork)
 
 
-def test_a_growing_session_s_bodies_stay_few_spans_and_whole() -> None:
-    """Each next request adds a span or two, and the last ones merge as a binary counter carries: a kept body
-    stays a few spans, never thousands of small pieces, and the bytes joined over the session are a few times its
-    size, not a body's size every request."""
-    prefixes = Prefixes(min_bytes=0)
+def growing(prefixes: Prefixes, rounds: int) -> Iterator[tuple[int, bytes, Pieces, Match | None, list[bytes]]]:
+    """A session's bodies, each the one before and a message more, arriving in 3 KB pieces, each parsed as it is
+    kept: (its number, its bytes, its pieces, its match, the objects it is held in that were neither sent nor
+    held before: joined for it)."""
     messages = history(30)
     known: dict[int, bytes] = {}  # every object a body was held in so far (kept alive: ids stay theirs)
-    joined = 0
-    for n in range(200):
-        messages = [*messages, {"role": "assistant" if n % 2 else "user", "content": f"round {n} " * 30}]
-        raw = orjson.dumps({"model": "m", "messages": messages})
-        sent = [raw[at:at + 3000] for at in range(0, len(raw), 3000)]
-        arrival = Arrival(prefixes)
-        for piece in sent:
-            arrival.feed(piece)
-        pieces, match = arrival.finish()
-        assert bytes(pieces) == raw and len(pieces.spans) <= 12 and (n == 0 or match is not None)
-        assert parse_chat_body(pieces, prefixes, match) == orjson.loads(raw)
-        known.update((id(piece), piece) for piece in sent)
-        joined += sum(len(data) for data, _, _ in pieces.spans if id(data) not in known)
-        known.update((id(data), data) for data, _, _ in pieces.spans)
-    [[kept]] = prefixes._entries.values()
-    assert bytes(kept.raw) == raw and prefixes.retained_bytes == kept.raw.weight() < 2 * len(raw)
-    assert joined < 8 * len(raw)  # every body joined: 100 times
-
-
-def test_spans_are_merged_up_to_the_bound_and_no_further(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The carry that reached a long session's top span copied the whole body into fresh memory (page faults on
-    a few MB, the same requests slow in every run): merged spans stay within ``MERGE_BYTES``, and the spans of
-    a body stay about its size over half the bound, plus the few still merging."""
-    monkeypatch.setattr(arrival_module, "MERGE_BYTES", 16_000)
-    prefixes = Prefixes(min_bytes=0)
-    messages = history(30)
-    known: dict[int, bytes] = {}
-    largest = 0
-    for n in range(300):
+    for n in range(rounds):
         messages = [*messages, {"role": "assistant" if n % 2 else "user", "content": f"round {n} " * 30}]
         raw = orjson.dumps({"model": "m", "messages": messages})
         sent = [raw[at:at + 3000] for at in range(0, len(raw), 3000)]
@@ -189,12 +161,37 @@ def test_spans_are_merged_up_to_the_bound_and_no_further(monkeypatch: pytest.Mon
             arrival.feed(piece)
         pieces, match = arrival.finish()
         assert bytes(pieces) == raw and parse_chat_body(pieces, prefixes, match) == orjson.loads(raw)
-        merged = [len(data) for data, _, _ in pieces.spans if id(data) not in known and n > 0]
-        largest = max([largest, *merged])
-        assert len(pieces.spans) <= len(raw) // 8_000 + 12
         known.update((id(piece), piece) for piece in sent)
-        known.update((id(data), data) for data, _, _ in pieces.spans)
-    assert 8_000 < largest <= 16_000 < len(raw) // 4
+        new = [data for data, _, _ in pieces.spans if id(data) not in known]
+        known.update((id(data), data) for data in new)
+        yield n, raw, pieces, match, new
+
+
+def test_a_growing_session_s_bodies_stay_few_spans_and_whole() -> None:
+    """Each next request adds a span or two, and the last ones merge as a binary counter carries: a kept body
+    stays a few spans, never thousands of small pieces, and the bytes joined over the session are a few times its
+    size, not a body's size every request."""
+    prefixes = Prefixes(min_bytes=0)
+    joined, last = 0, b""
+    for n, raw, pieces, match, new in growing(prefixes, 200):
+        assert len(pieces.spans) <= 12 and (n == 0 or match is not None)
+        joined, last = joined + sum(map(len, new)), raw
+    [[kept]] = prefixes._entries.values()
+    assert bytes(kept.raw) == last and prefixes.retained_bytes == kept.raw.weight() < 2 * len(last)
+    assert joined < 8 * len(last)  # every body joined: 100 times
+
+
+def test_spans_are_merged_up_to_the_bound_and_no_further(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The carry that reached a long session's top span copied the whole body into fresh memory (page faults on
+    a few MB, the same requests slow in every run): merged spans stay within ``MERGE_BYTES``, and the spans of
+    a body stay about its size over half the bound, plus the few still merging."""
+    monkeypatch.setattr(arrival_module, "MERGE_BYTES", 16_000)
+    largest, size = 0, 0
+    for n, raw, pieces, _, new in growing(Prefixes(min_bytes=0), 300):
+        assert len(pieces.spans) <= len(raw) // 8_000 + 12
+        largest = max([largest, *(map(len, new) if n else ())])  # the first body is joined whole
+        size = len(raw)
+    assert 8_000 < largest <= 16_000 < size // 4
 
 
 def test_kept_bodies_are_bounded_by_the_objects_they_keep_alive() -> None:
