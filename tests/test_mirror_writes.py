@@ -47,7 +47,7 @@ from ctxproxy.store.session_state import MIRROR_SEPARATOR
 from tests.conftest import app_client
 from tests.fakes import CountingUpstream
 from tests.test_journal import incoming
-from tests.test_project import CharCounter, budget, history
+from tests.test_project import CharCounter, budget, history, prefixes, run
 
 TOOLS = [{"type": "function", "function": {"name": "read_file", "parameters": {
     "type": "object", "properties": {"path": {"type": "string"}}}}}]
@@ -604,4 +604,28 @@ def test_the_entries_of_a_mirror_not_on_yet_are_rendered_ahead_and_joined_when_i
     ids = [mid for mid, out in zip(p.state.ids, p.state.out, strict=True) if out is not None]
     shown, hashes = p.messages[: len(ids)], p.hashes[: len(ids)]
     assert set(zip(ids, hashes, strict=True)) <= set(ctx.mirror_entries)
+    assert mirror_document("s", 0, ids, shown, hashes, ctx.mirror_entries) == mirror_document("s", 0, ids, shown)
+
+
+def test_the_markers_counted_ahead_have_their_entries_rendered_ahead_too() -> None:
+    """The pass that turns the mirror on elides many results at once (312 at 128k after 600 rounds, half its
+    entries): their entries, as the markers will show them, are rendered ahead with the markers' counts, so that
+    pass joins them instead of rendering them; the bytes are those written whole."""
+    rules = Rules(budget(8192, spill_chars=100_000))
+    ctx = SessionContext(decisions=[])
+    decisions: list[Any] = []
+    state, marked = None, set()
+    for messages in prefixes(history(["r" * 3000] * 20)):
+        p = run(messages, rules, decisions, state)
+        if p.report.elided:
+            break
+        decisions, state = decisions + list(p.new), p.state
+        marked |= {(p.state.ids[i], h) for i, _, h in p.state.marked_ahead}
+        if p.report.scaled > p.report.target:
+            mirror_file._prime_entries(ctx, p)
+    ids = [mid for mid, out in zip(p.state.ids, p.state.out, strict=True) if out is not None]
+    shown, hashes = p.messages[: len(ids)], p.hashes[: len(ids)]
+    elided = {(mid, h) for mid, h in zip(ids, hashes, strict=True) if mid in {d.target for d in p.new
+                                                                               if d.kind == "elide"}}
+    assert elided & marked and marked <= set(ctx.mirror_entries)
     assert mirror_document("s", 0, ids, shown, hashes, ctx.mirror_entries) == mirror_document("s", 0, ids, shown)

@@ -209,7 +209,9 @@ def prime(state: State, messages: Sequence[dict[str, Any]], rules: Rules, counte
     (the count is cached under the marker message's hash, as ``_replace`` looks it up), so nothing projected
     does; a pass that cut twenty results tokenised twenty markers at once, most of what made a fold request twice
     the median (issue #13). Only while the projection is over the target, where the next pass will come: a
-    session that never reaches it counts nothing ahead."""
+    session that never reaches it counts nothing ahead. The markers counted are left in ``State.marked_ahead``
+    for the mirror, which renders their entries ahead as well (``proxy.engine.mirror_file``)."""
+    state.marked_ahead = []
     if rules.scaled(state.total + rules.tools_tokens) <= rules.budget.target:
         return
     k = max(state.primed, bisect_left(state.tool_indices, state.settled))
@@ -219,7 +221,9 @@ def prime(state: State, messages: Sequence[dict[str, Any]], rules: Rules, counte
         decision = _elision(state, i, messages[i], rules) if state.ids[i] not in state.pins else None
         if decision is not None:
             marked = {**messages[i], "content": decision.replacement}
-            counter.count(marked, message_hash(marked))
+            marked_hash = message_hash(marked)
+            counter.count(marked, marked_hash)
+            state.marked_ahead.append((i, marked, marked_hash))
             primed += 1
         looked += 1
         k += 1

@@ -151,6 +151,9 @@ class State:
     primed: int = 0
     """How far (a position in ``tool_indices``) the markers of the next elisions were counted ahead
     (``proxy.core.cuts.prime``): only the counter's cache holds them."""
+    marked_ahead: list[tuple[int, dict[str, Any], str]] = field(default_factory=list)
+    """The markers this projection counted ahead: (incoming index, the message as the marker will cut it, its hash),
+    for the mirror to render their entries ahead too (``proxy.engine.mirror_file``)."""
     touched: set[int] = field(default_factory=set)
     """Incoming indices whose outgoing message this projection replaced (cut, folded away, put back): with the new
     messages, all that changed since the last projection of the session, which was checked (``violations_since``)."""
