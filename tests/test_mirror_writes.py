@@ -625,7 +625,7 @@ def test_the_markers_counted_ahead_have_their_entries_rendered_ahead_too() -> No
             mirror_file._prime_entries(ctx, p)
     ids = [mid for mid, out in zip(p.state.ids, p.state.out, strict=True) if out is not None]
     shown, hashes = p.messages[: len(ids)], p.hashes[: len(ids)]
-    elided = {(mid, h) for mid, h in zip(ids, hashes, strict=True) if mid in {d.target for d in p.new
-                                                                               if d.kind == "elide"}}
+    targets = {d.target for d in p.new if d.kind == "elide"}
+    elided = {(mid, h) for mid, h in zip(ids, hashes, strict=True) if mid in targets}
     assert elided & marked and marked <= set(ctx.mirror_entries)
     assert mirror_document("s", 0, ids, shown, hashes, ctx.mirror_entries) == mirror_document("s", 0, ids, shown)
