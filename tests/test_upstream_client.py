@@ -23,6 +23,7 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
+from ctxproxy.proxy.engine.forward import read_whole
 from ctxproxy.proxy.upstream.connection import Connection, Stage
 from ctxproxy.proxy.upstream.endpoint import Upstream
 from ctxproxy.proxy.upstream.loop import VIA_HEADER
@@ -227,6 +228,25 @@ def test_the_answer_comes_as_it_was_sent_compressed_and_with_repeated_headers() 
         assert (response.status_code, response.reason_phrase, response.http_version) == (201, "Made It", "HTTP/1.1")
         assert body == packed and response.headers.get_list("set-cookie") == ["a=1", "b=2"]
         assert response.headers.raw[0] == (b"Content-Encoding", b"gzip")
+
+    run(scenario())
+
+
+@pytest.mark.parametrize(("answer", "read"), [
+    (ok(b'{"a": 1}'), b'{"a": 1}'),  # whole with its head: taken as it came
+    (ok(gzip.compress(b'{"a": 1}'), b"Content-Encoding: gzip\r\n"), b'{"a": 1}'),  # whole, but encoded: decoded
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n8\r\n{\"a\": 1}\r\n0\r\n\r\n", b'{"a": 1}'),  # as it comes
+], ids=["whole", "whole-gzip", "chunked"])
+def test_an_answer_read_whole_is_its_decoded_body_and_its_connection_goes_back(answer: bytes, read: bytes) -> None:
+    async def scenario() -> None:
+        raw = Raw(answering(answer))
+        async with raw.serving() as url:
+            transport = Http1Transport()
+            for _ in range(2):
+                request = httpx.Request("POST", url + "/v1/chat/completions", extensions={"timeout": TIMEOUT})
+                assert await read_whole(await transport.handle_async_request(request)) == read
+            await transport.aclose()
+        assert len(raw.heads) == 2 and raw.connections == 1  # read to the end and closed: the connection reused
 
     run(scenario())
 

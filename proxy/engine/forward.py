@@ -259,7 +259,11 @@ async def _nothing() -> AsyncIterator[bytes]:
 
 
 async def read_whole(upstream: httpx.Response) -> bytes:
+    """The answer's body. One that came whole with its head (``proxy.upstream.transport``) and is not encoded is
+    taken as it is: read through httpx's decoders and async iterators, it cost ~20 µs of a small request."""
     try:
+        if isinstance(upstream.stream, httpx.ByteStream) and "content-encoding" not in upstream.headers:
+            return b"".join(upstream.stream)
         return await upstream.aread()
     except httpx.TimeoutException:
         raise UpstreamTimeout("The upstream stopped sending its answer in time.") from None
