@@ -45,8 +45,8 @@ T = TypeVar("T")
 POSTGRES_WRITERS = 4
 """Writer threads (and connections) on PostgreSQL: a replica's concurrent sessions commit in parallel."""
 
-_PLACING = (Journal.record_request, Journal.record_request_and_read)
-"""The calls that place a request: they wait for the answers handed in before them."""
+_PLACING = frozenset({Journal.record_request, Journal.record_request_and_read})
+"""The calls that place a request: they wait for the answers handed in before them (a set: `in` narrows no type)."""
 
 _BLIND_WRITES = (Journal.record_response, Journal.record_forward)
 """Calls that only write, reading nothing the process keeps in memory: they do not look whether another process
@@ -68,9 +68,8 @@ class JournalWriter:
     """Runs ``Journal`` methods on the writer thread: ``await writer.call(Journal.record_request, req)``."""
 
     def __init__(self, journal: Journal, failure: Callable[[JournalUnavailable], Exception] = lambda e: e) -> None:
-        self.journal = journal
-        self._failure = failure
-        """What a storage failure is raised as (the proxy's HTTP error); by default the ``JournalUnavailable``."""
+        self.journal, self._failure = journal, failure
+        """``failure``: what a storage failure is raised as (the proxy's HTTP error); by default as it is."""
         threads = POSTGRES_WRITERS if journal.conn.dialect == "postgresql" else 1
         self._threads = Threads(threads, "ctxproxy-journal")
         self._local = threading.local()
@@ -100,16 +99,23 @@ class JournalWriter:
         bodies its forward cuts, a large answer), so it runs on the writer thread whatever else (``_run_here``)."""
         if method in _PLACING and self._answers:
             await asyncio.wait(list(self._answers))
-        if self._here and not heavy and method in _HERE and self._threads.idle and not self._unwritten:
-            ran, result = self._run_here(method, args)
-            if ran:
-                return cast(T, result)
+        ran, result = self.call_here(method, *args, heavy=heavy)
+        if ran:
+            return cast(T, result)
         future: asyncio.Future[T] = self._threads.run(self._guarded, method, *args)  # ``store.hops``: a third of
         # the hop through an executor
         if method is Journal.record_response:
             self._answers.add(future)
             future.add_done_callback(self._answers.discard)
         return await future
+
+    def call_here(self, method: Callable[..., T], *args: object, heavy: bool = False) -> tuple[bool, T | None]:
+        """(True, ``call``'s result) run on the caller's thread now, never yielding to the loop (``_run_here``);
+        else (False, None), nothing done: a call that places a request waits for the answers handed in before."""
+        if not self._here or heavy or method not in _HERE or not self._threads.idle or self._unwritten \
+                or (method in _PLACING and self._answers):
+            return False, None
+        return self._run_here(method, args)
 
     def _run_here(self, method: Callable[..., T], args: tuple[object, ...]) -> tuple[bool, T | None]:
         """(True, ``method``'s result), run on the caller's thread, when nothing is queued for the writer thread,

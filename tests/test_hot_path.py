@@ -196,17 +196,18 @@ def test_a_body_nested_too_deep_to_write_is_refused_before_it_is_journaled(
 
 
 class CountingWriter(JournalWriter):
-    """The real writer, counting its hops to the journal's thread."""
+    """The real writer, counting the journal calls it runs, on the loop (``call_here``) or on its thread."""
 
     def __init__(self, journal: Journal) -> None:
         super().__init__(journal)
         self.hops = 0
         self.names: list[str] = []
 
-    async def call(self, method: Callable[..., T], *args: object, heavy: bool = False) -> T:
+    def _checked(self, journal: Journal, method: Callable[..., T], args: tuple[object, ...], held: bool = False,
+                 locked: bool = False) -> T:
         self.hops += 1
         self.names.append(method.__name__)
-        return await super().call(method, *args, heavy=heavy)
+        return super()._checked(journal, method, args, held=held, locked=locked)
 
 
 def test_a_session_s_context_is_read_back_in_one_hop(tmp_path: Path) -> None:

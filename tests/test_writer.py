@@ -15,16 +15,20 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx
 import pytest
 
 from ctxproxy.config import load_settings
+from ctxproxy.proxy.engine import shielded
 from ctxproxy.proxy.engine.heavy import OFFLOAD_BYTES, OFFLOAD_MESSAGES, WHOLE_MIRROR_CHARS, heavy_journaling
+from ctxproxy.proxy.engine.shielded import journaled
 from ctxproxy.proxy.errors import StorageError, StorageFull, storage_error
 from ctxproxy.store import (
     Journal,
     JournalWriter,
     MirrorShown,
+    RecordedRequest,
     ResponseRecord,
     SessionState,
     StateChange,
@@ -328,4 +332,55 @@ def test_a_call_on_the_writer_thread_waits_for_another_process_s_write_lock(tmp_
         assert held.fetchone()[0] == rec.request_id
     finally:
         other.close()
+        writer.close()
+
+def test_a_call_run_on_the_loop_opens_no_cancel_scope(tmp_path: Path, placed_on: list[str],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """``proxy.engine.shielded``: a call that cannot be cancelled halfway costs no cancel scope (~7 µs)."""
+    scopes: list[object] = []
+    monkeypatch.setattr(shielded.anyio, "CancelScope", lambda **kw: scopes.append(kw))
+    writer = JournalWriter(Journal(tmp_path / "journal.db"))
+    try:
+        recorded = asyncio.run(journaled(writer, Journal.record_request, incoming(run(2)[-1])))
+    finally:
+        writer.close()
+    assert isinstance(recorded, RecordedRequest) and _requests(tmp_path / "journal.db") == 1
+    assert placed_on == [threading.current_thread().name] and scopes == []
+
+
+def test_a_call_on_the_thread_ends_and_is_returned_before_a_cancellation_goes_on(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``proxy.engine.shielded``: once begun, the request's row is written, so its answer row can follow."""
+    place = Journal._place
+
+    def slowly(self: Journal, *args: Any) -> Any:
+        time.sleep(0.2)  # on the writer's thread: the caller's scope is cancelled meanwhile
+        return place(self, *args)
+
+    monkeypatch.setattr(Journal, "_place", slowly)
+    got: list[RecordedRequest] = []
+
+    async def cancelled_meanwhile() -> bool:
+        with anyio.move_on_after(0.02) as scope:
+            got.append(await journaled(writer, Journal.record_request, incoming(run(2)[-1]), heavy=True))
+            await anyio.sleep(5)  # the cancellation goes on here
+        return scope.cancelled_caught
+
+    writer = JournalWriter(Journal(tmp_path / "journal.db"))
+    try:
+        assert asyncio.run(cancelled_meanwhile())
+    finally:
+        writer.close()
+    assert len(got) == 1 and _requests(tmp_path / "journal.db") == 1
+
+
+def test_call_here_runs_only_what_the_loop_may_and_does_nothing_else(tmp_path: Path, placed_on: list[str]) -> None:
+    writer = JournalWriter(Journal(tmp_path / "journal.db"))
+    try:
+        assert writer.call_here(Journal.record_request, incoming(run(2)[-1]), heavy=True) == (False, None)
+        assert writer.call_here(Journal.sessions) == (False, None)  # an operator's read: the thread's
+        assert placed_on == [] and _requests(tmp_path / "journal.db") == 0
+        ran, recorded = writer.call_here(Journal.record_request, incoming(run(2)[-1]))
+        assert ran and isinstance(recorded, RecordedRequest) and _requests(tmp_path / "journal.db") == 1
+    finally:
         writer.close()

@@ -28,6 +28,7 @@ from ctxproxy.proxy.engine.driver import drive
 from ctxproxy.proxy.engine.exchange import Exchange, now
 from ctxproxy.proxy.engine.heavy import check_message_count, is_heavy
 from ctxproxy.proxy.engine.replies import compact_request
+from ctxproxy.proxy.engine.shielded import journaled
 from ctxproxy.proxy.engine.state import AppState
 from ctxproxy.proxy.errors import ContextTooLarge, CtxError, UpstreamMalformed, envelope, error_response
 from ctxproxy.proxy.upstream.endpoint import redact
@@ -49,8 +50,8 @@ async def chat_completions(request: Request) -> Response:
     body, incoming = await state.offload.run(heavy, _admit, request, raw, state, match)
     writer = state.journal_for(incognito)
     read = read_new_session(body.get("model"), incoming.session_name is not None)
-    with anyio.CancelScope(shield=True):  # once begun, the request's row is written, so its answer row can follow
-        recorded, saved = await writer.call(Journal.record_request_and_read, incoming, read, True, heavy=heavy)
+    # once begun, the request's row is written, so its answer row can follow
+    recorded, saved = await journaled(writer, Journal.record_request_and_read, incoming, read, True, heavy=heavy)
     exchange = Exchange(state, writer, recorded, request, body, incoming, incognito, saved)
     try:
         await exchange.lock()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-import anyio
 import httpx
 from starlette.responses import Response
 
@@ -84,8 +83,7 @@ class BufferedSink:
         async for _ in rounds:
             pass
         assert self.response is not None and self.ending is not None, "the turn ended without a reply"
-        with anyio.CancelScope(shield=True):  # journaled before the body leaves (``Exchange.answer``)
-            await self.exchange.answer(*self.ending)
+        await self.exchange.answer(*self.ending)  # journaled before the body leaves, once begun ended (``finish``)
         return self.response
 
     def _response(self, upstream: httpx.Response, content: bytes) -> Response:
@@ -98,4 +96,4 @@ class BufferedSink:
         response = with_headers(Response(content, upstream.status_code, headers=x.headers), response_headers(upstream))
         usage = usage if outcome == "ok" else None
         self.ending = (outcome, upstream.status_code, content, usage)
-        return FinallyResponse(response, lambda: x.finish(outcome, upstream.status_code, content, usage))
+        return FinallyResponse(response, lambda: x.finish(outcome, upstream.status_code, content, usage), shield=False)

@@ -16,6 +16,7 @@ from starlette.requests import Request
 
 from ctxproxy.proxy.engine.context import Saved, SessionContext
 from ctxproxy.proxy.engine.heavy import OFFLOAD_BYTES
+from ctxproxy.proxy.engine.shielded import journaled
 from ctxproxy.proxy.engine.state import AppState
 from ctxproxy.proxy.engine.tally import Tally
 from ctxproxy.proxy.errors import StorageError, StorageFull
@@ -122,7 +123,7 @@ class Exchange:
             return
         self._finished = True
         try:  # the row first: what is learnt from the answer after, so that nothing in it can cost the row
-            await self.writer.call(Journal.record_response, ResponseRecord(
+            await journaled(self.writer, Journal.record_response, ResponseRecord(
                 self.recorded.request_id, self.attempt, outcome, status,
                 body.decode("utf-8", "replace") if body else None, usage, self.ttfb_ms, self.elapsed(), now()),
                 self._take_deferred(), heavy=body is not None and len(body) >= OFFLOAD_BYTES)
