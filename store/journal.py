@@ -59,6 +59,7 @@ class Journal(PlacementMixin, ReadsMixin, CutsMixin, InspectMixin, RecoveryMixin
                 raise
         self.interrupted: dict[str, tuple[str, ...]] = {}
         self.siblings: dict[str, int] = {}
+        self.head_digests = {}
         self.digest_rows = {}
         self.ancestries = {}
         self.shown_mirrors: dict[str, Any] = {}
@@ -95,7 +96,9 @@ class Journal(PlacementMixin, ReadsMixin, CutsMixin, InspectMixin, RecoveryMixin
             self._insert_blob(req.params_hash, "params", req.params_body)
             request_id = self._insert_request(req, place.session.id, list_id)
             claimed = request_id if claim_opened and place.created and req.session_name is None else None
-            self._advance_head(place.session.id, list_id, req, digests.at(len(req.hashes)), claimed)
+            head = digests.at(len(req.hashes))
+            self._advance_head(place.session.id, list_id, req, head, claimed)
+            self.moved_head(req.fingerprint if req.session_name is None else None, head)
         self.continued_interrupted(req.fingerprint if req.session_name is None else None, place.session.id)
         if place.created:
             self.remember_ancestry(place.session.id, place.parent_id, place.inherit_upto)

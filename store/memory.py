@@ -124,7 +124,7 @@ class MemoryJournal(Journal):
         self.forgotten.extend(family)
         self.replaced_texts.clear()  # nothing of a forgotten session stays, here either
         self.forget_ancestries()
-        self.forget_siblings()
+        self.forget_openings()
         self.forget_digests()
         for _ in range(4):  # one pass can leave a page it freed while moving others (seen with a mirror's text)
             self.conn.execute("PRAGMA incremental_vacuum").fetchall()

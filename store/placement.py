@@ -23,6 +23,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ctxproxy.store.liveness import is_dead
+from ctxproxy.store.openings import OPENINGS_KEPT, OpeningsMixin
 from ctxproxy.store.prefixes import DigestRows, PrefixDigests, common_prefix, holder, list_digest
 from ctxproxy.store.records import IncomingRequest, prefix_digest
 from ctxproxy.store.recovery import ANSWERED, INTERRUPTED, MARK_ABANDONED
@@ -57,39 +58,7 @@ class Placement:
     """A session it opens as a fork: the parent's last decision it inherits."""
 
 
-class SiblingsMixin:
-    """How many sessions each opening has, which names a new one (``_new_ids``)."""
-
-    conn: Connection
-    siblings: dict[str, int]
-    """Per opening, how many sessions it has (``_siblings``; SQLite only)."""
-
-    def _siblings(self, fingerprint: str) -> int:
-        """The opening's sessions, counted once per opening on SQLite and then kept (``opened_sibling``): the
-        count visits every session of the opening (a new run of the peers' benchmark opens one each time; 0.1 ms
-        after a thousand of them). Only this journal adds sessions to the file; ``forget_siblings`` drops what is
-        kept when sessions are removed or another process wrote."""
-        known = self.siblings.get(fingerprint) if self.conn.dialect == "sqlite" else None
-        if known is None:
-            row = self.conn.execute("SELECT COUNT(*) FROM sessions WHERE fingerprint = ?", [fingerprint]).fetchone()
-            known = int(row[0])
-            if self.conn.dialect == "sqlite":
-                if len(self.siblings) >= _OPENINGS_KEPT:
-                    self.siblings.pop(next(iter(self.siblings)))
-                self.siblings[fingerprint] = known
-        return known
-
-    def opened_sibling(self, fingerprint: str) -> None:
-        """After the commit that opened a session of ``fingerprint``: one more in the count kept (if any)."""
-        if fingerprint in self.siblings:
-            self.siblings[fingerprint] += 1
-
-    def forget_siblings(self) -> None:
-        """Sessions were removed, or another process wrote the journal: count them again when asked."""
-        self.siblings.clear()
-
-
-class PlacementMixin(SiblingsMixin):
+class PlacementMixin(OpeningsMixin):
     conn: Connection
     digest_rows: DigestRows
     """The prefix index's rows placement read (``store.prefixes._digest_row``; SQLite only: on a shared store
@@ -179,6 +148,8 @@ class PlacementMixin(SiblingsMixin):
             lengths = [int(n) for (n,) in self.conn.execute(_HEAD_LENGTHS, [fingerprint, fingerprint, len(digests),
                                                                              len(digests)])]
             wanted = sorted({digests.at(n) for n in lengths})
+        if not self.may_be_heads(fingerprint, wanted):  # a new run, a fork: no head is any of them
+            return []
         rows: list[tuple[Any, ...]] = []
         for start in range(0, len(wanted), _CHUNK):
             chunk = wanted[start:start + _CHUNK]
@@ -213,7 +184,7 @@ class PlacementMixin(SiblingsMixin):
         known = self.interrupted.get(fingerprint)
         if known is None:
             known = tuple(str(r[0]) for r in self.conn.execute(_INTERRUPTED_HEADS, [fingerprint]))
-            if len(self.interrupted) >= _OPENINGS_KEPT:
+            if len(self.interrupted) >= OPENINGS_KEPT:
                 self.interrupted.pop(next(iter(self.interrupted)))
             self.interrupted[fingerprint] = known
         return known
@@ -271,9 +242,6 @@ _CHUNK = 500
 _ALL_PREFIXES = 16
 """A request of at most this many messages looks up the digests of all its prefixes (``_heads_extended``): that
 many probes of ``sessions_by_opening_digest`` cost less than the statement that finds the heads' lengths."""
-
-_OPENINGS_KEPT = 4096
-"""Openings whose interrupted sessions are kept (``_interrupted_sessions``); beyond, the oldest is read again."""
 
 _HEAD_LENGTHS = (
     "WITH RECURSIVE lengths(n) AS (SELECT MIN(head_len) FROM sessions WHERE fingerprint = ?"

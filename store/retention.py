@@ -47,7 +47,7 @@ class RetentionMixin:
         @property
         def replaced_texts(self) -> ReplacedTexts: ...
         def forget_ancestries(self) -> None: ...
-        def forget_siblings(self) -> None: ...
+        def forget_openings(self) -> None: ...
         def forget_digests(self) -> None: ...
 
     def prune(self, before: str, dry_run: bool = False) -> PruneReport:
@@ -66,7 +66,7 @@ class RetentionMixin:
                 self._bump_version()
             self.replaced_texts.clear()  # texts of the removed sessions' decisions are not kept either
             self.forget_ancestries()
-            self.forget_siblings()
+            self.forget_openings()
             self.forget_digests()
         except _DryRun as done:
             return done.report

@@ -240,7 +240,7 @@ def _forget_reads(journal: Journal) -> None:
     """What the journal keeps of its reads, dropped: another process wrote, or a transaction that read it failed."""
     journal.forget_interrupted()
     journal.forget_ancestries()
-    journal.forget_siblings()
+    journal.forget_openings()
     journal.forget_digests()
 
 

@@ -331,7 +331,7 @@ def test_a_read_after_the_request_that_fails_leaves_the_request_journaled(journa
 
 def test_interrupted_sessions_are_kept_for_a_bounded_number_of_openings(journal: Journal,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(placement, "_OPENINGS_KEPT", 2)
+    monkeypatch.setattr(placement, "OPENINGS_KEPT", 2)
     first = {}
     for opening in ("a", "b", "c"):
         first[opening] = record(journal, incoming(run(1, opening=opening)[0]))

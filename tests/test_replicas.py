@@ -28,6 +28,7 @@ from fastapi.testclient import TestClient
 
 from ctxproxy.config import load_settings
 from ctxproxy.store import Journal, JournalWriter, claim
+from ctxproxy.store.openings import OpeningsMixin
 from tests.conftest import app_client
 from tests.fakes import FakeUpstream, Reply, completion, tool_answer
 from tests.test_journal import incoming
@@ -94,8 +95,10 @@ def _script(fake: FakeUpstream, replies: list[Any]) -> None:
 
 @pytest.fixture(autouse=True)
 def no_data_version(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """PostgreSQL has no ``data_version``: the per-session claim alone must keep the apps right."""
+    """PostgreSQL has no ``data_version``: the per-session claim alone must keep the apps right. Nor does a journal
+    on PostgreSQL keep its openings' head digests (``store.openings``), which only ``data_version`` keeps right."""
     monkeypatch.setattr(JournalWriter, "_notice_other_writers", lambda *_: None)
+    monkeypatch.setattr(OpeningsMixin, "may_be_heads", lambda *_: True)
     yield
 
 
