@@ -81,7 +81,7 @@ class SessionContext:
     mirror_key: tuple[Any, ...] | None = field(default=None, compare=False)
     """What the mirror's file shows (session, revision, identities, hashes): unchanged, it is not rewritten."""
     mirror_entries: Entries = field(default_factory=dict, compare=False)
-    """The mirror's entries as last written, by (identity, hash): a new version serialises only what is new."""
+    """The mirror's entries as written, by hash (``proxy.tools.mirror.Entries``): a new version renders the new."""
     mirror_primed: int = field(default=0, compare=False)
     """How far (a message index) the entries of a mirror not on yet were rendered ahead (``mirror_file``)."""
     mirror_stat: tuple[int, int, int, int] | None = field(default=None, compare=False)
@@ -152,9 +152,10 @@ class SessionContext:
         self.confirmations = list(state.confirmations)
         self.mirror = None if state.mirror is None else Path(state.mirror)
         shown = state.mirror_shown
-        document = (None if state.mirror_text is None else state.mirror_text.encode()) if shown is None else rendered(
-            session_id, shown.revision, shown.ids, shown.hashes, shown.bodies)
-        self.mirror_document = None if document is None else bytearray(document)
+        if shown is not None:
+            self.mirror_document = rendered(session_id, shown.revision, shown.ids, shown.hashes, shown.bodies)
+        else:
+            self.mirror_document = None if state.mirror_text is None else bytearray(state.mirror_text.encode())
         self.mirror_written, self.mirror_exact = self.mirror_document is not None, shown is None
         self.mirror_shown = None if shown is None else replace(shown, bodies={})  # rendered: not kept
         self.journaled = replace(state, mirror_shown=self.mirror_shown)

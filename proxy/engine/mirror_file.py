@@ -115,7 +115,7 @@ def _write(ctx: SessionContext, path: Path, key: tuple[Any, ...], messages: Sequ
             _write_at(path, stat[1] - len(CLOSE), tail)
         else:
             document = mirror_document(session_id, revision, ids, messages, hashes, ctx.mirror_entries)
-            ctx.mirror_document = bytearray(document)
+            ctx.mirror_document = document
             rewrite_in_place(path, document)
     except OSError as exc:
         log.error("could not write the live mirror %s, left for the next request: %s", path, exc)
@@ -173,7 +173,7 @@ def _stat(path: Path) -> tuple[int, int, int, int] | None:
     return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
-def rewrite_in_place(path: Path, data: bytes) -> None:
+def rewrite_in_place(path: Path, data: bytes | bytearray) -> None:
     """``path`` holds exactly ``data`` after: written over what it held, the rest cut off (or created, with its
     folder)."""
     try:
@@ -198,7 +198,7 @@ def _write_at(path: Path, offset: int, tail: bytes) -> None:
         os.close(fd)
 
 
-def _write_all(fd: int, data: bytes, offset: int) -> None:
+def _write_all(fd: int, data: bytes | bytearray, offset: int) -> None:
     """All of ``data`` at ``offset`` (``os.pwrite`` may write less than it was given)."""
     view = memoryview(data)
     while view:

@@ -25,9 +25,9 @@ from ctxproxy.proxy.core.identity import content_text
 from ctxproxy.proxy.core.state import Rules, sha256_text
 from ctxproxy.proxy.core.stubs import full_output, stub_line
 
-__all__ = ["CLOSE", "PARAGRAPH", "Entries", "MirrorPlaces", "Revision", "appended_document", "cache_entries",
-           "maintenance_rounds", "mirror_document", "mirror_path", "rendered", "revise", "same_mirror",
-           "written_entries"]
+__all__ = ["CLOSE", "ENTRIES_KEPT", "PARAGRAPH", "Entries", "MirrorPlaces", "Revision", "appended_document",
+           "cache_entries", "maintenance_rounds", "mirror_document", "mirror_path", "rendered", "revise",
+           "same_mirror", "written_entries"]
 
 _FILE_TOOL = re.compile(r"read|view|open|cat|edit|write|create|patch|replace|insert", re.I)
 _SHELL_TOOL = re.compile(r"bash|shell|run|exec|terminal|command|python", re.I)
@@ -56,40 +56,62 @@ def mirror_path(settings: MirrorPlaces, session_id: str) -> Path:
     return folder / "LIVE_CONTEXT.json"
 
 
-Entries = dict[tuple[str, str], bytes]
-"""A mirror's entries as last written, by (identity, hash): each entry's UTF-8 text."""
+Entries = dict[str, tuple[str, bytes]]
+"""A mirror's entries as written, by message hash: the identity each was shown as and its UTF-8 text. Keyed by the
+hash alone, a lookup hashes one string the journal already hashed, not a new (identity, hash) pair: joining a fold
+pass's ~630 entries at 128k took 0.15 ms that way, 0.5 on the request that turns the mirror on (issue #13). A hash
+shown under two identities (a message repeated word for word) keeps the last one; the other is written again."""
+
+ENTRIES_KEPT = 3
+"""The cache is cut back to the entries of the version just written once it holds this many times as many."""
 
 
 def mirror_document(session: str, revision: int, ids: Sequence[str], messages: Sequence[dict[str, Any]],
-                    hashes: Sequence[str] = (), cache: Entries | None = None) -> bytes:
+                    hashes: Sequence[str] = (), cache: Entries | None = None) -> bytearray:
     """The projection as the model sees it, one entry per message, each with the identity a revision keys on:
-    ``{"session", "revision", "messages"}`` as JSON indented by two spaces (``_json``), in UTF-8: the file's bytes.
+    ``{"session", "revision", "messages"}`` as JSON indented by two spaces (``_json``), in UTF-8: the file's bytes,
+    in the buffer a mirror that grows is extended in (``appended_document``), joined there: not copied into one.
 
-    With the messages' ``hashes``, ``cache`` keeps each entry's text by (identity, hash) from one version to the
-    next, left holding the current entries only: a version that changes a few dozen of ~600 entries (a fold pass)
-    writes those and joins the rest, looked up in C (``map``). One that is mostly new (the request that turns the
-    mirror on) is written whole by orjson, in one call, and cut into its entries for the cache. Bytes, not text: a
-    mirror holds non-ASCII text, and joining ~600 pieces of it as ``str`` then encoding the result for the file,
-    with a Python loop over the entries, took 0.7 ms of a fold pass at 128k; 0.1 now (issue #13)."""
+    With the messages' ``hashes``, ``cache`` keeps each entry's text (``Entries``) from one version to the next: a
+    version that changes a few dozen of ~600 entries (a fold pass) writes those and joins the rest. It gains the
+    new entries and is cut back to the current ones past ``ENTRIES_KEPT`` times their number. One that is mostly
+    new (the request that turns the mirror on, when nothing was rendered ahead) is written whole by orjson, in one
+    call, and cut into its entries for the cache. Bytes, not text: a mirror holds non-ASCII text, and joining ~600
+    pieces of it as ``str`` then encoding the result for the file, with a Python loop over the entries, took
+    0.7 ms of a fold pass at 128k; 0.1 now (issue #13). Joined as bytes, then copied to grow, a ~330 KB mirror
+    took 0.08 ms more, 0.3 when its pages were new (the request that turns it on)."""
     if cache is None or len(hashes) != len(ids):
-        return _json({"session": session, "revision": revision, "messages": _entries(ids, messages)})
-    keys = list(zip(ids, hashes, strict=True))
-    pieces: list[bytes | None] = list(map(cache.get, keys))
+        return bytearray(_json({"session": session, "revision": revision, "messages": _entries(ids, messages)}))
+    pieces = _cached(cache, ids, hashes)
     new = [i for i, piece in enumerate(pieces) if piece is None]
     if 2 * len(new) > len(ids) or not ids:
         text = _json({"session": session, "revision": revision, "messages": _entries(ids, messages)})
-        cache.clear()
-        cache.update(zip(keys, _inner_pieces(text), strict=True) if ids else ())
-        return text
+        _keep(cache, ids, hashes, _inner_pieces(text) if ids else [], range(len(ids)))
+        return bytearray(text)
     if new:
         written = _written([ids[i] for i in new], [messages[i] for i in new])
         for i, piece in zip(new, _inner_pieces(written, whole=False), strict=True):
             pieces[i] = piece
     joined = cast(list[bytes], pieces)
-    cache.clear()
-    cache.update(zip(keys, joined, strict=True))
+    _keep(cache, ids, hashes, joined, new)
     head = _json({"session": session, "revision": revision, "messages": []})[: -len(b"[]\n}")] + b"[\n"
     return _between(joined, head + _ENTRY_START, _ENTRY_END + CLOSE)
+
+
+def _cached(cache: Entries, ids: Sequence[str], hashes: Sequence[str]) -> list[bytes | None]:
+    """Each entry's text as the cache holds it for its hash, if shown there under the same identity."""
+    return [None if found is None or found[0] != mid else found[1]
+            for found, mid in zip(map(cache.get, hashes), ids, strict=True)]
+
+
+def _keep(cache: Entries, ids: Sequence[str], hashes: Sequence[str], pieces: Sequence[bytes],
+          new: Sequence[int]) -> None:
+    """The version just written kept in ``cache``: its ``new`` entries added, or, once the cache holds
+    ``ENTRIES_KEPT`` times its entries, all of them and nothing else."""
+    if len(cache) + len(new) > ENTRIES_KEPT * len(ids):
+        cache.clear()
+        new = range(len(ids))
+    cache.update((hashes[i], (ids[i], pieces[i])) for i in new)
 
 
 def cache_entries(cache: Entries, ids: Sequence[str], messages: Sequence[dict[str, Any]],
@@ -99,12 +121,12 @@ def cache_entries(cache: Entries, ids: Sequence[str], messages: Sequence[dict[st
     if not ids:
         return b""
     written = _written(ids, messages)
-    cache.update(zip(zip(ids, hashes, strict=True), _inner_pieces(written, whole=False), strict=True))
+    cache.update(zip(hashes, zip(ids, _inner_pieces(written, whole=False), strict=True), strict=True))
     return written
 
 
 def rendered(session: str, revision: int, ids: Sequence[str], hashes: Sequence[str],
-             bodies: Mapping[str, bytes]) -> bytes | None:
+             bodies: Mapping[str, bytes]) -> bytearray | None:
     """The mirror that showed the messages of ``hashes`` (their canonical ``bodies``, by hash) as ``ids``: what the
     journal keeps of it, rendered; None when a body is missing. Their keys are sorted where the file has them as
     the agent sent them: the same JSON, not always the same text (``same_mirror``)."""
@@ -169,11 +191,11 @@ def _inner_pieces(text: bytes, whole: bool = True) -> list[bytes]:
     return text[start + len(_ENTRY_START): end - len(_ENTRY_END)].split(_BETWEEN)
 
 
-def _between(pieces: list[bytes], first: bytes, last: bytes) -> bytes:
+def _between(pieces: list[bytes], first: bytes, last: bytes) -> bytearray:
     """The pieces joined by ``_BETWEEN``, ``first`` before the first and ``last`` after the last: one copy."""
     if len(pieces) == 1:
-        return first + pieces[0] + last
-    return _BETWEEN.join([first + pieces[0], *pieces[1:-1], pieces[-1] + last])
+        return bytearray(first + pieces[0] + last)
+    return bytearray(_BETWEEN).join([first + pieces[0], *pieces[1:-1], pieces[-1] + last])
 
 
 _FIELDS = frozenset(("role", "content", "tool_call_id", "tool_calls"))
