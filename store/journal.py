@@ -15,7 +15,7 @@ wherever they are defined.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -147,7 +147,7 @@ class Journal(PlacementMixin, ReadsMixin, CutsMixin, InspectMixin, RecoveryMixin
             " usage, ttfb_ms, total_ms, finished_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             [rec.request_id, rec.attempt, rec.outcome, rec.status, rec.body,
              _int_or_none(usage.get("prompt_tokens")), _int_or_none(usage.get("completion_tokens")),
-             json.dumps(rec.usage) if rec.usage else None, rec.ttfb_ms, rec.total_ms, rec.finished_at],
+             _usage_json(rec.usage) if rec.usage else None, rec.ttfb_ms, rec.total_ms, rec.finished_at],
         )
 
     def _insert_blob(self, digest: str, kind: str, body: bytes) -> None:
@@ -174,6 +174,15 @@ class Journal(PlacementMixin, ReadsMixin, CutsMixin, InspectMixin, RecoveryMixin
             [session_id, req.received_at, req.path, req.model, int(req.stream), list_id, req.params_hash,
              orjson.dumps(dict(req.headers)).decode(), req.body_bytes, req.turn, self.instance],  # 0.4 µs, not 4
         )
+
+
+def _usage_json(usage: Mapping[str, Any]) -> str:
+    """An answer's usage as JSON: by orjson (0.3 µs, where the stdlib took 4 of every answer), or by the stdlib
+    where orjson refuses (an integer past 64 bits, a key that is not a string), so no usage is lost."""
+    try:
+        return orjson.dumps(usage).decode()
+    except TypeError:  # orjson's JSONEncodeError
+        return json.dumps(usage)
 
 
 def _int_or_none(value: Any) -> int | None:

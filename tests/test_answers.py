@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -85,6 +86,8 @@ def test_odd_usage_figures_are_unknown_and_the_row_is_still_written(
     response = client.post("/v1/chat/completions", json=chat("hi", stream=stream))
     assert response.status_code == 200 and "fine" in response.text
     assert response_rows(settings) == [("ok", 200)]
+    stored = Journal(settings.data_path / "journal.db").conn.execute("SELECT usage FROM responses").fetchone()[0]
+    assert json.loads(stored) == usage  # kept as it came
     assert client.get("/metrics").status_code == 200
     client.post("/v1/chat/completions", json=chat("hi", "fine", "and then"))  # the session still works
     assert response_rows(settings)[-1] == ("ok", 200)

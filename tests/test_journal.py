@@ -168,6 +168,16 @@ def test_responses_keep_usage_and_timings(journal: Journal) -> None:
     assert journal.sessions()[0]["last_prompt_tokens"] == 12
 
 
+def test_a_usage_orjson_refuses_is_kept_whole(journal: Journal) -> None:
+    """Usage is written by orjson, which refuses an integer past 64 bits (one a stdlib parse of an answer keeps):
+    the stdlib writes that one, and the row and its usage are kept."""
+    rec = journal.record_request(incoming(run(0)[0]))
+    usage = {"prompt_tokens": 12, "extra": {"huge": 2 ** 70}}
+    journal.record_response(ResponseRecord(rec.request_id, 0, "ok", 200, "{}", usage, 1.5, 9.0, "2026-01-01T00:00:01"))
+    (stored,) = journal.conn.execute("SELECT usage FROM responses").fetchone()
+    assert json.loads(stored) == usage and journal.session_journal(rec.session_id)[0]["prompt_tokens"] == 12
+
+
 def test_migrating_twice_is_a_noop(store_location: Path | str) -> None:
     Journal(store_location).close()
     journal = Journal(store_location)
