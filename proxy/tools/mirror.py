@@ -60,7 +60,7 @@ Entries = dict[str, tuple[str, bytes]]
 """A mirror's entries as written, by message hash: the identity each was shown as and its UTF-8 text. Keyed by the
 hash alone, a lookup hashes one string the journal already hashed, not a new (identity, hash) pair: joining a fold
 pass's ~630 entries at 128k took 0.15 ms that way, 0.5 on the request that turns the mirror on (issue #13). A hash
-shown under two identities (a message repeated word for word) keeps the last one; the other is written again."""
+shown under two identities (a message repeated word for word) keeps one of them; the other is written again."""
 
 ENTRIES_KEPT = 3
 """The cache is cut back to the entries of the version just written once it holds this many times as many."""
