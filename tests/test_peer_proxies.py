@@ -4,6 +4,7 @@ inside the run's temporary folder and stopped by PID (issue #13: "ahead of every
 from __future__ import annotations
 
 import shlex
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -58,3 +59,29 @@ def test_a_peer_that_exits_before_it_answers_fails_the_run_with_its_log(tmp_path
     with pytest.raises(RuntimeError, match="exited with 3:\nno upstream given"), \
             peer_proxies([peer], "http://127.0.0.1:9", tmp_path, stop):
         pass
+
+
+_NODELAY_PROBE = ("import socket, socketserver, sys\n"
+                  "class Probe(socketserver.StreamRequestHandler):\n"
+                  "    def handle(self):\n"
+                  "        on = self.connection.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)\n"
+                  "        self.wfile.write(b'1' if on else b'0')\n"
+                  "with socketserver.TCPServer(('127.0.0.1', 0), Probe) as server:\n"
+                  "    print(server.server_address[1], flush=True)\n"
+                  "    server.handle_request()\n")
+"""A standard-library socket server that tells its one client whether Nagle's algorithm is off on its socket."""
+
+
+@pytest.mark.parametrize("nodelay", [True, False])
+def test_bench_nodelay_turns_nagle_off_on_a_stdlib_servers_connections(nodelay: bool) -> None:
+    """``bench/nodelay`` on a peer's PYTHONPATH (``--peer "NAME=env PYTHONPATH=bench/nodelay COMMAND"``): the
+    connections its socket servers accept have ``TCP_NODELAY`` set, so an answer's head and body written apart do
+    not wait for a kept-alive client's delayed ACK (ctxkeeper: ~40 ms a request); without it, they do not."""
+    env = {"PATH": "/usr/bin:/bin", **({"PYTHONPATH": str(ROOT / "bench" / "nodelay")} if nodelay else {})}
+    with subprocess.Popen([sys.executable, "-c", _NODELAY_PROBE], stdout=subprocess.PIPE, env=env) as server:
+        assert server.stdout is not None
+        port = int(server.stdout.readline())
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as client:
+            answer = client.recv(1)
+        assert server.wait(timeout=10) == 0
+    assert answer == (b"1" if nodelay else b"0")
