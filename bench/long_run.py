@@ -59,11 +59,11 @@ sys.path.insert(0, str(BENCH))
 import fake_upstream  # noqa: E402
 import harness  # noqa: E402
 import latency  # noqa: E402
+from gpu_model import GPU_ENV, default_model, gpu_seconds, missing_note  # noqa: E402
 
 from ctxproxy.store.deltas import rebuild  # noqa: E402
 from tests.workloads import conversation  # noqa: E402
 
-GPU_ENV = "CTXPROXY_GPU_MODEL"
 WINDOWS = (32768, 131072)
 WARM_UP = {"model": "bench",
            "messages": [{"role": "user", "content": "A chat before the run, in a session of its own"}]}
@@ -459,17 +459,6 @@ def _hashes(db: sqlite3.Connection, list_id: int) -> list[str]:
     return hashes
 
 
-def gpu_seconds(model_dir: Path | None, rows: list[dict[str, int]], tmp: Path) -> dict[str, Any] | None:
-    """The shared cost model's verdict on the trace, or None without the model (``--gpu-model``)."""
-    if model_dir is None:
-        return None
-    path = tmp / f"trace-{time.monotonic_ns()}.json"
-    path.write_text(json.dumps(rows))
-    done = subprocess.run([sys.executable, str(model_dir / "gpu_seconds.py"), str(path)], capture_output=True,
-                          text=True, check=True)
-    return dict(json.loads(done.stdout))
-
-
 # --- the report ---------------------------------------------------------------------------------------------------
 def markdown(report: dict[str, Any]) -> str:
     lines = ["| source | window | requests | added median / p99 / max (ms) | > 2× median | > 2× neighbours |"
@@ -555,8 +544,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--rounds", type=int, default=600)
     parser.add_argument("--windows", default=",".join(map(str, WINDOWS)), help="comma-separated token windows")
-    parser.add_argument("--gpu-model", type=Path, default=Path(os.environ[GPU_ENV]) if os.environ.get(GPU_ENV)
-                        else None, help=f"the folder of the shared gpu_seconds.py (or {GPU_ENV})")
+    parser.add_argument("--gpu-model", type=Path, default=default_model(),
+                        help=f"the folder of the shared gpu_seconds.py (or {GPU_ENV})")
     parser.add_argument("--source", type=Path, action="append", help="a checkout to run the proxy from (repeat to "
                         "run several side by side, same requests, interleaved); default: this one")
     parser.add_argument("--json", type=Path, help="write the raw numbers here")
@@ -586,8 +575,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     os.environ[UPSTREAM_MS_ENV] = str(args.upstream_ms)  # the upstream's process inherits it
     requests = bodies(args.rounds)
-    note = "" if args.gpu_model else (f"GPU seconds left out: no cost model given (--gpu-model DIR or {GPU_ENV}, "
-                                      "the folder holding the shared gpu_seconds.py).")
+    note = missing_note(args.gpu_model)
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for window in (int(w) for w in args.windows.split(",")):

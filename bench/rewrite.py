@@ -15,10 +15,13 @@ Why: issue #3's "done when" is a set of numbers. This script produces all of the
 3. the same against a server that counts 1.3x what tiktoken counts (the calibration must catch up) and one that
    answers llama.cpp's overflow error once (the client must still get its answer);
 4. the cost of the rewrite of request 600 against request 60 of the 600-round session (hashing, projection and
-   invariant check; JSON decoding aside), median of repeated runs.
+   invariant check; JSON decoding aside), median of repeated runs;
+5. with ``--gpu-model DIR`` (the peers' ``bench/gpu/``, or ``CTXPROXY_GPU_MODEL``), the GPU seconds of each
+   workload sent through the app, from the shared H200 cost model run on its upstream trace (``gpu``), the
+   figure the peers' GPU table gives for each of them on the 60-round workload at 32k.
 
-Run: ``.venv/bin/python bench/rewrite.py [--json bench/results/rewrite.json] [--conversation FILE]``. Nothing
-leaves this process.
+Run: ``.venv/bin/python bench/rewrite.py [--json bench/results/rewrite.json] [--conversation FILE] [--gpu-model
+DIR]``. Nothing leaves this process but the cost model's, run on each trace.
 """
 
 from __future__ import annotations
@@ -34,10 +37,12 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 import httpx  # noqa: E402
 import orjson  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
+from gpu_model import GPU_ENV, default_model, gpu_seconds, missing_note  # noqa: E402
 
 from ctxproxy.config import load_settings  # noqa: E402
 from ctxproxy.proxy.commands.replay import replay, summarize  # noqa: E402
@@ -120,20 +125,29 @@ def _restorable(client: TestClient, session: str, messages: list[Any], upstream:
     return {"stubs_in_last_request": len(stubs), "restored_byte_for_byte": intact}
 
 
+def upstream_trace(bodies: list[dict[str, Any]]) -> list[dict[str, int]]:
+    """Each upstream request with messages, in order: its characters (each message's JSON and the tool list) and
+    those that repeat the previous request's from its start (the peers' prefix reuse, ``shared/bench/README.md``),
+    as the shared GPU cost model reads them (``bench/gpu_model.py``)."""
+    out: list[dict[str, int]] = []
+    previous: list[bytes] = []
+    for body in (b for b in bodies if len(b["messages"]) > 0):
+        encoded = [json.dumps(m, ensure_ascii=False).encode() for m in body["messages"]]
+        tools = len(json.dumps(body.get("tools"), ensure_ascii=False))
+        same = next((i for i, (a, b) in enumerate(zip(previous, encoded, strict=False)) if a != b),
+                    min(len(previous), len(encoded)))
+        out.append({"chars": sum(map(len, encoded)) + tools,
+                    "reused_chars": sum(map(len, encoded[:same])) + (tools if previous else 0)})
+        previous = encoded
+    return out
+
+
 def _upstream_report(upstream: CountingUpstream, messages: list[Any], ends: list[int],
                      statuses: list[int]) -> dict[str, Any]:
     sent = [r.json() for r in upstream.chats]
-    answered = [s for s in sent if len(s["messages"]) > 0]
-    chars = reused = broken = 0
-    previous: list[bytes] = []
-    for body in answered:
-        encoded = [json.dumps(m, ensure_ascii=False).encode() for m in body["messages"]]
-        tools = len(json.dumps(body.get("tools"), ensure_ascii=False))
-        chars += sum(map(len, encoded)) + tools
-        same = next((i for i, (a, b) in enumerate(zip(previous, encoded, strict=False)) if a != b),
-                    min(len(previous), len(encoded)))
-        reused += sum(map(len, encoded[:same])) + (tools if previous else 0)
-        previous = encoded
+    trace = upstream_trace(sent)
+    chars, reused = sum(t["chars"] for t in trace), sum(t["reused_chars"] for t in trace)
+    broken = 0
     for body, end in zip(sent[-len(ends):], ends, strict=False):
         own = [m for m in body["messages"] if not str(m.get("content") or "").startswith("[ctxproxy]")]
         broken += len(violations(messages[:end], own))  # the proxy's notices to the model are additions
@@ -141,7 +155,8 @@ def _upstream_report(upstream: CountingUpstream, messages: list[Any], ends: list
             "over_window": upstream.over_window, "over_window_at": [i for i, c in enumerate(upstream.counts)
                                                                     if c > upstream.window],
             "max_prompt_tokens": max(upstream.counts), "invariant_violations": broken, "chars_sent": chars,
-            "chars_reused": reused, "reuse": round(reused / chars, 4), "uncached_chars": chars - reused}
+            "chars_reused": reused, "reuse": round(reused / chars, 4), "uncached_chars": chars - reused,
+            "trace": trace}
 
 
 def rewrite_cost(conversation: dict[str, Any], requests: tuple[int, int] = (60, 600), repeats: int = 60,
@@ -196,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "rewrite.json")
     parser.add_argument("--conversation", type=Path, help="the 60-round workload from this file (default: generated "
                         "by tests/workloads.py; the peers' is PEERS/conversation-60.json)")
+    parser.add_argument("--gpu-model", type=Path, default=default_model(),
+                        help=f"the folder of the shared gpu_seconds.py (or {GPU_ENV}): the workloads' GPU seconds")
     args = parser.parse_args(argv)
     sixty = load_conversation(args.conversation)
     six_hundred = conversation(rounds=600)
@@ -215,13 +232,24 @@ def main(argv: list[str] | None = None) -> int:
         "counts_1_3x_at_8k_no_reserve": through_the_app(sixty, 8192, ratio=1.3, CTXPROXY_CONTEXT_RESERVE="0"),
         "llama_cpp_overflow_once": through_the_app(sixty, 32768, first_reply=overflow_once),
         "rewrite_cost_600_vs_60": rewrite_cost(six_hundred),
+        "gpu_note": missing_note(args.gpu_model),
     }
+    with_gpu_seconds(report, args.gpu_model)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=1))
     print(json.dumps({k: v for k, v in report.items() if "trajectories" not in k}, indent=1))
     _print_trajectories("native", report["trajectories"])
     _print_trajectories("fenced", report["fenced_trajectories"])
     return 0
+
+
+def with_gpu_seconds(report: dict[str, Any], model_dir: Path | None) -> None:
+    """Each workload sent through the app gets the shared cost model's verdict on its upstream trace (``gpu``: None
+    without the model), and loses the trace itself."""
+    with tempfile.TemporaryDirectory(prefix="ctxproxy-gpu-") as tmp:
+        for run in report.values():
+            if isinstance(run, dict) and "trace" in run:
+                run["gpu"] = gpu_seconds(model_dir, run.pop("trace"), Path(tmp))
 
 
 def _print_trajectories(variant: str, rows: list[dict[str, Any]]) -> None:
