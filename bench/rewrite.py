@@ -17,8 +17,8 @@ Why: issue #3's "done when" is a set of numbers. This script produces all of the
 4. the cost of the rewrite of request 600 against request 60 of the 600-round session (hashing, projection and
    invariant check; JSON decoding aside), median of repeated runs;
 5. with ``--gpu-model DIR`` (the peers' ``bench/gpu/``, or ``CTXPROXY_GPU_MODEL``), the GPU seconds of each
-   workload sent through the app, from the shared H200 cost model run on its upstream trace (``gpu``), the
-   figure the peers' GPU table gives for each of them on the 60-round workload at 32k.
+   workload sent through the app, from the shared H200 cost model run on its upstream trace (``gpu``): what the
+   peers' GPU table gives each peer on the 60-round workload at 32k.
 
 Run: ``.venv/bin/python bench/rewrite.py [--json bench/results/rewrite.json] [--conversation FILE] [--gpu-model
 DIR]``. Nothing leaves this process but the cost model's, run on each trace.
