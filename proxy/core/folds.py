@@ -5,7 +5,8 @@ oldest whole rounds after the first task (an assistant message with the results 
 fold into one stub, never splitting a call from its result, never folding a pinned message or the newest rounds. A
 later fold extends the earlier one from the same start, so there is only ever one fold stub. A fold names the
 messages it stands for (``OverflowWrite.span``) rather than carrying them: their bodies are in the journal already.
-Hides (the model's own ``ctx hide``) take whole rounds out the same way, without a stub.
+Hides (the rounds of the model's own mirror edits, once a ``ctx commit`` applied them) take whole rounds out the
+same way, without a stub.
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 
 The order is the contract: the request is journaled before anything else; the session's lock is held from then
 until the answer is journaled, whatever happens in between (an upstream failure, a client that disconnects
-mid-stream). The projection's decisions and cut bodies are journaled before a byte goes upstream
-(``proxy.engine.planning``). When nothing is rewritten the client's body goes upstream byte for byte; a streamed answer
-is relayed chunk by chunk as it arrives.
+mid-stream). The projection's decisions and cut bodies are journaled while the request is upstream, before a byte
+of its answer goes back (``proxy.engine.planning``). When nothing is rewritten the client's body goes upstream byte
+for byte; a streamed answer is relayed chunk by chunk as it arrives.
 
 The rounds upstream (context tools, overflow retries, the streamed relay) are the turn engine's
 (``proxy.engine``): this module is the HTTP edge, which admits the request, journals it, locks its session, hands
