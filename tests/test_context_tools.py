@@ -559,3 +559,20 @@ def test_ctx_status_reports_the_last_accepted_revision_after_a_restart(tmp_path:
         fake.enqueue(Reply(body=completion("ok")))
         ask(client, [*crowded(), {"role": "assistant", "content": "ok"}, {"role": "user", "content": "go on"}])
         assert "(last accepted revision 1;" in results_of(fake)[-1]
+
+
+@pytest.mark.parametrize("native_tools", [True, False])
+def test_compact_sends_the_schemas_only_to_an_upstream_that_takes_function_calls(
+        tmp_path: Path, fake: FakeUpstream, native_tools: bool) -> None:
+    """``native_tools = false`` says the upstream does not take a tool list: a request that brings none of its own
+    gets none there, ``/compact`` or not (the rule and ``/compact`` once disagreed; the schemas were not budgeted)."""
+    settings = load_settings(env={"CTXPROXY_DATA_DIR": str(tmp_path), "CTXPROXY_UPSTREAM": "http://u.test/v1",
+                                  "CTXPROXY_CTX_WINDOW": "131072", "CTXPROXY_NATIVE_TOOLS": str(native_tools).lower()})
+    with app_client(settings, httpx.ASGITransport(app=fake)) as client:
+        messages = [{"role": "system", "content": "You are an agent."}, {"role": "user", "content": "Hi."},
+                    {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "/compact"}]
+        answer = client.post("/v1/chat/completions", json={"model": "m", "messages": messages})
+    assert answer.status_code == 200 and "Context compacted" in answer.json()["choices"][0]["message"]["content"]
+    assert sent_names(fake) == ([t["function"]["name"] for t in CONTEXT_TOOLS] if native_tools else [])
+    asked = [m["content"] for m in fake.chats[-1].json()["messages"] if "(/compact)" in str(m["content"])]
+    assert len(asked) == (1 if native_tools else 0)  # told to use its tools only where it has them

@@ -213,14 +213,15 @@ def _shape(app: AppState, settings: Settings, ctx: SessionContext, ask: Ask, win
     may_offer = _schemas_may_go(settings, body, bool(rules.fenced))
     p = _checked_projection(messages, ask.incoming.hashes, ctx.decisions, rules, app.counter, previous,
                             ask.recorded.seen)
-    mirror, write = (None, None) if ask.incognito or ask.splice else mirror_due(ctx, settings,
-                                                                                ask.recorded.session_id, p)
-    offered = ask.offer and _full_set_fits(app, rules.budget.budget) and (
-        _offered(ctx, settings, body, messages, p, rules)
-        or ((ask.compact is not None or ctx.mirror is not None) and settings.tools_enabled))
+    reach = _tools_reach(settings, body, rules)  # the mirror, too, is edited only through ``ctx commit``
+    mirror, write = (None, None) if ask.incognito or ask.splice or not reach else mirror_due(
+        ctx, settings, ask.recorded.session_id, p)
+    offered = ask.offer and reach and _full_set_fits(app, rules.budget.budget) and (
+        _offered(ctx, settings, body, messages, p, rules) or ask.compact is not None or ctx.mirror is not None)
     notices = [] if ask.splice else _notices(ctx, settings, p, rules, offered)  # follow-ups carry tool results
     cut_before = settings.tools_enabled and restorable(ctx.decisions, p.new)
-    after = guidance(bool(rules.fenced), offered, cut_before, ask.compact, mirror) + notices + ask.splice
+    after = guidance(bool(rules.fenced), offered, cut_before, ask.compact if offered else None, mirror) + notices \
+        + ask.splice  # no tools, no call to use them
     listed = listed_tools(offered, cut_before, may_offer)
     payload = assemble(dict(body), p.messages, p.hashes, p.changed, after, listed, bool(rules.fenced),
                        settings.null_content == "empty")
@@ -292,11 +293,19 @@ def _full_set_fits(app: AppState, budget: int) -> bool:
     return app.context_tools_tokens() * 5 <= budget
 
 
+def _tools_reach(settings: Settings, body: ChatBody, rules: Rules) -> bool:
+    """Whether the context tools can reach this model at all: enabled, and a route that carries them (the request's
+    own tool list, an upstream that handles function calling (``native_tools``), or the fenced note). A ``/compact``
+    or a live mirror offers them only where the rule could: sent to an upstream without function calling, the
+    schemas would be refused, and they were not budgeted (``_context_tools_cost``); a mirror would ask for a commit
+    the model has no tool for."""
+    return settings.tools_enabled and bool(body.get("tools") or settings.native_tools or rules.fenced)
+
+
 def _offered(ctx: SessionContext, settings: Settings, body: ChatBody, messages: list[dict[str, Any]],
              p: Projection, rules: Rules) -> bool:
-    """The offer rule; an offer holds for the rest of the turn (``ctx.offered_turn``)."""
-    if not settings.tools_enabled or not (body.get("tools") or settings.native_tools or rules.fenced):
-        return False
+    """The offer rule, where the tools reach the model (``_tools_reach``); an offer holds for the rest of the turn
+    (``ctx.offered_turn``)."""
     turn = turn_in(messages, p.state)
     key = p.state.ids[turn.start] if p.state.ids else ""
     usage = p.report.scaled / rules.budget.budget  # after cuts the window is never reached: judge by the budget
