@@ -2,10 +2,11 @@
 
 The store's SQL is written once, portably: ``?`` placeholders, ``INSERT ... ON CONFLICT DO NOTHING``, ``RETURNING
 id``, ``IS NOT DISTINCT FROM``, ``CAST(SUM(...) AS BIGINT)`` (PostgreSQL sums integers as NUMERIC). PostgreSQL's
-connection rewrites the placeholders to psycopg's ``%s`` once per string (cached). What differs between the two
-engines is here and nowhere else: opening (SQLite's pragmas), transactions (``with conn:`` commits on success and
-rolls back on error on both; nested blocks join the outer one), the per-session lock ``record_request`` takes, the
-foreign-key check a prune defers, and what a storage error is (``errors``).
+connection rewrites the placeholders to psycopg's ``%s`` once per string (cached). How the engines are driven
+differs here: opening (SQLite's pragmas), transactions (``with conn:`` commits or rolls back on both; nested blocks
+join the outer one), the per-session lock ``record_request`` takes, the foreign-key check a prune defers, what a
+storage error is (``errors``). What they hold differs where it is used (``conn.dialect``): the DDL rewritten for
+PostgreSQL (``store.migrate``), how another writer is noticed (``store.retention``), placement's SQLite caches.
 
 psycopg is imported only when a ``postgresql://`` location is opened: a SQLite install needs nothing more.
 """

@@ -1,6 +1,6 @@
 """When the context tools are offered, and how an answer that calls them is split from the agent's own calls.
 
-Offer rule (DESIGN.md §5): tools enabled, and usage ≥ ``offer_pct`` of the window, or the turn's round ≥
+Offer rule (DESIGN.md §5): tools enabled, and usage ≥ ``offer_pct`` of the budget, or the turn's round ≥
 ``offer_round``, or the person asked (a configured phrase or a tool's name in their latest message). Once offered
 they stay offered for the rest of the turn, appended after the agent's own tools, byte-identical each time.
 A turn starts at the person's latest message; its rounds are the agent's tool rounds since then: assistant
