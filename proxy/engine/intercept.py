@@ -115,11 +115,18 @@ class ContextRunner:
         if path is None or not path.exists():
             return self._event("commit", False, "ctx commit: there is no LIVE_CONTEXT.json to commit; it is written "
                                "when the automatic cuts can no longer keep your context under its target.")
-        view = self._view(rules, 0, "")
-        state = view.state
+        try:
+            draft = path.read_bytes()
+            text = draft.decode("utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            return self._event("commit", False, f"ctx commit: LIVE_CONTEXT.json could not be read as UTF-8 text "
+                                                f"({exc}). Nothing applied.")
+        if self.ctx.mirror_document is not None and draft == self.ctx.mirror_document:
+            return self._unedited()
+        state = self._view(rules, 0, "").state
         judged = self.ctx.written_entries()
         tools = {state.ids[i]: name for i, (name, _) in state.result_calls.items()}
-        revision = revise(path.read_text(), state.ids, state.hashes, self.messages, state.out, rules, judged, tools)
+        revision = revise(text, state.ids, state.hashes, self.messages, state.out, rules, judged, tools)
         self.ctx.mirror_written = False  # committed or refused: the next request writes the mirror afresh
         if revision.ok and revision.decisions:
             spans = maintenance_rounds(self.messages, rounds(self.messages, 0), path.name)
@@ -131,6 +138,15 @@ class ContextRunner:
             self.ctx.confirmations.append(f"Mirror revision {self.ctx.mirror_revision} applied: {revision.text}")
             return self._event("commit", True, revision.text, outcome)
         return self._event("commit", revision.ok, revision.text)
+
+    def _unedited(self) -> _Done:
+        """A commit of the file as the proxy wrote it. The model may have edited it in the same answer, which the
+        agent runs after the proxy's calls: the file stays a draft to come (not rewritten over an edit), and the
+        model is told on its next request, as a mixed answer's tool results never reach it."""
+        said = ("ctx commit found LIVE_CONTEXT.json as the proxy wrote it: nothing applied. Commit once your edits "
+                "have been made, in an answer after them.")
+        self.ctx.confirmations.append(said)
+        return self._event("commit", True, said)
 
     async def _read_overflow(self, intent: ReadOverflow) -> _Done:
         row = await self.writer.call(Journal.overflow_body, intent.id, self.session_id)

@@ -26,7 +26,7 @@ from ctxproxy.proxy.core.state import Rules, sha256_text
 from ctxproxy.proxy.core.stubs import full_output, stub_line
 
 __all__ = ["CLOSE", "ENTRIES_KEPT", "PARAGRAPH", "Entries", "MirrorPlaces", "Revision", "appended_document",
-           "cache_entries", "maintenance_rounds", "mirror_document", "mirror_path", "rendered", "revise",
+           "cache_entries", "folder_name", "maintenance_rounds", "mirror_document", "mirror_path", "rendered", "revise",
            "same_mirror", "written_entries"]
 
 _FILE_TOOL = re.compile(r"read|view|open|cat|edit|write|create|patch|replace|insert", re.I)
@@ -52,8 +52,17 @@ class MirrorPlaces(Protocol):
 
 def mirror_path(settings: MirrorPlaces, session_id: str) -> Path:
     """Where a session's LIVE_CONTEXT.json goes: under ``mirror_dir`` (the agent's workspace) or the data dir."""
-    folder = Path(settings.mirror_dir) if settings.mirror_dir else settings.data_path / "mirror" / session_id
+    folder = Path(settings.mirror_dir) if settings.mirror_dir else settings.data_path / "mirror" / folder_name(
+        session_id)
     return folder / "LIVE_CONTEXT.json"
+
+
+def folder_name(session_id: str) -> str:
+    """A session's folder: its id when a plain lowercase name (the proxy's own ids are), else a digest. A client
+    names its session (``X-Session-Id``): ``../../x`` or an absolute path must not lead outside the folder, nor
+    two names a case-insensitive disk takes for one share it."""
+    return session_id if re.fullmatch(r"[a-z0-9][a-z0-9._@-]{0,127}", session_id) else "n-" + sha256_text(
+        session_id)[:32]
 
 
 Entries = dict[str, tuple[str, bytes]]
@@ -238,6 +247,8 @@ def revise(draft_text: str, ids: Sequence[str], hashes: Sequence[str], originals
     each result answers (identity → name), for its stub."""
     try:
         draft = {e["id"]: e for e in json.loads(draft_text)["messages"] if isinstance(e, dict) and "id" in e}
+        if not all(isinstance(mid, str) for mid in draft):
+            raise TypeError("an entry's id is not a string")
     except (ValueError, KeyError, TypeError) as exc:
         return Revision(False, f"ctx commit: the mirror is not the JSON the proxy wrote ({exc}). Nothing applied.")
     unknown = sorted(set(draft) - set(ids))
