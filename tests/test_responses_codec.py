@@ -9,7 +9,7 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from ctxproxy.proxy.edge.fronts.responses.decode import decode_request, input_items
+from ctxproxy.proxy.edge.fronts.responses.decode import decode_request, input_items, namespaced
 from ctxproxy.proxy.edge.fronts.responses.encode import Frame, encode_completion
 from ctxproxy.proxy.edge.fronts.responses.events import StreamEncoder
 from ctxproxy.proxy.errors import BadRequest
@@ -142,6 +142,18 @@ def test_tool_calls_become_function_call_items_and_namespaces_split_back() -> No
                                       "call_id": "ctx_0_exec_command", "name": "exec_command",
                                       "arguments": "{\"cmd\": \"ls\"}"}
     assert (output[2]["namespace"], output[2]["name"]) == ("agents", "spawn")
+
+
+def test_a_namespace_with_the_separator_in_its_name_is_split_at_its_own_end() -> None:
+    """Codex names its MCP servers' namespaces ``mcp__<server>``: split at the first ``__``, a call to one named a
+    namespace no tool list had, and Codex could not route it."""
+    offered = [{"type": "namespace", "name": n, "tools": []} for n in ("mcp__probe", "mcp__probe__deep", "mcp")]
+    frame = Frame.of({"model": "m", "tools": offered})
+    names = ("mcp__probe__echo", "mcp__probe__deep__echo", "mcp__other", "mcp__", "unknown__x")
+    output = encode_completion(frame, tool_answer(*[(n, {}) for n in names]))["output"]
+    assert [(item.get("namespace"), item["name"]) for item in output] == [
+        ("mcp__probe", "echo"), ("mcp__probe__deep", "echo"), ("mcp", "other"), (None, "mcp__"), (None, "unknown__x")]
+    assert [namespaced(n, {"mcp__probe"}) for n in ("mcp__probe__a__b", "mcp__probe")] == [("mcp__probe", "a__b"), None]
 
 
 def test_a_length_finish_makes_the_response_incomplete() -> None:

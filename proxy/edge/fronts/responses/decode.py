@@ -16,15 +16,27 @@ as ``<namespace>__<name>``, and ``encode`` splits a call to such a name back int
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 from ctxproxy.proxy.errors import BadRequest
 
-__all__ = ["NAMESPACE_SEPARATOR", "chat_tools", "decode_messages", "decode_request", "input_items"]
+__all__ = ["NAMESPACE_SEPARATOR", "chat_tools", "decode_messages", "decode_request", "input_items", "namespaced"]
 
 NAMESPACE_SEPARATOR = "__"
 Item = dict[str, Any]
 Message = dict[str, Any]
+
+
+def namespaced(name: str, namespaces: Collection[str]) -> tuple[str, str] | None:
+    """A flattened ``<namespace>__<name>`` split back at the longest namespace the request offered, or None. Codex
+    names its MCP servers' namespaces ``mcp__<server>``: split at the first ``__``, ``mcp__server__echo`` named no
+    namespace offered, and the call came back as a function no tool list had."""
+    found = [ns for ns in namespaces if name.startswith(ns + NAMESPACE_SEPARATOR) and len(name) > len(ns) + 2]
+    if not found:
+        return None
+    namespace = max(found, key=len)
+    return namespace, name[len(namespace) + len(NAMESPACE_SEPARATOR):]
 
 _KINDS = frozenset({"message", "function_call", "function_call_output", "reasoning"})
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}

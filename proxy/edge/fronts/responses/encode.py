@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ctxproxy.proxy.edge.fronts.responses.decode import NAMESPACE_SEPARATOR
+from ctxproxy.proxy.edge.fronts.responses.decode import namespaced
 
 __all__ = [
     "CARRIER", "Frame", "encode_completion", "function_call_item", "message_item", "reasoning_item", "responses_usage",
@@ -104,9 +104,9 @@ def function_call_item(frame: Frame, index: int, call_id: str, name: str, argume
                        status: str = "completed") -> Item:
     item: Item = {"id": frame.item_id("fc", index), "type": "function_call", "status": status, "call_id": call_id,
                   "name": name, "arguments": arguments}
-    namespace, _, inner = name.partition(NAMESPACE_SEPARATOR)
-    if inner and namespace in frame.namespaces:
-        item |= {"name": inner, "namespace": namespace}
+    split = namespaced(name, frame.namespaces)
+    if split is not None:
+        item |= {"name": split[1], "namespace": split[0]}
     return item
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import orjson
 
-from ctxproxy.proxy.edge.fronts.responses.decode import NAMESPACE_SEPARATOR, decode_messages
+from ctxproxy.proxy.edge.fronts.responses.decode import NAMESPACE_SEPARATOR, decode_messages, namespaced
 from ctxproxy.proxy.edge.fronts.responses.encode import CARRIER
 from ctxproxy.proxy.edge.fronts.responses.events import CARRIER_EVENT, parsed_event
 
@@ -97,9 +97,9 @@ def fresh_items(message: dict[str, Any], namespaces: set[str]) -> list[Item]:
         name = call["function"]["name"]
         item = {"type": "function_call", "call_id": call["id"], "name": name,
                 "arguments": call["function"].get("arguments") or "{}"}
-        namespace, _, inner = name.partition(NAMESPACE_SEPARATOR)
-        if inner and namespace in namespaces:
-            item |= {"namespace": namespace, "name": inner}
+        split = namespaced(name, namespaces)
+        if split is not None:
+            item |= {"namespace": split[0], "name": split[1]}
         items.append(item)
     return items
 
