@@ -70,6 +70,21 @@ def test_reasoning_text_rides_on_the_next_assistant_message() -> None:
         "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
 
 
+def test_reasoning_between_an_answers_text_and_its_call_stays_with_that_answer() -> None:
+    """The order this front streams after a context-tool round: reasoning, text, reasoning, the agent's call. The
+    second reasoning once waited for the next assistant message, the turn's final answer, and rode on it."""
+    think = [{"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": t}]}
+             for t in ("R1", "R2", "R3")]
+    items = [{"type": "message", "role": "user", "content": "q"}, think[0],
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "looking"}]},
+             think[1], {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+             {"type": "function_call_output", "call_id": "c", "output": "two files"}, think[2],
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "done"}]}]
+    messages = decoded(input=items)["messages"]
+    assert [(m["role"], m.get("reasoning_content")) for m in messages] == [
+        ("user", None), ("assistant", "R1\n\nR2"), ("tool", None), ("assistant", "R3")]
+
+
 def test_images_and_several_text_parts_stay_parts() -> None:
     content = [{"type": "input_text", "text": "what is"}, {"type": "input_text", "text": " this"},
                {"type": "input_image", "image_url": "data:image/png;base64,AAA", "detail": "low"}]

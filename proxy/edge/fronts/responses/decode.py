@@ -144,6 +144,7 @@ class _Built:
             if self.pending:
                 self.groups[-1] += self.pending
                 self.pending = []
+            _attach(self.messages[-1], self.reasoning)  # reasoning between its text and the call is its own
             return self.messages[-1]
         message: Message = {"role": "assistant", "content": None}
         _attach(message, self.reasoning)
@@ -154,8 +155,9 @@ class _Built:
 
 
 def _attach(message: Message, reasoning: list[str]) -> None:
+    """The reasoning read since the last assistant message, on ``message`` (after any it carries already)."""
     if reasoning:
-        message["reasoning_content"] = "\n\n".join(reasoning)
+        message["reasoning_content"] = "\n\n".join([*filter(None, [message.get("reasoning_content")]), *reasoning])
         reasoning.clear()
 
 
