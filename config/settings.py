@@ -147,8 +147,8 @@ class Settings:
                                    "/v1/messages (api.anthropic.com, llama.cpp, vLLM)")
     fenced_presets: tuple[tuple[str, str], ...] = _opt((), parse_presets, "your own text-protocol formats: "
                                                        "[{name, pattern with (?P<body>…)}], tried first")
-    mirror_dir: str = _opt("", parse_str, 'where LIVE_CONTEXT.json is written (one file for every session); '
-                           '"" = <data_dir>/mirror/<session>')
+    mirror_dir: str = _opt("", parse_str, 'where LIVE_CONTEXT.json is written, in a folder per '
+                           'session: <mirror_dir>/<session>; "" = <data_dir>/mirror')
     overflow_dir: str = _opt("", parse_str, "also write every cut body here as <id>.out, named in its stub, for an "
                              'agent without read_overflow (e.g. its workspace); "" = off; never in incognito')
     # --- not settable by key: built by load_settings ------------------------------------------------------------

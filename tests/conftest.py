@@ -16,6 +16,7 @@ from hypothesis import HealthCheck
 from hypothesis import settings as hypothesis_settings
 
 from ctxproxy.config import Settings, load_settings
+from ctxproxy.proxy.core import fingerprint
 from ctxproxy.proxy.edge.app import create_app
 from ctxproxy.proxy.observe.events import EventBus
 from tests import postgres
@@ -87,6 +88,11 @@ def roomy_client(tmp_path: Path, fake: FakeUpstream) -> Iterator[TestClient]:
 def app_client(settings: Settings, transport: httpx.AsyncBaseTransport) -> TestClient:
     """The app in process over any upstream transport; use as a context manager so the lifespan runs."""
     return TestClient(create_app(settings, upstream_transport=transport), raise_server_exceptions=False)
+
+
+def session_mirror(mirror_dir: Path, messages: list[dict[str, Any]]) -> Path:
+    """Where the mirror of the first unnamed session that ``messages`` open is written under ``mirror_dir``."""
+    return mirror_dir / f"s-{fingerprint(messages)[:12]}" / "LIVE_CONTEXT.json"
 
 
 def chat(*contents: str, **fields: object) -> dict[str, object]:

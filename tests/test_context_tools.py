@@ -18,7 +18,7 @@ from fastapi.testclient import TestClient
 from ctxproxy.config import load_settings
 from ctxproxy.proxy.core.stubs import parse_stub
 from ctxproxy.proxy.tools.schemas import CONTEXT_TOOLS, TOOL_NAMES
-from tests.conftest import app_client
+from tests.conftest import app_client, session_mirror
 from tests.fakes import FakeUpstream, Reply, completion, stream_chunks, stream_tool_answer, tool_answer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -398,7 +398,7 @@ def mirrored(tmp_path: Path, fake: FakeUpstream) -> Iterator[tuple[TestClient, P
                                   "CTXPROXY_CTX_WINDOW": "16384", "CTXPROXY_SPILL_CHARS": "100000",
                                   "CTXPROXY_KEEP_RESULTS": "8", "CTXPROXY_MIRROR_DIR": str(tmp_path / "ws")})
     with app_client(settings, httpx.ASGITransport(app=fake)) as test_client:
-        yield test_client, tmp_path / "ws" / "LIVE_CONTEXT.json"
+        yield test_client, session_mirror(tmp_path / "ws", crowded())
 
 
 def crowded() -> list[dict[str, Any]]:
@@ -450,7 +450,7 @@ def test_a_mirror_edit_that_changes_the_person_is_refused_with_a_reason(
 def journaled_ops(mirror: Path) -> list[tuple[str, int, str]]:
     from ctxproxy.store import Journal
 
-    journal = Journal(mirror.parent.parent / "data" / "journal.db")
+    journal = Journal(mirror.parents[2] / "data" / "journal.db")
     return [tuple(r) for r in journal.conn.execute("SELECT op, ok, result FROM context_ops ORDER BY id")]  # type: ignore
 
 
@@ -544,7 +544,7 @@ def test_ctx_status_reports_the_last_accepted_revision_after_a_restart(tmp_path:
     env = {"CTXPROXY_DATA_DIR": str(tmp_path / "data"), "CTXPROXY_UPSTREAM": "http://u.test/v1",
            "CTXPROXY_CTX_WINDOW": "16384", "CTXPROXY_SPILL_CHARS": "100000", "CTXPROXY_KEEP_RESULTS": "8",
            "CTXPROXY_MIRROR_DIR": str(tmp_path / "ws")}
-    path = tmp_path / "ws" / "LIVE_CONTEXT.json"
+    path = session_mirror(tmp_path / "ws", crowded())
     with app_client(load_settings(env=env), httpx.ASGITransport(app=fake)) as client:
         ask(client, crowded())
         draft = json.loads(path.read_text())

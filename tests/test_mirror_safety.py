@@ -1,9 +1,10 @@
-"""The live mirror against what a client or a model may do to it: a session name that is a path, a draft that is
-not the JSON the proxy wrote, a commit made in the same answer as the edit it should apply.
+"""The live mirror against what a client or a model may do to it: a session name that is a path, two sessions in one
+``mirror_dir``, a draft that is not the JSON the proxy wrote, a commit made in the same answer as its edit.
 
-Each of these once went wrong: the name placed the file outside the data dir, the draft failed the agent's request
-with a 500, and the commit ran before the agent's edit, reported nothing to cut, and let the next request write over
-the edit without the model ever being told.
+Each of these once went wrong: the name placed the file outside the data dir; the two sessions shared one file, so
+each took the other's mirror for its model's draft (and a fork's could be committed into its parent); the draft
+failed the agent's request with a 500; and the commit ran before the agent's edit, reported nothing to cut, and let
+the next request write over the edit without the model ever being told.
 """
 
 from __future__ import annotations
@@ -19,17 +20,17 @@ from fastapi.testclient import TestClient
 
 from ctxproxy.config import load_settings
 from ctxproxy.proxy.tools.mirror import folder_name
-from tests.conftest import app_client
+from tests.conftest import app_client, session_mirror
 from tests.fakes import CountingUpstream, Reply, completion, tool_answer
 
 TOOLS = [{"type": "function", "function": {"name": "read_file", "parameters": {
     "type": "object", "properties": {"path": {"type": "string"}}}}}]
 
 
-def crowded(rounds: int = 13) -> list[dict[str, Any]]:
+def crowded(rounds: int = 13, task: str = "Fix the bug.") -> list[dict[str, Any]]:
     """A history the automatic cuts cannot bring under the target at 16k: the mirror is turned on."""
     messages: list[dict[str, Any]] = [{"role": "system", "content": "You are an agent."},
-                                      {"role": "user", "content": "Fix the bug."}]
+                                      {"role": "user", "content": task}]
     for k in range(1, rounds + 1):
         messages += [{"role": "assistant", "content": None, "tool_calls": [
             {"id": f"call_{k}", "type": "function", "function": {"name": "read_file", "arguments": "{}"}}]},
@@ -52,7 +53,7 @@ def fake() -> CountingUpstream:
 def mirrored(tmp_path: Path, fake: CountingUpstream) -> Iterator[tuple[TestClient, Path]]:
     with app_client(load_settings(env=settings_env(tmp_path, str(tmp_path / "ws"))),
                     httpx.ASGITransport(app=fake)) as client:
-        yield client, tmp_path / "ws" / "LIVE_CONTEXT.json"
+        yield client, session_mirror(tmp_path / "ws", crowded())
 
 
 def send(client: TestClient, messages: list[dict[str, Any]], session: str | None = None) -> httpx.Response:
@@ -83,7 +84,7 @@ def test_a_session_name_never_places_the_mirror_outside_its_folder(tmp_path: Pat
 def test_a_plain_lowercase_name_is_its_own_folder_and_any_other_a_digest() -> None:
     assert folder_name("s-cf29cc5c42b5-2") == "s-cf29cc5c42b5-2" and folder_name("run.7@ab12") == "run.7@ab12"
     others = {folder_name(n) for n in ("..", "Run", "run", "a/b", "/abs", "", "x" * 200)}
-    assert len(others) == 7 and all(f == "run" or f.startswith("n-") and len(f) == 34 for f in others)
+    assert len(others) == 7 and all(f == "run" or (f.startswith("n-") and len(f) == 34) for f in others)
 
 
 @pytest.mark.parametrize("spoil", ["latin-1", "null id", "list id"])
@@ -130,3 +131,23 @@ def test_a_commit_in_the_same_answer_as_the_edit_keeps_the_edit_and_says_so(
     assert spliced_results(fake)[-1].startswith("ctx commit: applied")
     sent_9 = next(m for m in fake.chats[-1].json()["messages"] if m.get("tool_call_id") == "call_9")
     assert str(sent_9["content"]).startswith("[overflow") and "Cut by you in the mirror" in str(sent_9["content"])
+
+
+def test_two_sessions_in_one_mirror_dir_each_have_their_own_file(
+        mirrored: tuple[TestClient, Path], fake: CountingUpstream) -> None:
+    client, mine = mirrored
+    other = crowded(task="Write the docs.")
+    for messages in (crowded(), other, crowded(14)):
+        assert send(client, messages).status_code == 200
+    theirs = session_mirror(mine.parents[1], other)
+    shown = {json.loads(p.read_text(encoding="utf-8"))["session"] for p in (mine, theirs)}
+    assert mine != theirs and len(shown) == 2
+    assert "tool:call_14" in mine.read_text(encoding="utf-8")  # its own newest round: not taken for a draft
+    draft = json.loads(mine.read_text(encoding="utf-8"))
+    draft["messages"] = [e for e in draft["messages"] if e.get("tool_call_id") != "call_9"]
+    mine.write_text(json.dumps(draft), encoding="utf-8")
+    fake.enqueue(Reply(body=tool_answer(("ctx", {"action": "commit"}))))
+    fake.enqueue(Reply(body=completion("ok")))
+    send(client, crowded(14))
+    assert spliced_results(fake)[-1] == "ctx commit: applied, 1 tool result(s) cut."
+    assert "Write the docs." in theirs.read_text(encoding="utf-8")

@@ -52,7 +52,7 @@ from ctxproxy.store import (
     session_state,
 )
 from ctxproxy.store.session_state import MIRROR_SEPARATOR
-from tests.conftest import app_client
+from tests.conftest import app_client, session_mirror
 from tests.fakes import CountingUpstream
 from tests.test_journal import incoming
 from tests.test_project import CharCounter, budget, history, prefixes, run
@@ -95,14 +95,14 @@ def _send(tmp_path: Path, bodies: list[dict[str, Any]], between: Any = None, **e
 
 
 def test_the_mirror_is_not_rewritten_when_what_it_shows_is_unchanged(tmp_path: Path) -> None:
-    mirror = tmp_path / "ws" / "LIVE_CONTEXT.json"
+    mirror = session_mirror(tmp_path / "ws", _body(1)["messages"])
     sent = _send(tmp_path, [_body(13)] * 3, between=lambda i: os.utime(mirror, ns=(OLD, OLD)))
     assert all(PARAGRAPH in s for s in sent)  # on for every request, as before
     assert mirror.stat().st_mtime_ns == OLD  # touched, not changed: the same projection is not written again
 
 
 def test_the_mirror_is_rewritten_when_the_projection_changed(tmp_path: Path) -> None:
-    mirror = tmp_path / "ws" / "LIVE_CONTEXT.json"
+    mirror = session_mirror(tmp_path / "ws", _body(1)["messages"])
     first, second = _body(13), _body(14)
     _send(tmp_path, [first, second], between=lambda i: os.utime(mirror, ns=(OLD, OLD)))
     shown = [e["id"] for e in json.loads(mirror.read_text())["messages"]]
@@ -110,7 +110,7 @@ def test_the_mirror_is_rewritten_when_the_projection_changed(tmp_path: Path) -> 
 
 
 def test_a_draft_of_the_model_is_still_never_overwritten(tmp_path: Path) -> None:
-    mirror = tmp_path / "ws" / "LIVE_CONTEXT.json"
+    mirror = session_mirror(tmp_path / "ws", _body(1)["messages"])
 
     def edit(_: int) -> None:
         draft = json.loads(mirror.read_text())
@@ -125,7 +125,7 @@ def test_a_draft_of_the_model_is_still_never_overwritten(tmp_path: Path) -> None
 def test_without_the_context_tools_no_mirror_is_written_nor_announced(tmp_path: Path) -> None:
     sent = _send(tmp_path, [_body(13, 3600), _body(14, 3600)], CTXPROXY_TOOLS_ENABLED="off")
     assert not any(PARAGRAPH in s for s in sent)
-    assert not (tmp_path / "ws" / "LIVE_CONTEXT.json").exists()
+    assert not (session_mirror(tmp_path / "ws", _body(1)["messages"])).exists()
 
 
 def test_the_journal_keeps_what_the_mirror_shows_and_gives_the_text_back(store_location: Path | str) -> None:
@@ -243,7 +243,7 @@ def test_a_request_that_cuts_and_grows_the_mirror_journals_both_in_one_call(tmp_
     journal = Journal(tmp_path / "data" / "journal.db")
     try:
         (session_id,) = journal.conn.execute("SELECT id FROM sessions").fetchone()
-        text = (tmp_path / "ws" / "LIVE_CONTEXT.json").read_text(encoding="utf-8")
+        text = (session_mirror(tmp_path / "ws", _body(1)["messages"])).read_text(encoding="utf-8")
         shown = session_state(journal, session_id).mirror_shown
         assert shown is not None
         again = rendered(session_id, shown.revision, shown.ids, shown.hashes, shown.bodies)
@@ -296,7 +296,7 @@ def test_a_mirror_holds_its_entries_whatever_they_hold_cut_at_the_journals_separ
 def test_a_mirror_rewritten_shorter_in_place_is_exactly_its_new_text(tmp_path: Path) -> None:
     """Issue #13: the mirror is written over its last version in place (no truncation first); a shorter version
     leaves nothing of the longer one behind, and a missing file (or folder) is created."""
-    path = tmp_path / "ws" / "LIVE_CONTEXT.json"
+    path = session_mirror(tmp_path / "ws", _body(1)["messages"])
     for text in ["é" * 5000, "x" * 10, "ü" * 300]:
         rewrite_in_place(path, text.encode())
         assert path.read_text() == text
@@ -378,7 +378,7 @@ def test_a_mirror_that_only_grows_is_written_at_its_end(tmp_path: Path, monkeypa
     whole: list[Path] = []
     real = mirror_file.rewrite_in_place
     monkeypatch.setattr(mirror_file, "rewrite_in_place", lambda path, text: (whole.append(path), real(path, text)))
-    mirror = tmp_path / "ws" / "LIVE_CONTEXT.json"
+    mirror = session_mirror(tmp_path / "ws", _body(1)["messages"])
     first = _body(13)
     bodies = [first]
     for k in range(14, 17):
@@ -486,7 +486,7 @@ def test_a_mirror_that_cannot_be_written_costs_no_answer_and_is_written_at_the_n
     sent = _send(tmp_path, [_body(13), _body(13)], between=lambda i: blocker.unlink())
     assert all(PARAGRAPH in s for s in sent)
     assert "could not write the live mirror" in caplog.text
-    assert len(_ids(tmp_path / "ws" / "LIVE_CONTEXT.json")) == len(_body(13)["messages"])
+    assert len(_ids(session_mirror(tmp_path / "ws", _body(1)["messages"]))) == len(_body(13)["messages"])
 
 
 def test_the_mirror_is_written_while_the_request_is_upstream_and_before_its_answer(
@@ -511,7 +511,7 @@ def test_the_mirror_is_written_while_the_request_is_upstream_and_before_its_answ
     with app_client(_settings(tmp_path), httpx.ASGITransport(app=fake)) as client:
         assert client.post("/v1/chat/completions", json=_body(13)).status_code == 200
         events.append("answered")
-        text = (tmp_path / "ws" / "LIVE_CONTEXT.json").read_text(encoding="utf-8")
+        text = (session_mirror(tmp_path / "ws", _body(1)["messages"])).read_text(encoding="utf-8")
     assert events.index("upstream") < events.index("written") < events.index("answered")
     assert [e["id"] for e in json.loads(text)["messages"]][-1] == "tool:call_13"
 
@@ -593,7 +593,7 @@ def test_a_mirror_whose_forward_the_journal_refuses_is_written_by_the_next_reque
 
     monkeypatch.setattr(SessionContext, "journal_forward", full)
     fake = CountingUpstream(window=16384)
-    mirror = tmp_path / "ws" / "LIVE_CONTEXT.json"
+    mirror = session_mirror(tmp_path / "ws", _body(1)["messages"])
     with app_client(_settings(tmp_path), httpx.ASGITransport(app=fake)) as client:
         assert client.post("/v1/chat/completions", json=_body(13)).status_code == 507
         assert len(fake.counts) == 1 and not mirror.exists()

@@ -29,7 +29,7 @@ from fastapi.testclient import TestClient
 from ctxproxy.config import load_settings
 from ctxproxy.store import Journal, JournalWriter, claim
 from ctxproxy.store.openings import OpeningsMixin
-from tests.conftest import app_client
+from tests.conftest import app_client, session_mirror
 from tests.fakes import FakeUpstream, Reply, completion, tool_answer
 from tests.test_journal import incoming
 from tests.test_session_state import ENV, SCENARIOS, TOOLS, Scenario, Step, _round
@@ -188,7 +188,7 @@ def _mirror_run(root: Path, apps: int) -> tuple[list[bytes], str]:
         bodies.append({**bodies[-1], "messages": bodies[-1]["messages"] + _round(k, f"{k % 10}" * 3000)})
     env = scenario.env | {"CTXPROXY_DATA_DIR": str(root / "data"), "CTXPROXY_MIRROR_DIR": str(root / "ws")}
     shutil.rmtree(root, ignore_errors=True)
-    fake, mirror = FakeUpstream(), root / "ws" / "LIVE_CONTEXT.json"
+    fake, mirror = FakeUpstream(), session_mirror(root / "ws", bodies[0]["messages"])
     with ExitStack() as stack:
         clients = [stack.enter_context(app_client(load_settings(env=env), httpx.ASGITransport(app=fake)))
                    for _ in range(apps)]

@@ -20,7 +20,7 @@ from ctxproxy.proxy.core.state import Rules
 from ctxproxy.proxy.tools.blocks import NOTE
 from ctxproxy.proxy.tools.offer import person_asked, turn_in, turn_of
 from ctxproxy.proxy.tools.schemas import TOOL_NAMES
-from tests.conftest import app_client
+from tests.conftest import app_client, session_mirror
 from tests.fakes import FakeUpstream, Reply, completion, tool_answer
 from tests.test_project import CharCounter, budget
 from tests.transcripts import FORMATS, PERSON, transcript
@@ -178,7 +178,7 @@ def test_ctx_status_names_the_mirror_and_the_last_accepted_revision(client: Test
     fake.enqueue(Reply(body=completion("ok")))
     client.post("/v1/chat/completions", json={"model": "m", "tools": AGENT_TOOLS, "messages": native(5)})
     status = results_of(fake)[0]
-    assert f"Mirror: {tmp_path / 'ws' / 'LIVE_CONTEXT.json'} (last accepted none yet" in status
+    assert f"Mirror: {session_mirror(tmp_path / 'ws', native(5))} (last accepted none yet" in status
     assert "budget " in status and "cuts stop at " in status
 
 

@@ -109,7 +109,7 @@ def _fenced() -> Scenario:
 
 def _edit_mirror(ws: Path) -> None:
     """The agent's own edit tool removes two results from the mirror: a draft, kept until ``ctx commit``."""
-    path = ws / "LIVE_CONTEXT.json"
+    [path] = ws.glob("*/LIVE_CONTEXT.json")  # the scenario's one session
     draft = json.loads(path.read_text())
     draft["messages"] = [e for e in draft["messages"] if e.get("tool_call_id") not in ("call_8", "call_9")]
     path.write_text(json.dumps(draft))

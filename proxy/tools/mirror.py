@@ -51,10 +51,10 @@ class MirrorPlaces(Protocol):
 
 
 def mirror_path(settings: MirrorPlaces, session_id: str) -> Path:
-    """Where a session's LIVE_CONTEXT.json goes: under ``mirror_dir`` (the agent's workspace) or the data dir."""
-    folder = Path(settings.mirror_dir) if settings.mirror_dir else settings.data_path / "mirror" / folder_name(
-        session_id)
-    return folder / "LIVE_CONTEXT.json"
+    """Where a session's LIVE_CONTEXT.json goes: its own folder under ``mirror_dir`` (the agent's workspace) or the
+    data dir. One file for every session let a session take another's mirror for its model's draft, and commit it."""
+    root = Path(settings.mirror_dir) if settings.mirror_dir else settings.data_path / "mirror"
+    return root / folder_name(session_id) / "LIVE_CONTEXT.json"
 
 
 def folder_name(session_id: str) -> str:
