@@ -195,6 +195,25 @@ def test_a_text_stream_becomes_the_responses_events_in_order() -> None:
     assert completed["usage"]["input_tokens"] == 7 and completed["status"] == "completed"
 
 
+def test_a_refusal_is_a_refusal_part_whole_and_streamed_alike() -> None:
+    """Chat's ``message.refusal`` (``delta.refusal`` streamed) was dropped: the client got an empty output."""
+    frame = Frame.of({"model": "m"})
+    answer = completion("")
+    answer["choices"][0]["message"] |= {"content": None, "refusal": "I can't help with that."}
+    whole = encode_completion(frame, answer)["output"]
+    assert [item["content"] for item in whole] == [[{"type": "refusal", "refusal": "I can't help with that."}]]
+    encoder = StreamEncoder(frame)
+    chunks = [{"choices": [{"index": 0, "delta": {"role": "assistant", "refusal": part}}]} for part in
+              ("I can't ", "help with that.")] + [{"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}]
+    events = events_of(encoder.feed(sse(chunks)) + encoder.close())
+    assert [e["type"] for e in events][2:] == [
+        "response.output_item.added", "response.content_part.added", "response.refusal.delta",
+        "response.refusal.delta", "response.refusal.done", "response.content_part.done", "response.output_item.done",
+        "response.completed"]
+    assert events[3]["part"] == {"type": "refusal", "refusal": ""} and events[6]["refusal"] == "I can't help with that."
+    assert events[-1]["response"]["output"] == whole
+
+
 def test_a_streamed_tool_call_becomes_function_call_events() -> None:
     encoder = StreamEncoder(Frame.of({"model": "m"}))
     chunks = stream_tool_answer(("exec_command", {"cmd": "ls -la /tmp"}), content="Looking now")

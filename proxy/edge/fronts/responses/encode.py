@@ -73,6 +73,8 @@ def encode_completion(frame: Frame, completion: dict[str, Any]) -> dict[str, Any
     text = message.get("content")
     if isinstance(text, str) and text:
         output.append(message_item(frame, len(output), text))
+    if isinstance(message.get("refusal"), str) and message["refusal"]:
+        output.append(message_item(frame, len(output), message["refusal"], refusal=True))
     for call in message.get("tool_calls") or []:
         function = call.get("function") or {}
         output.append(function_call_item(frame, len(output), call.get("id") or "", function.get("name") or "",
@@ -90,9 +92,12 @@ def status_of(finish_reason: Any) -> tuple[str, str | None]:
     return "completed", None
 
 
-def message_item(frame: Frame, index: int, text: str, status: str = "completed") -> Item:
+def message_item(frame: Frame, index: int, text: str, status: str = "completed", refusal: bool = False) -> Item:
+    """An assistant message: its text, or the model's refusal (chat's ``message.refusal``) as a refusal part."""
+    part = {"type": "refusal", "refusal": text} if refusal else {"type": "output_text", "text": text,
+                                                                  "annotations": []}
     return {"id": frame.item_id("msg", index), "type": "message", "role": "assistant", "status": status,
-            "content": [{"type": "output_text", "text": text, "annotations": []}]}
+            "content": [part]}
 
 
 def reasoning_item(frame: Frame, index: int, text: str) -> Item:

@@ -3,7 +3,8 @@
 The engine relays one coherent chat stream (the context calls already taken out, ``proxy.engine.stream``); this
 encoder turns each of its chunks into the events a Responses client reads: ``response.created`` and
 ``response.in_progress`` first; per output item ``response.output_item.added``, its deltas
-(``response.output_text.delta``, ``response.function_call_arguments.delta``, ``response.reasoning_text.delta``),
+(``response.output_text.delta``, ``response.refusal.delta``, ``response.function_call_arguments.delta``,
+``response.reasoning_text.delta``),
 their ``…done`` and ``response.output_item.done``; then ``response.completed`` (or ``response.incomplete``) with
 the whole response, usage included. Every event carries its ``sequence_number``. SSE comments (the engine's
 keep-alives and context-op notes) pass through. An error event in the chat stream becomes ``error`` and
@@ -31,6 +32,8 @@ __all__ = ["CARRIER_EVENT", "StreamEncoder", "parsed_event"]
 Item = dict[str, Any]
 _EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 _DONE = object()
+_MESSAGES = ("message", "refusal")
+"""The kinds of streamed item that are an assistant message: its text, or its refusal (chat's ``delta.refusal``)."""
 CARRIER_EVENT = b"ctxproxy-output-item"
 """Native mode: a named SSE event carrying one of the upstream's output items whole (the engine's stream filter
 passes named events untouched); it goes to the agent as that item, byte for byte."""
@@ -112,6 +115,8 @@ class StreamEncoder(_Numbered):
                 out += self._delta("reasoning", None, delta["reasoning_content"])
             if isinstance(delta.get("content"), str) and delta["content"]:
                 out += self._delta("message", None, delta["content"])
+            if isinstance(delta.get("refusal"), str) and delta["refusal"]:
+                out += self._delta("refusal", None, delta["refusal"])
             for call in delta.get("tool_calls") or []:
                 out += self._call(call)
             if choice.get("finish_reason"):
@@ -137,9 +142,10 @@ class StreamEncoder(_Numbered):
         self.current, item.output_index = item, len(self.output)
         added = _item(self.frame, item, "in_progress")
         out += self._emit("response.output_item.added", output_index=item.output_index, item=added)
-        if item.kind == "message":
+        if item.kind in _MESSAGES:
+            part = message_item(self.frame, 0, "", refusal=item.kind == "refusal")["content"][0]
             out += self._emit("response.content_part.added", item_id=added["id"], output_index=item.output_index,
-                              content_index=0, part={"type": "output_text", "text": "", "annotations": []})
+                              content_index=0, part=part)
         return out
 
     def _append(self, text: str) -> bytes:
@@ -151,7 +157,8 @@ class StreamEncoder(_Numbered):
         where = {"item_id": _item(self.frame, item, "in_progress")["id"], "output_index": item.output_index}
         if item.kind == "call":
             return self._emit("response.function_call_arguments.delta", **where, delta=text)
-        name = "response.output_text.delta" if item.kind == "message" else "response.reasoning_text.delta"
+        name = {"message": "response.output_text.delta", "refusal": "response.refusal.delta"}.get(
+            item.kind, "response.reasoning_text.delta")
         return self._emit(name, **where, content_index=0, delta=text, **({"logprobs": []} if item.kind == "message"
                                                                           else {}))
 
@@ -164,9 +171,11 @@ class StreamEncoder(_Numbered):
         if item.kind == "call":
             out = self._emit("response.function_call_arguments.done", **where, name=done["name"],
                              arguments=item.text)
-        elif item.kind == "message":
+        elif item.kind in _MESSAGES:
             part = done["content"][0]
-            out = self._emit("response.output_text.done", **where, content_index=0, text=item.text, logprobs=[])
+            out = self._emit("response.output_text.done", **where, content_index=0, text=item.text, logprobs=[]) \
+                if item.kind == "message" else self._emit("response.refusal.done", **where, content_index=0,
+                                                          refusal=item.text)
             out += self._emit("response.content_part.done", **where, content_index=0, part=part)
         else:
             out = self._emit("response.reasoning_text.done", **where, content_index=0, text=item.text)
@@ -220,8 +229,9 @@ def _item(frame: Frame, item: _Open, status: str) -> Item:
     index = item.output_index
     if item.kind == "call":
         return function_call_item(frame, index, item.call_id, item.name, item.text, status)
-    if item.kind == "message":
-        return message_item(frame, index, item.text, status) if status == "completed" else {
+    if item.kind in _MESSAGES:
+        refusal = item.kind == "refusal"
+        return message_item(frame, index, item.text, status, refusal) if status == "completed" else {
             **message_item(frame, index, "", status), "content": []}
     return reasoning_item(frame, index, item.text) if status == "completed" else {
         **reasoning_item(frame, index, ""), "content": []}
