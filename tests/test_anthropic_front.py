@@ -123,10 +123,19 @@ def test_the_context_tools_are_taken_out_of_a_stream_too(client: TestClient, fak
     assert all(e["content_block"]["type"] == "text" for e in got if e["type"] == "content_block_start")
 
 
-def test_claude_codes_session_header_names_the_session(client: TestClient, fake: FakeUpstream) -> None:
-    answer = client.post("/v1/messages", json=body(user("hi")), headers={"X-Claude-Code-Session-Id": "cc-123"})
-    assert answer.headers["x-ctx-session"] == "cc-123"
-    assert client.get("/ctx/sessions/cc-123").json()["requests"] == 1
+def test_claude_codes_run_and_conversation_name_the_session(client: TestClient, fake: FakeUpstream) -> None:
+    """Claude Code sends its run's id on every request, its sub-agents' and side calls' too: one session per run
+    serialised parallel sub-agents on its lock and gave the main agent's notices to a side call."""
+    def session(messages: dict[str, Any], **headers: str) -> str:
+        sent = client.post("/v1/messages", json=messages, headers={"X-Claude-Code-Session-Id": "cc-123", **headers})
+        return str(sent.headers["x-ctx-session"])
+
+    main = session(body(user("hi")))
+    assert main.startswith("cc-123:") and session(body(user("hi"), user("more"))) == main
+    assert session(body(user("hi"), system="Write a title.")) not in (main, "cc-123")  # a side call
+    agents = {session(body(user("look into it")), **{"X-Claude-Code-Agent-Id": agent}) for agent in ("a1", "a2")}
+    assert len(agents) == 2 and main not in agents
+    assert client.get(f"/ctx/sessions/{main}").json()["requests"] == 2
 
 
 @pytest.mark.parametrize(("payload", "param"), [

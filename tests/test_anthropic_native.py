@@ -165,7 +165,7 @@ def test_anthropic_usage_calibrates_the_budget(client: TestClient, fake: FakeUps
     fake.enqueue(Reply(body=answer({"type": "text", "text": "ok"})), path="/messages")
     got = client.post("/v1/messages", json=claude_code_body(), headers={"X-Claude-Code-Session-Id": "s1"})
     assert got.status_code == 200
-    session = client.get("/ctx/sessions/s1").json()
+    session = client.get(f"/ctx/sessions/{got.headers['x-ctx-session']}").json()
     assert session["last_prompt_tokens"] == 12 + 3000 + 40  # fresh, read from and written to the cache
 
 

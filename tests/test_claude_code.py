@@ -4,9 +4,9 @@ The binary comes from npm (``@anthropic-ai/claude-code``, pinned in ``scripts/te
 runs) into the test cache; without it (no npm) the test is skipped and says how to get it. Claude Code talks to
 the proxy on loopback (``ANTHROPIC_BASE_URL``), the proxy translates to a scripted fake chat-completions model:
 the model calls Bash, Claude Code runs the command and sends its output back, the model answers. The journal
-shows the session, named by Claude Code's own ``X-Claude-Code-Session-Id``. A second run asks to free up the
-context: the model's ``context_drop`` runs inside the proxy, Claude Code never sees it, and the cut output is
-restorable byte for byte.
+shows the session, named by Claude Code's own ``X-Claude-Code-Session-Id`` and the conversation's opening. A second
+run asks to free up the context: the model's ``context_drop`` runs inside the proxy, Claude Code never sees it, and
+the cut output is restorable byte for byte.
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def test_claude_code_runs_a_tool_and_answers_through_the_proxy(stack: tuple[Fake
     assert first.headers["anthropic-version"] and first.query == ""
     output = next(m for m in second.json()["messages"] if m["role"] == "tool")
     assert output["tool_call_id"] == "ctx_0_Bash" and "hello-from-bash" in output["content"]
-    session = httpx.get(f"{proxy}/ctx/sessions/{result['session_id']}").json()
+    session = httpx.get(f"{proxy}/ctx/sessions/{run_session(proxy, result)}").json()
     assert session["named"] == 1 and session["requests"] == 2 and session["model"]
 
 
@@ -145,9 +145,9 @@ def test_claude_codes_context_is_freed_inside_the_proxy(stack: tuple[FakeUpstrea
     assert "context_drop" in offered
     stub = next(m for m in fake.chats[2].json()["messages"] if m.get("tool_call_id") == "ctx_0_Bash")["content"]
     oid = re.search(r"id=([0-9a-f]{64})", stub).group(1)  # type: ignore[union-attr]
-    restored = httpx.get(f"{proxy}/ctx/sessions/{result['session_id']}/overflow/{oid}").text
+    restored = httpx.get(f"{proxy}/ctx/sessions/{run_session(proxy, result)}/overflow/{oid}").text
     assert restored.split() == [str(i) for i in range(1, 4001)]
-    session = httpx.get(f"{proxy}/ctx/sessions/{result['session_id']}").json()
+    session = httpx.get(f"{proxy}/ctx/sessions/{run_session(proxy, result)}").json()
     assert session["requests"] == 2
 
 
@@ -168,7 +168,7 @@ def test_claude_code_against_a_native_upstream_gets_its_body_through_byte_for_by
     assert second["messages"][-2]["content"][-1] == call
     output = second["messages"][-1]["content"][0]
     assert output["tool_use_id"] == "toolu_01" and "hello-from-bash" in json.dumps(output["content"])
-    assert httpx.get(f"{proxy}/ctx/sessions/{result['session_id']}").json()["requests"] == 2
+    assert httpx.get(f"{proxy}/ctx/sessions/{run_session(proxy, result)}").json()["requests"] == 2
 
 
 def test_a_long_claude_code_run_stays_inside_a_small_window_and_every_cut_is_restorable(tmp_path: Path) -> None:
@@ -193,8 +193,15 @@ def test_a_long_claude_code_run_stays_inside_a_small_window_and_every_cut_is_res
         for call_id, match in cut.items():
             if match:
                 start, end = map(int, outputs[call_id].split()[1:])
-                restored = httpx.get(f"{proxy}/ctx/sessions/{result['session_id']}/overflow/{match[1]}").text
+                restored = httpx.get(f"{proxy}/ctx/sessions/{run_session(proxy, result)}/overflow/{match[1]}").text
                 assert restored.split() == [str(n) for n in range(start, end + 1)]
+
+
+def run_session(proxy: str, result: dict[str, Any]) -> str:
+    """The proxy's session of Claude Code's main conversation: its run's id and the conversation's opening."""
+    rows = httpx.get(f"{proxy}/ctx/sessions").json()["sessions"]
+    [session] = [r["id"] for r in rows if str(r["id"]).startswith(f"{result['session_id']}:")]
+    return str(session)
 
 
 def _renamed(chunk: Any, call_id: str) -> Any:

@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ctxproxy.proxy.edge.body import read_body
-from ctxproxy.proxy.edge.fronts.anthropic.front import SESSION_HEADER, AnthropicFront
+from ctxproxy.proxy.edge.fronts.anthropic.front import AnthropicFront, claude_code_session
 from ctxproxy.proxy.edge.fronts.projected import projected_tokens, session_of
 from ctxproxy.proxy.engine.state import AppState
 from ctxproxy.proxy.errors import CtxError
@@ -27,7 +27,7 @@ async def count_tokens(request: Request) -> Response:
     try:
         raw = await read_body(request, state.settings.max_body_bytes, state.settings.client_body_timeout)
         decoded = await front.decode(raw, request)
-        session = session_of(request, state.settings, request.headers.get(SESSION_HEADER))
+        session = session_of(request, state.settings, claude_code_session(request, decoded.body))
         return JSONResponse({"input_tokens": await projected_tokens(state, decoded.body, session)})
     except CtxError as exc:
         return front.error(exc)

@@ -5,8 +5,8 @@ The model's ``anthropic_upstream`` setting (a ``[models."…"]`` profile may set
 sends the chat body to the upstream's ``/chat/completions`` and the query (Claude Code's ``?beta=true``) is not
 forwarded; ``native`` (``proxy.edge.fronts.anthropic.native``) sends each forward to the upstream's ``/v1/messages``
 with the client's query, headers (``anthropic-version``, ``anthropic-beta``) and every field ctxproxy does not own.
-The session key is Claude Code's ``X-Claude-Code-Session-Id`` header when the client sends no ``session_header``
-of its own.
+The session key, when the client sends no ``session_header`` of its own, is Claude Code's run
+(``X-Claude-Code-Session-Id``) and the conversation in it (``claude_code_session``).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
+from ctxproxy.proxy.core import fingerprint
 from ctxproxy.proxy.edge.body import parse_chat_body
 from ctxproxy.proxy.edge.fronts.anthropic.decode import to_chat
 from ctxproxy.proxy.edge.fronts.anthropic.encode import envelope_message, error_body, error_response, message_of
@@ -30,9 +31,25 @@ from ctxproxy.proxy.edge.fronts.projected import projected_tokens, session_of
 from ctxproxy.proxy.engine.state import AppState
 from ctxproxy.proxy.errors import BadRequest, CtxError
 
-__all__ = ["SESSION_HEADER", "AnthropicFront", "messages", "parse_messages_body"]
+__all__ = ["SESSION_HEADER", "AnthropicFront", "claude_code_session", "messages", "parse_messages_body"]
 
 SESSION_HEADER = "x-claude-code-session-id"
+AGENT_HEADER = "x-claude-code-agent-id"
+
+
+def claude_code_session(request: Request, chat: dict[str, Any]) -> str | None:
+    """Claude Code's session for this request: its run (``X-Claude-Code-Session-Id``), narrowed to the conversation.
+
+    Claude Code sends the run's id on every request: its sub-agents' (which add ``X-Claude-Code-Agent-Id``) and its
+    side calls' (a title, a topic check) too. Taken alone as one named session, parallel sub-agents waited for each
+    other on its lock, and a notice for the main agent went to whichever request came next. So the key is the run,
+    the agent if any, and the conversation's opening (its first system and user message)."""
+    run = request.headers.get(SESSION_HEADER)
+    if not run:
+        return None
+    agent = request.headers.get(AGENT_HEADER)
+    opening = fingerprint(chat.get("messages") or [])[:8]
+    return f"{run}:{agent}:{opening}" if agent else f"{run}:{opening}"
 """Claude Code names its session in this header: a ready-made session key."""
 
 
@@ -54,9 +71,9 @@ class AnthropicFront:
         chat = native_chat(body) if native else to_chat(body)
         parse_chat_body(orjson.dumps(chat))  # the chat edge's checks, with Anthropic's error shape
         upstream = AnthropicUpstream(body, request.url.query) if native else None
-        session = session_of(request, state.settings, request.headers.get(SESSION_HEADER))
-        size = functools.partial(projected_tokens, state, chat, session)
-        return Decoded(chat, request.headers.get(SESSION_HEADER), {"model": body.get("model"), "size": size}, upstream)
+        named = claude_code_session(request, chat)
+        size = functools.partial(projected_tokens, state, chat, session_of(request, state.settings, named))
+        return Decoded(chat, named, {"model": body.get("model"), "size": size}, upstream)
 
     def encoder(self, decoded: Decoded) -> Encoder:
         return _Encoder(decoded.context.get("model"), decoded.context.get("size"))
