@@ -6,6 +6,7 @@ llama.cpp) any prompt over its window.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -265,3 +266,34 @@ def test_pins_take_bare_call_ids_and_snippets_with_quotes(tmp_path: Path) -> Non
         assert c.post(f"/ctx/sessions/{session}/pins", json={"handle": "nope"}).status_code == 404
         by_snippet = c.post(f"/ctx/sessions/{session}/pins", json={"snippet": 'print("hello world")'})
         assert by_snippet.status_code == 201 and by_snippet.json()["pins"] == ["tool:c1"]
+
+
+def test_an_error_field_that_refuses_a_streamed_prompt_is_read_as_the_overflow_it_is(
+        tmp_path: Path, conversation: dict[str, Any]) -> None:
+    """Older llama.cpp servers refuse a streamed prompt in a 200 whose first event is an SSE ``error:`` field, with
+    the counts: relayed, the client got an event no SSE reader knows (the Anthropic SDK: a 200 with no event)."""
+    upstream = CountingUpstream(window=4096)
+    refusal = {"code": 400, "message": "the request exceeds the available context size, try increasing it",
+               "type": "exceed_context_size_error", "n_prompt_tokens": 9000, "n_ctx": 4096}
+    upstream.enqueue(Reply(raw=b"error: " + json.dumps(refusal).encode() + b"\n\ndata: [DONE]\n\n",
+                           headers={"content-type": "text/event-stream"}))
+    body = next(b for n, b in enumerate(requests_of(conversation)) if n == 5) | {"stream": True}
+    with app_client(settings_for(tmp_path), httpx.ASGITransport(app=upstream)) as c:
+        answer = c.post("/v1/chat/completions", json=body)
+    assert answer.status_code == 200 and "fits" in answer.text
+    assert [r.json()["stream"] for r in upstream.chats] == [True, True]  # no probe: the event said why
+    assert upstream.counts[-1] <= 4096
+
+
+def test_an_error_field_mid_stream_reaches_the_client_as_an_error_chunk(
+        tmp_path: Path, conversation: dict[str, Any]) -> None:
+    failure = {"code": 500, "message": "failed to decode the batch (KV cache full)", "type": "server_error"}
+    upstream = CountingUpstream(window=100_000)
+    upstream.enqueue(Reply(raw=b'data: {"choices": [{"index": 0, "delta": {"content": "Here is the fi"}}]}\n\n'
+                           b"error: " + json.dumps(failure).encode() + b"\n\ndata: [DONE]\n\n",
+                           headers={"content-type": "text/event-stream"}))
+    body = next(b for n, b in enumerate(requests_of(conversation)) if n == 5) | {"stream": True}
+    with app_client(settings_for(tmp_path), httpx.ASGITransport(app=upstream)) as c:
+        answer = c.post("/v1/chat/completions", json=body)
+    chunks = [json.loads(line[6:]) for line in answer.text.splitlines() if line.startswith("data: {")]
+    assert chunks[-1] == {"error": failure} and "error:" not in answer.text

@@ -26,6 +26,7 @@ from ctxproxy.proxy.errors import ContextTooLarge, CtxError, UpstreamBrokeOff, U
 from ctxproxy.proxy.upstream.endpoint import client_headers
 from ctxproxy.proxy.upstream.loop import VIA_HEADER
 from ctxproxy.proxy.upstream.overflow import Overflow, detect_overflow
+from ctxproxy.proxy.upstream.streaming import sse_error_chunk
 
 __all__ = ["ATTEMPTS", "UPSTREAM_CODEC", "FollowUpTooLong", "Forwarder", "Opened", "UpstreamCodec", "read_whole"]
 
@@ -205,8 +206,12 @@ class Forwarder:
             return Opened(upstream, None, plan, _nothing()), None
         rest = upstream.aiter_raw()
         first = await _first_chunk(upstream, rest)
-        if first:
+        overflow = _refused_in_an_error_field(first)
+        if first and overflow is None:
             return Opened(upstream, first, plan, rest), None
+        if overflow is not None:
+            await upstream.aclose()
+            return Opened(upstream, b"", plan, rest), overflow
         await upstream.aclose()
         return Opened(upstream, b"", plan, rest), Overflow(
             None, "the upstream ended the stream without a byte (llama.cpp's overflow)")
@@ -251,6 +256,15 @@ async def _first_chunk(upstream: httpx.Response, rest: AsyncIterator[bytes]) -> 
         await upstream.aclose()
         raise UpstreamBrokeOff(f"The upstream closed the connection before the first byte of its answer: "
                                f"{exc or type(exc).__name__}. See the model server's log.") from None
+
+
+def _refused_in_an_error_field(first: bytes) -> Overflow | None:
+    """An older llama.cpp server's refusal of a streamed prompt: a 200 whose first event is an ``error:`` field
+    (``exceed_context_size_error``, with its counts), read as the overflow it is."""
+    if not first.startswith(b"error:"):
+        return None
+    event = first.replace(b"\r\n", b"\n").split(b"\n\n", 1)[0]
+    return detect_overflow(400, sse_error_chunk(event)[len(b"data: "):])
 
 
 async def _nothing() -> AsyncIterator[bytes]:

@@ -33,7 +33,7 @@ def _opening(text: str) -> int:
     tail = text.rfind(_OPEN)
     return -2 if tail >= 0 and not text[tail + len(_OPEN):].strip(" \t") else -1
 
-__all__ = ["StreamFilter"]
+__all__ = ["StreamFilter", "sse_error_chunk"]
 
 
 @dataclass
@@ -221,6 +221,8 @@ class StreamFilter:
             yield _delta_event({"tool_calls": released})
 
     def _event(self, event: bytes) -> bytes | None:
+        if event.startswith(b"error:"):
+            return sse_error_chunk(event)
         if not event.startswith(b"data:"):
             return event  # comments, named events: not ours to judge
         payload = event[5:].strip()
@@ -270,3 +272,15 @@ class StreamFilter:
 def _delta_event(delta: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps({"object": "chat.completion.chunk", "choices": [
         {"index": 0, "delta": delta, "finish_reason": None}]}) + b"\n\n"
+
+
+def sse_error_chunk(event: bytes) -> bytes:
+    """llama.cpp's older servers report a streamed failure as an SSE ``error:`` field (``server_sent_event(sink,
+    "error", …)``), which no client's SSE reader knows: relayed as it came, a truncated answer read as a finished
+    one. It becomes the ``data: {"error": …}`` chunk every front and the OpenAI SDKs take for a failed stream."""
+    payload = event[len(b"error:"):].strip()
+    try:
+        error = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        error = {"message": payload.decode("utf-8", "replace")}
+    return b"data: " + orjson.dumps({"error": error if isinstance(error, dict) else {"message": str(error)}})
