@@ -151,6 +151,8 @@ def test_the_context_tools_run_inside_the_proxy_and_keep_the_cache_breakpoints(
     assert follow_up["messages"][-2]["content"][-1]["name"] == "context_drop"
     assert follow_up["messages"][-1]["content"][0]["tool_use_id"] == "toolu_ctx"
     assert "thinking" not in follow_up  # the spliced round has no thinking block before its tool_use
+    assert first["context_management"] == claude_code_body()["context_management"]
+    assert "context_management" not in follow_up  # its clear_thinking edit, refused without thinking (a 400)
 
 
 def test_an_upstream_error_keeps_its_status_and_message(client: TestClient, fake: FakeUpstream) -> None:

@@ -133,7 +133,23 @@ def native_body(chat: dict[str, Any], original: dict[str, Any]) -> dict[str, Any
         out["tools"] = tools
     if fresh_calls and "thinking" in out:
         del out["thinking"]  # the spliced context round has no thinking block: Anthropic would refuse it
+        _drop_thinking_edits(out)
     return out
+
+
+def _drop_thinking_edits(body: dict[str, Any]) -> None:
+    """``context_management`` once ``thinking`` is off: Claude Code asks for a ``clear_thinking_*`` edit on every
+    request, which Anthropic refuses without thinking (400: "strategy requires `thinking` to be enabled"). The
+    other edits stay; with none left, the field goes."""
+    management = body.get("context_management")
+    if not isinstance(management, dict) or not isinstance(management.get("edits"), list):
+        return
+    edits = [e for e in management["edits"] if not (isinstance(e, dict) and str(e.get("type", "")).startswith(
+        "clear_thinking"))]
+    if edits or len(management) > 1:
+        body["context_management"] = {**management, "edits": edits}
+    else:
+        del body["context_management"]
 
 
 def _parameters(chat: dict[str, Any], original: dict[str, Any]) -> dict[str, Any]:
