@@ -163,6 +163,17 @@ def test_an_upstream_error_keeps_its_status_and_message(client: TestClient, fake
     assert got.json() == {"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}}
 
 
+def test_an_upstream_error_mid_stream_keeps_its_type(client: TestClient, fake: FakeUpstream) -> None:
+    """Claude Code retries an ``overloaded_error`` its own way: the event once said ``api_error`` whatever came."""
+    started = sse(answer({"type": "text", "text": "Hel"}))[:4]  # message_start, ping, the block started, one delta
+    overloaded = {"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}}
+    failed = b"event: error\ndata: " + json.dumps(overloaded).encode() + b"\n\n"
+    fake.enqueue(Reply(sse=[*started, failed]), path="/messages")
+    got = client.post("/v1/messages", json=claude_code_body(stream=True))
+    errors = [json.loads(line[6:]) for line in got.text.splitlines() if line.startswith("data: {\"type\":\"error")]
+    assert errors == [overloaded]
+
+
 def test_anthropic_usage_calibrates_the_budget(client: TestClient, fake: FakeUpstream) -> None:
     fake.enqueue(Reply(body=answer({"type": "text", "text": "ok"})), path="/messages")
     got = client.post("/v1/messages", json=claude_code_body(), headers={"X-Claude-Code-Session-Id": "s1"})

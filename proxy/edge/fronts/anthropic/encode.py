@@ -19,8 +19,8 @@ from starlette.responses import Response
 
 from ctxproxy.proxy.errors import CtxError
 
-__all__ = ["CARRIER", "ERROR_TYPES", "error_body", "error_response", "message_of", "stop_of", "stop_reason",
-           "tool_input", "usage_of"]
+__all__ = ["CARRIER", "ERROR_KINDS", "ERROR_TYPES", "error_body", "error_response", "message_of", "stop_of",
+           "stop_reason", "tool_input", "usage_of"]
 
 CARRIER = "ctxproxy_anthropic"
 """The key on chat values (message, choice, usage, chunk) carrying what a native upstream said that chat cannot."""
@@ -29,6 +29,8 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
                404: "not_found_error", 408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error",
                504: "timeout_error", 529: "overloaded_error"}
 """Anthropic's error type for an HTTP status (https://docs.anthropic.com/en/api/errors); others: ``api_error``."""
+ERROR_KINDS = frozenset({*ERROR_TYPES.values(), "api_error", "billing_error"})
+"""Every error type Anthropic names: one an upstream sent is passed on as it came."""
 _STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "function_call": "tool_use",
          "content_filter": "refusal"}
 

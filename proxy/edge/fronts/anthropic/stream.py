@@ -17,7 +17,14 @@ from typing import Any
 import orjson
 
 from ctxproxy.proxy.edge.fronts.anthropic.chatstream import SIGNATURE
-from ctxproxy.proxy.edge.fronts.anthropic.encode import CARRIER, envelope_message, error_body, stop_of, usage_of
+from ctxproxy.proxy.edge.fronts.anthropic.encode import (
+    CARRIER,
+    ERROR_KINDS,
+    envelope_message,
+    error_body,
+    stop_of,
+    usage_of,
+)
 from ctxproxy.proxy.upstream.sse import sse_lines
 
 __all__ = ["AnthropicStream"]
@@ -73,8 +80,7 @@ class AnthropicStream:
 
     def _chunk(self, data: dict[str, Any]) -> bytes:
         if isinstance(data.get("error"), dict):
-            return self._start(data) + b"event: error\ndata: " + error_body(500, envelope_message(
-                orjson.dumps(data))) + b"\n\n"
+            return self._start(data) + b"event: error\ndata: " + _error_event(data) + b"\n\n"
         out = self._start(data)
         if isinstance(data.get("usage"), dict):
             self._usage = data["usage"]
@@ -151,3 +157,15 @@ class AnthropicStream:
             usage["input_tokens"] = input_tokens
         out = self._close_block() + event("message_delta", {"delta": delta, "usage": usage})
         return out + event("message_stop", {})
+
+
+
+def _error_event(data: dict[str, Any]) -> bytes:
+    """A failed stream's ``error`` event: a native upstream's own error type kept (Claude Code retries an
+    ``overloaded_error`` its own way), else the type its status code names, else ``api_error``."""
+    error, message = data["error"], envelope_message(orjson.dumps(data))
+    kind = error.get("type")
+    if isinstance(kind, str) and kind in ERROR_KINDS:
+        return orjson.dumps({"type": "error", "error": {"type": kind, "message": message}})
+    status = error.get("code")
+    return error_body(status if isinstance(status, int) else 500, message)
