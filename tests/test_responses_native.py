@@ -86,6 +86,21 @@ def test_native_forwards_the_clients_items_and_fields_as_they_came(native: TestC
     assert answer["usage"]["input_tokens"] == 40 and answer["usage"]["input_tokens_details"]["cached_tokens"] == 8
 
 
+def test_items_chat_has_no_word_for_reach_the_upstream_when_they_come_last(
+        native: TestClient, fake: FakeUpstream) -> None:
+    """Codex's freeform ``apply_patch`` call and its output end the input: they waited for a message to ride with,
+    none came, and the model never saw that it had patched."""
+    patched = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "fix the bug"}]},
+               {"type": "custom_tool_call", "id": "ctc_1", "call_id": "call_p", "name": "apply_patch",
+                "input": "*** Begin Patch\n*** End Patch"},
+               {"type": "custom_tool_call_output", "call_id": "call_p", "output": "Success. Updated a.py"}]
+    fake.enqueue(Reply(body=upstream_response(said("Patched."))), path="/responses")
+    got = native.post("/v1/responses", json={"model": "gpt-up", "input": patched, "store": False, "tools": [
+        {"type": "custom", "name": "apply_patch", "description": "patch", "format": {"type": "text"}}]})
+    assert got.status_code == 200, got.text
+    assert [sent["input"] for sent in forwarded(fake)] == [patched]
+
+
 def test_native_streams_the_upstreams_items_back(native: TestClient, fake: FakeUpstream) -> None:
     fake.enqueue(Reply(sse=upstream_events("All done here", REASONING)), path="/responses")
     got = native.post("/v1/responses", json={"model": "gpt-up", "input": HISTORY, "tools": TOOLS, "stream": True})

@@ -100,6 +100,8 @@ def decode_messages(items: list[Item], native: bool = False) -> tuple[list[Messa
         if not isinstance(item, dict):
             raise BadRequest(f"`input[{i}]` must be an input item object.", param=f"input[{i}]")
         built.add(i, item)
+    if built.pending and built.groups:  # items chat has no word for, last (Codex's apply_patch call and its
+        built.groups[-1] += built.pending  # output): they go with the last message, not wait for one to come
     return built.messages, built.groups
 
 
