@@ -151,3 +151,16 @@ def test_two_sessions_in_one_mirror_dir_each_have_their_own_file(
     send(client, crowded(14))
     assert spliced_results(fake)[-1] == "ctx commit: applied, 1 tool result(s) cut."
     assert "Write the docs." in theirs.read_text(encoding="utf-8")
+
+
+def test_an_incognito_session_is_told_it_has_no_mirror(mirrored: tuple[TestClient, Path],
+                                                       fake: CountingUpstream) -> None:
+    """It is never mirrored; ``ctx status`` once named a path it would never write, where another session's could be."""
+    client, path = mirrored
+    fake.enqueue(Reply(body=tool_answer(("ctx", {"action": "status"}))))
+    fake.enqueue(Reply(body=completion("ok")))
+    answer = client.post("/v1/chat/completions", json={"model": "m", "tools": TOOLS, "messages": crowded()},
+                         headers={"X-Ctx-Incognito": "1"})
+    assert answer.status_code == 200 and not path.parent.parent.exists()
+    assert spliced_results(fake)[-1].endswith("\nMirror: none (this session is incognito: nothing of it is written "
+                                              "to disk).")

@@ -97,9 +97,10 @@ class ContextRunner:
                             seen=len(self.messages)).state  # every result here has arrived before
             self.ctx.state = None  # the next projection recomputes from the decisions, which now include these
         model_pins = sum(1 for source in state.pins.values() if source == "model")
-        mirror = self.ctx.mirror or mirror_path(self.app.settings, self.session_id)
+        incognito = isinstance(self.writer.journal, MemoryJournal)  # never mirrored: no path to name
+        mirror = "" if incognito else str(self.ctx.mirror or mirror_path(self.app.settings, self.session_id))
         return View(self.messages, state, rules, self.app.counter, max_pins, approval_pattern, model_pins,
-                    str(mirror), self.ctx.mirror_revision)
+                    mirror, self.ctx.mirror_revision)
 
     async def _journal(self, outcome: Outcome, rules: Rules) -> None:
         overflow = [OverflowBody(w.overflow_id, w.body, w.tool, w.call_id, w.span, w.size, w.part)

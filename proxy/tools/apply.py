@@ -202,8 +202,9 @@ def _note(intent: Note, view: View) -> Outcome:
 def _ctx(intent: Ctx, view: View) -> Outcome:
     if intent.action == "status":  # the second seed: the mirror's path, the budget, the target, the last revision
         accepted = f"revision {view.revision}" if view.revision else "none yet"
-        return Outcome("status", status_text(view, 8) + f"\nMirror: {view.mirror or 'none'} (last accepted "
-                       f"{accepted}; it is written when the automatic cuts cannot reach the target).", True)
+        mirror = f"{view.mirror} (last accepted {accepted}; it is written when the automatic cuts cannot reach the " \
+                 "target)" if view.mirror else "none (this session is incognito: nothing of it is written to disk)"
+        return Outcome("status", status_text(view, 8) + f"\nMirror: {mirror}.", True)
     if intent.action == "commit":
         raise TypeError("ctx commit reads the mirror file: the runner serves it (proxy.tools.mirror)")
     return _clear(intent, view)
