@@ -111,12 +111,8 @@ class StreamEncoder(_Numbered):
         out = b""
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
-            if isinstance(delta.get("reasoning_content"), str) and delta["reasoning_content"]:
-                out += self._delta("reasoning", None, delta["reasoning_content"])
-            if isinstance(delta.get("content"), str) and delta["content"]:
-                out += self._delta("message", None, delta["content"])
-            if isinstance(delta.get("refusal"), str) and delta["refusal"]:
-                out += self._delta("refusal", None, delta["refusal"])
+            for kind, text in _texts(delta):
+                out += self._delta(kind, None, text)
             for call in delta.get("tool_calls") or []:
                 out += self._call(call)
             if choice.get("finish_reason"):
@@ -222,6 +218,14 @@ def parsed_event(block: bytes) -> tuple[bytes, Any, bytes]:
         return comments, orjson.loads(data) if data else None, name
     except orjson.JSONDecodeError:
         return comments, None, name
+
+
+_TEXTS = (("reasoning_content", "reasoning"), ("content", "message"), ("refusal", "refusal"))
+"""A chat delta's texts, and the kind of output item each streams into."""
+
+
+def _texts(delta: dict[str, Any]) -> list[tuple[str, str]]:
+    return [(kind, delta[key]) for key, kind in _TEXTS if isinstance(delta.get(key), str) and delta[key]]
 
 
 def _item(frame: Frame, item: _Open, status: str) -> Item:
