@@ -168,11 +168,10 @@ class StreamEncoder(_Numbered):
             out = self._emit("response.function_call_arguments.done", **where, name=done["name"],
                              arguments=item.text)
         elif item.kind in _MESSAGES:
-            part = done["content"][0]
-            out = self._emit("response.output_text.done", **where, content_index=0, text=item.text, logprobs=[]) \
-                if item.kind == "message" else self._emit("response.refusal.done", **where, content_index=0,
-                                                          refusal=item.text)
-            out += self._emit("response.content_part.done", **where, content_index=0, part=part)
+            said = {"text": item.text, "logprobs": []} if item.kind == "message" else {"refusal": item.text}
+            out = self._emit(f"response.{'output_text' if item.kind == 'message' else 'refusal'}.done", **where,
+                             content_index=0, **said)
+            out += self._emit("response.content_part.done", **where, content_index=0, part=done["content"][0])
         else:
             out = self._emit("response.reasoning_text.done", **where, content_index=0, text=item.text)
         self.output.append(done)
