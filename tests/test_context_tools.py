@@ -450,7 +450,7 @@ def test_a_mirror_edit_that_changes_the_person_is_refused_with_a_reason(
 def journaled_ops(mirror: Path) -> list[tuple[str, int, str]]:
     from ctxproxy.store import Journal
 
-    journal = Journal(mirror.parents[2] / "data" / "journal.db")
+    journal = Journal(mirror.parent.parent.parent / "data" / "journal.db")
     return [tuple(r) for r in journal.conn.execute("SELECT op, ok, result FROM context_ops ORDER BY id")]  # type: ignore
 
 
