@@ -293,3 +293,23 @@ def test_count_tokens_finds_a_credential_scoped_session(tmp_path: Path, fake: Fa
         scoped.post("/v1/messages", json=body(*history, tools=[BASH]), headers=headers)
         payload = {"model": "claude-test", "messages": history, "tools": [BASH]}
         assert count(scoped, payload, **headers) < 1_000 < count(scoped, payload, **(headers | {"x-api-key": "b"}))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_sequence_the_upstream_names_is_reported_as_one(client: TestClient, fake: FakeUpstream,
+                                                                stream: bool) -> None:
+    """vLLM names the stop string that ended the answer (``stop_reason``); one the client asked for is Anthropic's
+    ``stop_sequence``. Any other (a server's own, a stop token's id) stays ``end_turn``."""
+    for matched in ("STOP", "OTHER", 7):
+        if stream:
+            chunks = stream_chunks("1, 2, 3", usage={"prompt_tokens": 5, "completion_tokens": 3})
+            chunks[-2]["choices"][0]["stop_reason"] = matched
+            fake.enqueue(Reply(sse=chunks))
+        else:
+            answer = completion("1, 2, 3")
+            answer["choices"][0]["stop_reason"] = matched
+            fake.enqueue(Reply(body=answer))
+        got = client.post("/v1/messages", json=body(user("count"), stop_sequences=["STOP"], stream=stream))
+        said = next(e for e in events(got.text) if e["type"] == "message_delta")["delta"] if stream else got.json()
+        expected = ("stop_sequence", "STOP") if matched == "STOP" else ("end_turn", None)
+        assert (said["stop_reason"], said["stop_sequence"]) == expected

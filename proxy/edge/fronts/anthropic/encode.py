@@ -12,6 +12,7 @@ Errors: ``{"type": "error", "error": {"type", "message"}}`` with Anthropic's typ
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
@@ -81,14 +82,16 @@ def usage_of(usage: dict[str, Any] | None) -> dict[str, int]:
             "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
 
 
-def message_of(completion: dict[str, Any], model: str | None) -> dict[str, Any]:
-    """A chat completion as an Anthropic message (a native upstream's own blocks, usage and stop where carried)."""
+def message_of(completion: dict[str, Any], model: str | None, stops: Sequence[str] = ()) -> dict[str, Any]:
+    """A chat completion as an Anthropic message (a native upstream's own blocks, usage and stop where carried);
+    ``stops``: the request's ``stop_sequences``."""
     choice = (completion.get("choices") or [{}])[0]
     message = choice.get("message") or {}
     usage = completion.get("usage") or {}
     return {"id": _message_id(completion.get("id")), "type": "message", "role": "assistant",
             "model": model or completion.get("model"), "content": _content(message),
-            **_stop(choice), "usage": usage.get(CARRIER) or usage_of(usage)}
+            **stop_of(choice.get("finish_reason") or "stop", choice.get(CARRIER), choice.get("stop_reason"), stops),
+            "usage": usage.get(CARRIER) or usage_of(usage)}
 
 
 def _content(message: dict[str, Any]) -> list[dict[str, Any]]:
@@ -108,16 +111,15 @@ def _content(message: dict[str, Any]) -> list[dict[str, Any]]:
     return content
 
 
-def _stop(choice: dict[str, Any]) -> dict[str, Any]:
-    return stop_of(choice.get("finish_reason") or "stop", choice.get(CARRIER))
-
-
-def stop_of(finish: str, carried: Any) -> dict[str, Any]:
+def stop_of(finish: str, carried: Any, matched: Any = None, stops: Sequence[str] = ()) -> dict[str, Any]:
     """``stop_reason`` and ``stop_sequence``: a native upstream's own, unless the engine changed the answer's kind
-    (its context calls taken out, the finish is no longer a tool call)."""
+    (its context calls taken out, the finish is no longer a tool call). A chat upstream that names the stop string
+    that ended the answer (vLLM's ``stop_reason``), one of the request's ``stops``, gives ``stop_sequence``."""
     mapped = stop_reason(finish)
     if isinstance(carried, dict) and (carried.get("stop_reason") == "tool_use") == (mapped == "tool_use"):
         return {"stop_reason": carried.get("stop_reason"), "stop_sequence": carried.get("stop_sequence")}
+    if mapped == "end_turn" and isinstance(matched, str) and matched in stops:
+        return {"stop_reason": "stop_sequence", "stop_sequence": matched}
     return {"stop_reason": mapped, "stop_sequence": None}
 
 

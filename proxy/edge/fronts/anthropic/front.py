@@ -73,20 +73,22 @@ class AnthropicFront:
         upstream = AnthropicUpstream(body, request.url.query) if native else None
         named = claude_code_session(request, chat)
         size = functools.partial(projected_tokens, state, chat, session_of(request, state.settings, named))
-        return Decoded(chat, named, {"model": body.get("model"), "size": size}, upstream)
+        stops = tuple(s for s in body.get("stop_sequences") or [] if isinstance(s, str))
+        return Decoded(chat, named, {"model": body.get("model"), "size": size, "stops": stops}, upstream)
 
     def encoder(self, decoded: Decoded) -> Encoder:
-        return _Encoder(decoded.context.get("model"), decoded.context.get("size"))
+        return _Encoder(decoded.context.get("model"), decoded.context.get("size"), decoded.context.get("stops", ()))
 
     def error(self, exc: CtxError) -> Response:
         return error_response(exc)
 
 
 class _Encoder:
-    def __init__(self, model: str | None, size: Callable[[], Awaitable[int]] | None) -> None:
-        self.model, self.size = model, size
-        """``size``: the prompt's projected tokens, for a stream whose upstream reported no usage."""
-        self.stream = AnthropicStream(model)
+    def __init__(self, model: str | None, size: Callable[[], Awaitable[int]] | None, stops: tuple[str, ...]) -> None:
+        self.model, self.size, self.stops = model, size, stops
+        """``size``: the prompt's projected tokens, for a stream whose upstream reported no usage; ``stops``: the
+        request's ``stop_sequences``."""
+        self.stream = AnthropicStream(model, stops)
 
     async def whole(self, status: int, content: bytes) -> tuple[int, bytes]:
         if status >= 400:
@@ -96,7 +98,7 @@ class _Encoder:
         except orjson.JSONDecodeError:
             return 502, error_body(502, "The upstream's answer is not JSON: " + content[:300].decode("utf-8",
                                                                                                    "replace"))
-        return status, orjson.dumps(message_of(completion, self.model))
+        return status, orjson.dumps(message_of(completion, self.model, self.stops))
 
     def feed(self, chunk: bytes) -> bytes:
         return self.stream.feed(chunk)

@@ -12,6 +12,7 @@ comments, which Anthropic clients skip, and keep the connection alive. An error 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
@@ -37,8 +38,10 @@ def event(name: str, data: dict[str, Any]) -> bytes:
 class AnthropicStream:
     """One streamed answer's translation; ``feed`` chat SSE bytes, get Anthropic SSE bytes."""
 
-    def __init__(self, model: str | None) -> None:
-        self.model = model
+    def __init__(self, model: str | None, stops: Sequence[str] = ()) -> None:
+        self.model, self._stops = model, stops
+        """``stops``: the request's ``stop_sequences`` (``stop_of``)."""
+        self._matched: Any = None
         self._pending = ""
         self._started = self._stopped = False
         self._block: tuple[str, int] | None = None  # the open block's kind and chat tool index
@@ -88,6 +91,7 @@ class AnthropicStream:
             out += self._delta(choice.get("delta") or {})
             self._finish = choice.get("finish_reason") or self._finish
             self._stopped_by = choice.get(CARRIER) or self._stopped_by
+            self._matched = choice.get("stop_reason", self._matched)
         return out
 
     def _start(self, data: dict[str, Any]) -> bytes:
@@ -151,7 +155,7 @@ class AnthropicStream:
         if self._stopped or not self._started:
             return b""
         self._stopped = True
-        delta = stop_of(self._finish or "stop", self._stopped_by)
+        delta = stop_of(self._finish or "stop", self._stopped_by, self._matched, self._stops)
         usage = (self._usage or {}).get(CARRIER) or usage_of(self._usage)
         if self._usage is None and input_tokens is not None:
             usage["input_tokens"] = input_tokens
