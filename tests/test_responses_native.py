@@ -84,6 +84,7 @@ def test_native_forwards_the_clients_items_and_fields_as_they_came(native: TestC
     answer = got.json()
     assert answer["output"][0] == REASONING and answer["output"][1]["content"][0]["text"] == "Two files."
     assert answer["usage"]["input_tokens"] == 40 and answer["usage"]["input_tokens_details"]["cached_tokens"] == 8
+    assert answer["usage"]["output_tokens_details"] == {"reasoning_tokens": 1}  # once always 0
 
 
 def test_items_chat_has_no_word_for_reach_the_upstream_when_they_come_last(

@@ -170,13 +170,16 @@ def _finish(response: dict[str, Any], called: bool) -> str:
 
 
 def _usage(usage: Any) -> dict[str, Any] | None:
+    """Responses usage as chat's, each detail kept: the cached input and the reasoning output (Codex shows it)."""
     if not isinstance(usage, dict):
         return None
     prompt, completion = int(usage.get("input_tokens") or 0), int(usage.get("output_tokens") or 0)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": int(usage.get("total_tokens") or prompt + completion),
             "prompt_tokens_details": {"cached_tokens": (usage.get("input_tokens_details") or {}).get(
-                "cached_tokens", 0)}}
+                "cached_tokens", 0)},
+            "completion_tokens_details": {"reasoning_tokens": (usage.get("output_tokens_details") or {}).get(
+                "reasoning_tokens", 0)}}
 
 
 class ChatFromResponses:
