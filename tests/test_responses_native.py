@@ -102,6 +102,25 @@ def test_items_chat_has_no_word_for_reach_the_upstream_when_they_come_last(
     assert [sent["input"] for sent in forwarded(fake)] == [patched]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_native_refusal_reaches_the_client_as_a_refusal_part(native: TestClient, fake: FakeUpstream,
+                                                                stream: bool) -> None:
+    """The message item was rebuilt from its text parts alone: a refusal left the client an empty output."""
+    refused = {"type": "message", "id": "msg_up", "role": "assistant", "status": "completed",
+               "content": [{"type": "refusal", "refusal": "I can't help with that."}]}
+    if stream:
+        events = [{"type": "response.refusal.delta", "item_id": "msg_up", "delta": d} for d in ("I can't ",
+                                                                                                "help with that.")]
+        events.append({"type": "response.completed", "response": upstream_response(refused)})
+        fake.enqueue(Reply(sse=[f"event: {e['type']}\ndata: {json.dumps(e)}\n\n".encode() for e in events]),
+                     path="/responses")
+    else:
+        fake.enqueue(Reply(body=upstream_response(refused)), path="/responses")
+    got = native.post("/v1/responses", json={"model": "gpt-up", "input": "do it", "stream": stream})
+    output = events_of(got.text)[-1]["response"]["output"] if stream else got.json()["output"]
+    assert [item["content"] for item in output] == [refused["content"]]
+
+
 def test_native_streams_the_upstreams_items_back(native: TestClient, fake: FakeUpstream) -> None:
     fake.enqueue(Reply(sse=upstream_events("All done here", REASONING)), path="/responses")
     got = native.post("/v1/responses", json={"model": "gpt-up", "input": HISTORY, "tools": TOOLS, "stream": True})

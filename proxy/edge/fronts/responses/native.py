@@ -144,6 +144,10 @@ def chat_completion(response: dict[str, Any], namespaces: Collection[str] = ()) 
     text = "".join(str(p.get("text", "")) for i in output if i.get("type") == "message"
                    for p in i.get("content") or [] if isinstance(p, dict) and p.get("type") == "output_text")
     message: dict[str, Any] = {"role": "assistant", "content": text or None}
+    refusal = "".join(str(p.get("refusal", "")) for i in output if i.get("type") == "message"
+                      for p in i.get("content") or [] if isinstance(p, dict) and p.get("type") == "refusal")
+    if refusal:
+        message["refusal"] = refusal  # chat's word for it: the front encodes it back as a refusal part
     calls = [_call(i, namespaces) for i in output if i.get("type") == "function_call"]
     if calls:
         message["tool_calls"] = calls
@@ -203,8 +207,8 @@ class ChatFromResponses:
 
     def _event(self, event: dict[str, Any]) -> bytes:
         kind = event.get("type")
-        if kind == "response.output_text.delta":
-            return _chunk({"content": event.get("delta") or ""})
+        if kind in ("response.output_text.delta", "response.refusal.delta"):
+            return _chunk({"content" if kind == "response.output_text.delta" else "refusal": event.get("delta") or ""})
         if kind == "response.output_item.added" and (event.get("item") or {}).get("type") == "function_call":
             item = event["item"]
             self.calls[str(item.get("id"))] = index = len(self.calls)
