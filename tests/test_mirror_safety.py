@@ -164,3 +164,31 @@ def test_an_incognito_session_is_told_it_has_no_mirror(mirrored: tuple[TestClien
     assert answer.status_code == 200 and not path.parent.parent.exists()
     assert spliced_results(fake)[-1].endswith("\nMirror: none (this session is incognito: nothing of it is written "
                                               "to disk).")
+
+
+def test_a_mirror_write_that_failed_is_not_taken_for_a_draft_after_a_restart(
+        tmp_path: Path, fake: CountingUpstream, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The forward journals what the mirror shows before its file is written. A write that failed (a full disk) left
+    the journal saying it was: after a restart the proxy's own older file passed for the model's draft, was never
+    updated, and an unedited commit was refused for a removal nobody made."""
+    from ctxproxy.proxy.engine import mirror_file
+
+    env = settings_env(tmp_path, str(tmp_path / "ws"))
+    path = session_mirror(tmp_path / "ws", crowded())
+    with app_client(load_settings(env=env), httpx.ASGITransport(app=fake)) as client:
+        send(client, crowded())
+
+        def full(*_: object) -> None:
+            raise OSError(28, "No space left on device")
+        monkeypatch.setattr(mirror_file, "_write_at", full)
+        monkeypatch.setattr(mirror_file, "rewrite_in_place", full)
+        send(client, crowded(14))
+    monkeypatch.undo()
+    assert "tool:call_14" not in path.read_text(encoding="utf-8")  # the file is still the one before
+    with app_client(load_settings(env=env), httpx.ASGITransport(app=fake)) as client:  # a restart
+        send(client, crowded(15))
+        assert "tool:call_15" in path.read_text(encoding="utf-8")  # written: not mistaken for a draft
+        fake.enqueue(Reply(body=tool_answer(("ctx", {"action": "commit"}))))
+        fake.enqueue(Reply(body=completion("ok")))
+        send(client, crowded(15))
+    assert spliced_results(fake)[-1].startswith("ctx commit found LIVE_CONTEXT.json as the proxy wrote it")
