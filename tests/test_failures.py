@@ -166,13 +166,16 @@ def _fill(path: Path) -> None:
 
 
 def test_a_full_disk_is_507_storage_full_and_the_proxy_recovers_once_there_is_room(tmp_path: Path) -> None:
-    with small_disk(tmp_path / "disk") as disk:
+    with small_disk(tmp_path / "disk", "4m") as disk:
         settings = load_settings(env={"CTXPROXY_DATA_DIR": str(disk / "data"), "CTXPROXY_UPSTREAM": "http://u.test/v1"})
         fake = FakeUpstream()
         with app_client(settings, httpx.ASGITransport(app=fake)) as client:
             assert client.post("/v1/chat/completions", json=chat("hello")).status_code == 200
+            log = (disk / "data" / "journal.db-wal").stat().st_size
             _fill(disk / "filler")
-            big = "a fresh paste " + os.urandom(20_000).hex()  # needs new pages: the WAL must grow
+            # larger than the whole log: a checkpoint that reset it (on an idle machine, often before this) leaves
+            # its pages to be written over, and only a request that outgrows them needs the disk
+            big = "a fresh paste:\n\n" + os.urandom(log // 2 + 32_768).hex() + "\n\nThat is all."  # cut to overflow
             full = client.post("/v1/chat/completions", json=chat(big))
             assert full.status_code == 507, full.text
             error = full.json()["error"]
