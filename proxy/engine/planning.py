@@ -140,9 +140,8 @@ async def _journaled(app: AppState, writer: JournalWriter, ctx: SessionContext, 
     ctx.sent_list = (list_id, shaped.hashes)
     if shaped.mirror is not None:
         await app.offload.run(large, shaped.mirror)
-        if not ctx.mirror_written:  # the file could not be written: the journal, which said it was, says not
-            await ctx.journal_state(writer, recorded.session_id, recorded.request_id)  # (a restart took the
-            # proxy's older file for the model's draft)
+        if not ctx.mirror_written:  # not written after all: journaled as shown, a restart took the proxy's own
+            await ctx.journal_state(writer, recorded.session_id, recorded.request_id)  # older file for a draft
 
 
 def _tallied(app: AppState, ctx: SessionContext, t: Taken, messages: list[dict[str, Any]], hashes: Sequence[str],

@@ -163,7 +163,6 @@ class AnthropicStream:
         return out + event("message_stop", {})
 
 
-
 def _error_event(data: dict[str, Any]) -> bytes:
     """A failed stream's ``error`` event: a native upstream's own error type kept (Claude Code retries an
     ``overloaded_error`` its own way), else the type its status code names, else ``api_error``."""

@@ -34,6 +34,8 @@ _EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 _DONE = object()
 _MESSAGES = ("message", "refusal")
 """The kinds of streamed item that are an assistant message: its text, or its refusal (chat's ``delta.refusal``)."""
+_PARTS = {"message": "output_text", "refusal": "refusal", "reasoning": "reasoning_text"}
+"""Each text kind's part, as its events name it (``response.<part>.delta`` / ``.done``)."""
 CARRIER_EVENT = b"ctxproxy-output-item"
 """Native mode: a named SSE event carrying one of the upstream's output items whole (the engine's stream filter
 passes named events untouched); it goes to the agent as that item, byte for byte."""
@@ -153,10 +155,8 @@ class StreamEncoder(_Numbered):
         where = {"item_id": _item(self.frame, item, "in_progress")["id"], "output_index": item.output_index}
         if item.kind == "call":
             return self._emit("response.function_call_arguments.delta", **where, delta=text)
-        name = {"message": "response.output_text.delta", "refusal": "response.refusal.delta"}.get(
-            item.kind, "response.reasoning_text.delta")
-        return self._emit(name, **where, content_index=0, delta=text, **({"logprobs": []} if item.kind == "message"
-                                                                          else {}))
+        return self._emit(f"response.{_PARTS[item.kind]}.delta", **where, content_index=0, delta=text,
+                          **({"logprobs": []} if item.kind == "message" else {}))
 
     def _close(self) -> bytes:
         item, self.current = self.current, None
@@ -167,13 +167,12 @@ class StreamEncoder(_Numbered):
         if item.kind == "call":
             out = self._emit("response.function_call_arguments.done", **where, name=done["name"],
                              arguments=item.text)
-        elif item.kind in _MESSAGES:
-            said = {"text": item.text, "logprobs": []} if item.kind == "message" else {"refusal": item.text}
-            out = self._emit(f"response.{'output_text' if item.kind == 'message' else 'refusal'}.done", **where,
-                             content_index=0, **said)
-            out += self._emit("response.content_part.done", **where, content_index=0, part=done["content"][0])
         else:
-            out = self._emit("response.reasoning_text.done", **where, content_index=0, text=item.text)
+            said: dict[str, Any] = {"refusal": item.text} if item.kind == "refusal" else {"text": item.text} | (
+                {"logprobs": []} if item.kind == "message" else {})
+            out = self._emit(f"response.{_PARTS[item.kind]}.done", **where, content_index=0, **said)
+            if item.kind in _MESSAGES:
+                out += self._emit("response.content_part.done", **where, content_index=0, part=done["content"][0])
         self.output.append(done)
         return out + self._emit("response.output_item.done", output_index=item.output_index, item=done)
 
